@@ -1,0 +1,55 @@
+# Conveyor: one command per job. `make test` and `make demo` do all their own set-up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export KAFKA_PORT ?= 9092
+export REDIS_PORT ?= 6379
+PYTEST_ARGS ?=
+
+.PHONY: help install up down test unit lint format demo bench clean
+
+help:
+	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
+	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
+	@echo "make down     stop what 'make up' started"
+	@echo "make test     install, up, run every test, down (even when tests fail)"
+	@echo "make unit     unit tests only (no Kafka or Redis needed)"
+	@echo "make lint     ruff (lint + format check) and mypy --strict"
+	@echo "make clean    remove the venv, caches and local service data"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	compose/local/tools.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[worker,dev]'
+	touch $(STAMP)
+
+up:
+	compose/local/up.sh
+
+down:
+	compose/local/down.sh
+
+test: install
+	@$(MAKE) --no-print-directory up
+	@status=0; $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	  $(MAKE) --no-print-directory down; exit $$status
+
+unit: install
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean: down
+	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,75 @@
+# Shared settings for the local Kafka and Redis scripts. Sourced, not run.
+# Every value can be overridden from the environment (the Makefile passes them).
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+KAFKA_VERSION=${KAFKA_VERSION:-$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT/compose/local/kafka-pom.xml")}
+KAFKA_HOST=127.0.0.1
+KAFKA_PORT=${KAFKA_PORT:-9092}
+KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
+KAFKA_HEAP=${KAFKA_HEAP:-"-Xms256m -Xmx1g"}
+REDIS_HOST=127.0.0.1
+REDIS_PORT=${REDIS_PORT:-6379}
+CACHE_DIR=${CONVEYOR_CACHE_DIR:-$ROOT/.cache}
+RUN_DIR=${CONVEYOR_RUN_DIR:-$ROOT/.run}
+KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
+KAFKA_DIR=$RUN_DIR/kafka-$KAFKA_PORT
+REDIS_DIR=$RUN_DIR/redis-$REDIS_PORT
+READY_TIMEOUT=${READY_TIMEOUT:-90}
+
+log() { printf '[conveyor] %s\n' "$*" >&2; }
+die() { printf '[conveyor] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# pid_alive PIDFILE PATTERN: true when the pid file names a live process whose
+# command line contains PATTERN (so a recycled pid is never mistaken for ours).
+pid_alive() {
+  local pid
+  [ -f "$1" ] || return 1
+  pid=$(cat "$1")
+  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$2"
+}
+
+# apt_install COMMAND PACKAGE: install a Debian package when COMMAND is not on PATH.
+apt_install() {
+  command -v "$1" >/dev/null && return 0
+  log "$1 is not on PATH; installing Debian's $2 package"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  # RUNLEVEL=1 keeps a package's own init script from starting a system service.
+  { $sudo apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$2"; } >/dev/null \
+    || die "could not install $2 with apt-get; install it yourself so that $1 is on PATH"
+}
+
+port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# stop_pid PIDFILE PATTERN NAME: SIGTERM, wait, then SIGKILL; removes the pid file.
+stop_pid() {
+  local pidfile=$1 pattern=$2 name=$3 pid i
+  if ! pid_alive "$pidfile" "$pattern"; then
+    rm -f "$pidfile"
+    return 0
+  fi
+  pid=$(cat "$pidfile")
+  log "stopping $name (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  for i in $(seq 1 300); do
+    [ -d "/proc/$pid" ] || break
+    sleep 0.1
+  done
+  if [ -d "/proc/$pid" ]; then
+    log "$name did not stop within 30 s; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+    while [ -d "/proc/$pid" ]; do sleep 0.1; done
+  fi
+  rm -f "$pidfile"
+}
+
+# fail_start NAME PORT LOGFILE: the one-paragraph error for a service that did not come up.
+fail_start() {
+  {
+    printf '[conveyor] ERROR: %s did not become ready on 127.0.0.1:%s within %s s.\n' "$1" "$2" "$READY_TIMEOUT"
+    printf 'Is another process using port %s? Choose another with %s=<port>. Log file: %s\n' "$2" "$4" "$3"
+    printf -- '--- last lines of %s ---\n' "$3"
+    tail -n 25 "$3" 2>/dev/null || true
+  } >&2
+  exit 1
+}

@@ -1,0 +1,104 @@
+"""Shared pytest fixtures.
+
+Integration tests use the real Kafka broker and Redis server that `make up`
+starts (ports from KAFKA_PORT and REDIS_PORT). Each test gets its own model
+name, topic names and Redis key prefix, so tests never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+KAFKA_PORT = int(os.environ.get("KAFKA_PORT", "9092"))
+REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
+
+
+def _require(service: str, port: int) -> None:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError as exc:
+        pytest.fail(
+            f"{service} is not reachable on 127.0.0.1:{port} ({exc}). "
+            "Run `make up` first, or run the whole suite with `make test`.",
+            pytrace=False,
+        )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration or tests/faults needs the real services."""
+    for item in items:
+        parts = item.path.parts
+        if "integration" in parts or "faults" in parts:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    _require("Kafka", KAFKA_PORT)
+    return f"127.0.0.1:{KAFKA_PORT}"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    _require("Redis", REDIS_PORT)
+    return f"redis://127.0.0.1:{REDIS_PORT}/0"
+
+
+@pytest.fixture
+def uid() -> str:
+    """A short id unique to this test, for topic names, model names and key prefixes."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def model_name(uid: str) -> str:
+    """A model name of this test's own, so its conveyor.<model>.* topics are its own."""
+    return f"m{uid}"
+
+
+@pytest.fixture
+def redis_prefix(uid: str) -> str:
+    return f"test:{uid}:"
+
+
+@pytest.fixture
+async def redis_client(redis_url: str, redis_prefix: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    keys = [key async for key in client.scan_iter(match=f"{redis_prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+async def kafka_admin(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    yield admin
+    await admin.close()
+
+
+CreateTopic = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[CreateTopic]:
+    """Create a topic (deleted again after the test); returns its name."""
+    created: list[str] = []
+
+    async def _create(name: str, partitions: int = 3) -> str:
+        await kafka_admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    yield _create
+    if created:
+        await kafka_admin.delete_topics(created)
