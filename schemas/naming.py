@@ -1,0 +1,89 @@
+"""Names shared by producers and workers: topics, consumer groups, Redis keys."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from schemas.errors import ContractError, ErrorCode
+
+# Kafka's own rule for topic names (kafka.common.internals.Topic).
+MAX_TOPIC_LENGTH = 249
+_TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+# The contract's rule for request ids; the same characters are legal in Redis
+# keys, Kafka keys and topic-like names without escaping.
+REQUEST_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+DEFAULT_RESULT_PREFIX = "conveyor:result:"
+_LONGEST_SUFFIX = len(".requests")
+
+
+@dataclass(frozen=True)
+class ModelTopics:
+    """The three topics of one model."""
+
+    requests: str  # where producers send requests
+    results: str  # where workers publish results (unless a request names ce_replyto)
+    dlq: str  # where records that cannot get a result go, with the reason in headers
+
+
+def is_valid_topic(name: str) -> bool:
+    """Whether Kafka accepts ``name`` as a topic name."""
+    return (
+        0 < len(name) <= MAX_TOPIC_LENGTH
+        and name not in (".", "..")
+        and _TOPIC_CHARS.fullmatch(name) is not None
+    )
+
+
+def is_valid_request_id(request_id: str) -> bool:
+    """Whether ``request_id`` is 1–128 characters of ``[A-Za-z0-9._:-]``."""
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def _check_fragment(what: str, value: str) -> None:
+    if not value or _TOPIC_CHARS.fullmatch(value) is None:
+        raise ValueError(
+            f"{what} {value!r} cannot be part of a Kafka topic name: "
+            "use letters, digits, '.', '_' and '-' only"
+        )
+
+
+def topics_for(model: str, prefix: str = "conveyor") -> ModelTopics:
+    """Topics ``<prefix>.<model>.requests``, ``.results`` and ``.dlq``.
+
+    Raises ``ValueError`` when ``model`` or ``prefix`` has characters Kafka
+    refuses in topic names, or when the names would be too long.
+    """
+    _check_fragment("model name", model)
+    _check_fragment("topic prefix", prefix)
+    base = f"{prefix}.{model}"
+    if len(base) + _LONGEST_SUFFIX > MAX_TOPIC_LENGTH:
+        raise ValueError(
+            f"model name {model!r} is too long: topic {base}.requests would have "
+            f"{len(base) + _LONGEST_SUFFIX} characters, Kafka allows {MAX_TOPIC_LENGTH}"
+        )
+    return ModelTopics(requests=f"{base}.requests", results=f"{base}.results", dlq=f"{base}.dlq")
+
+
+def consumer_group(model: str, prefix: str = "conveyor") -> str:
+    """The consumer group of a model's workers: ``<prefix>.<model>``."""
+    _check_fragment("model name", model)
+    _check_fragment("group prefix", prefix)
+    return f"{prefix}.{model}"
+
+
+def result_key(request_id: str, prefix: str = DEFAULT_RESULT_PREFIX) -> str:
+    """The Redis key of a request's result: ``conveyor:result:<request id>``.
+
+    Raises ``ContractError`` when ``request_id`` is not a valid request id, so a
+    key can never be built from untrusted text.
+    """
+    if _REQUEST_ID.fullmatch(request_id) is None:
+        raise ContractError(
+            ErrorCode.bad_request,
+            "request_id",
+            "a request id is 1–128 characters of [A-Za-z0-9._:-]",
+            seen=request_id,
+        )
+    return prefix + request_id
