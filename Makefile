@@ -35,8 +35,7 @@ down:
 	compose/local/down.sh
 
 test: install
-	@$(MAKE) --no-print-directory up
-	@status=0; $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	@status=0; $(MAKE) --no-print-directory up && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	  $(MAKE) --no-print-directory down; exit $$status
 
 unit: install

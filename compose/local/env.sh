@@ -39,6 +39,13 @@ apt_install() {
     || die "could not install $2 with apt-get; install it yourself so that $1 is on PATH"
 }
 
+# running PID: alive and not a zombie (a container's init may never reap it).
+running() {
+  local state
+  state=$(sed -n 's/^[0-9]* (.*) \([A-Z]\).*/\1/p' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # stop_pid PIDFILE PATTERN NAME: SIGTERM, wait, then SIGKILL; removes the pid file.
@@ -52,13 +59,16 @@ stop_pid() {
   log "stopping $name (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
   for i in $(seq 1 300); do
-    [ -d "/proc/$pid" ] || break
+    running "$pid" || break
     sleep 0.1
   done
-  if [ -d "/proc/$pid" ]; then
+  if running "$pid"; then
     log "$name did not stop within 30 s; killing it"
     kill -KILL "$pid" 2>/dev/null || true
-    while [ -d "/proc/$pid" ]; do sleep 0.1; done
+    for i in $(seq 1 100); do
+      running "$pid" || break
+      sleep 0.1
+    done
   fi
   rm -f "$pidfile"
 }

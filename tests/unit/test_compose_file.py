@@ -1,0 +1,136 @@
+"""compose/docker-compose.yml says what users with Docker rely on.
+
+Docker does not run where the tests run, so these read the file itself: the
+services, Kafka's KRaft settings, a worker that `--scale worker=N` can multiply,
+configuration through CONVEYOR_* variables only, and start-up ordered by health.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from schemas import topics_for
+from workers.settings import WorkerSettings
+
+COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, Any]:
+    document = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
+    found: dict[str, Any] = document["services"]
+    return found
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    """The environment of a service, written as a mapping or as a KEY=VALUE list."""
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def _listeners(value: str) -> dict[str, str]:
+    """'NAME://host:port,...' as {NAME: 'host:port'}."""
+    return dict(item.split("://", 1) for item in value.split(","))
+
+
+def test_services(services: dict[str, Any]) -> None:
+    assert {"kafka", "redis", "worker"} <= services.keys()
+    assert services["kafka"]["image"] == "apache/kafka:4.1.1"
+    assert services["redis"]["image"] == "redis:7"
+
+
+def test_kafka_is_a_single_kraft_node(services: dict[str, Any]) -> None:
+    env = _env(services["kafka"])
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    node_id = env["KAFKA_NODE_ID"]
+    controller = _listeners(env["KAFKA_LISTENERS"])[env["KAFKA_CONTROLLER_LISTENER_NAMES"]]
+    controller_port = controller.rsplit(":", 1)[1]
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{node_id}@kafka:{controller_port}"
+    assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    for key in (
+        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR",
+        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR",
+        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR",
+    ):
+        assert env[key] == "1", key
+
+
+def test_kafka_reachable_from_containers_and_host(services: dict[str, Any]) -> None:
+    kafka = services["kafka"]
+    env = _env(kafka)
+    listeners = _listeners(env["KAFKA_LISTENERS"])
+    advertised = _listeners(env["KAFKA_ADVERTISED_LISTENERS"])
+    protocol_map = env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+    protocols = dict(item.split(":") for item in protocol_map.split(","))
+    by_address = {address: name for name, address in advertised.items()}
+    # Other containers: kafka:9092 on the listener bound to the container's 9092.
+    inside = by_address["kafka:9092"]
+    assert listeners[inside].endswith(":9092")
+    # The host: localhost:9092, published to the container port of that listener.
+    outside = by_address["localhost:9092"]
+    container_port = listeners[outside].rsplit(":", 1)[1]
+    published = [str(p).rsplit(":", 2)[-2:] for p in kafka["ports"]]
+    assert ["9092", container_port] in published
+    assert protocols[inside] == protocols[outside] == "PLAINTEXT"
+
+
+def test_worker_can_be_scaled(services: dict[str, Any]) -> None:
+    worker = services["worker"]
+    assert "container_name" not in worker
+    assert "ports" not in worker
+    assert "hostname" not in worker
+    assert worker["build"] == {"context": "..", "dockerfile": "compose/Dockerfile.worker"}
+    assert (COMPOSE_DIR / "Dockerfile.worker").is_file()
+
+
+def test_worker_configured_by_conveyor_variables_only(services: dict[str, Any]) -> None:
+    env = _env(services["worker"])
+    assert env == {
+        "CONVEYOR_KAFKA_BOOTSTRAP": "kafka:9092",
+        "CONVEYOR_REDIS_URL": "redis://redis:6379/0",
+        "CONVEYOR_MODEL": "digits",
+    }
+    # Every variable is a real setting: a misspelt one would be silently ignored.
+    fields = {f"CONVEYOR_{name.upper()}" for name in WorkerSettings.model_fields}
+    assert env.keys() <= fields
+
+
+def test_healthchecks_and_start_order(services: dict[str, Any]) -> None:
+    for name in ("kafka", "redis"):
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] in {"CMD", "CMD-SHELL"}
+    assert "kafka:9092" in services["kafka"]["healthcheck"]["test"]
+    depends = services["worker"]["depends_on"]
+    assert depends["kafka"] == {"condition": "service_healthy"}
+    assert depends["redis"] == {"condition": "service_healthy"}
+    assert depends["topics"] == {"condition": "service_completed_successfully"}
+
+
+def test_topics_service_creates_the_workers_topics(services: dict[str, Any]) -> None:
+    topics = services["topics"]
+    assert topics["depends_on"]["kafka"] == {"condition": "service_healthy"}
+    script = "\n".join(topics["command"])
+    created = set(re.findall(r"conveyor\.digits\.\w+", script))
+    expected = topics_for("digits")
+    assert created == {expected.requests, expected.results, expected.dlq}
+    assert "--if-not-exists" in script
+
+
+def test_redis_keeps_nothing_on_disk(services: dict[str, Any]) -> None:
+    command = services["redis"]["command"]
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+
+
+def test_dockerfile_installs_the_worker_extra() -> None:
+    dockerfile = (COMPOSE_DIR / "Dockerfile.worker").read_text()
+    assert re.search(r"^FROM python:3\.12-slim$", dockerfile, re.MULTILINE)
+    assert "pip install '.[worker]'" in dockerfile
+    assert 'CMD ["conveyor", "worker", "--model", "digits"]' in dockerfile
