@@ -1,0 +1,184 @@
+"""Drive real worker processes against the real broker and Redis, for integration tests.
+
+A test creates its model's topics, produces requests, runs ``conveyor worker`` as a
+child process (so SIGKILL and SIGTERM are real), and collects what reached Redis
+and the reply topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from schemas import (
+    ContentType,
+    OutgoingRecord,
+    Result,
+    decode_result,
+    encode_request,
+    result_key,
+    topics_for,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def create_model_topics(admin: AIOKafkaAdminClient, model: str, partitions: int = 3) -> None:
+    topics = topics_for(model)
+    await admin.create_topics(
+        [
+            NewTopic(topics.requests, partitions, 1),
+            NewTopic(topics.results, partitions, 1),
+            NewTopic(topics.dlq, 1, 1),
+        ]
+    )
+
+
+def digit_requests(
+    images: Sequence[tuple[bytes, int]], count: int, prefix: str
+) -> list[tuple[OutgoingRecord, int]]:
+    """``count`` requests cycling through ``images``; returns (record, true digit) pairs."""
+    out = []
+    for n in range(count):
+        png, digit = images[n % len(images)]
+        record = encode_request(
+            png, request_id=f"{prefix}-{n}", content_type=ContentType.PNG, source="tests"
+        )
+        out.append((record, digit))
+    return out
+
+
+async def produce(bootstrap: str, topic: str, records: Iterable[OutgoingRecord]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, r.value, key=r.key, headers=r.headers) for r in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def redis_results(redis_url: str, ids: Sequence[str]) -> dict[str, Result]:
+    """The results present in Redis now, by request id."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        found: dict[str, Result] = {}
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            values = await client.mget([result_key(i) for i in chunk])
+            found.update({i: decode_result(v) for i, v in zip(chunk, values, strict=True) if v})
+        return found
+    finally:
+        await client.aclose()
+
+
+async def wait_for_results(
+    redis_url: str, ids: Sequence[str], timeout: float, poll: float = 0.2
+) -> dict[str, Result]:
+    """Poll Redis until every id has a result or the timeout passes; returns what is there."""
+    found: dict[str, Result] = {}
+    async with asyncio.timeout(timeout):
+        while len(found) < len(ids):
+            missing = [i for i in ids if i not in found]
+            found.update(await redis_results(redis_url, missing))
+            if len(found) < len(ids):
+                await asyncio.sleep(poll)  # polling interval, not a wait for readiness
+    return found
+
+
+async def read_topic(bootstrap: str, topic: str, expect: int, timeout: float) -> list[object]:
+    """Read a topic from the beginning until ``expect`` records came (or timeout)."""
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    records: list[object] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while len(records) < expect:
+                batches = await consumer.getmany(timeout_ms=500)
+                for recs in batches.values():
+                    records.extend(recs)
+        # Anything beyond what we expected shows up within a short extra read.
+        for recs in (await consumer.getmany(timeout_ms=1000)).values():
+            records.extend(recs)
+    finally:
+        await consumer.stop()
+    return records
+
+
+@dataclass
+class WorkerProcess:
+    """``conveyor worker`` as a child process, its log in a file."""
+
+    model: str
+    bootstrap: str
+    redis_url: str
+    log_path: Path
+    extra: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        argv = [
+            sys.executable,
+            "-m",
+            "producers.cli",
+            "worker",
+            "--model",
+            "digits",
+            "--model-name",
+            self.model,
+            "--kafka-bootstrap",
+            self.bootstrap,
+            "--redis-url",
+            self.redis_url,
+            "--device",
+            "cpu",
+            "--decode-threads",
+            "2",
+            "--session-timeout-ms",
+            "6000",
+            *self.extra,
+        ]
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            )
+        return self
+
+    def signal(self, signum: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")

@@ -1,0 +1,143 @@
+"""ModelRunner: device resolution, batching that never mixes up items, warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from schemas import ContentType
+from workers.demo_model import heldout_digits, load_digits_handler
+from workers.handlers import ImageClassifier
+from workers.runner import ModelRunner, resolve_device
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+
+
+class Echo:
+    """A handler whose result for an item is exactly its input and its params."""
+
+    name = "echo"
+    version = "echo-v1"
+
+    def __init__(self) -> None:
+        self.batch_sizes: list[int] = []
+
+    def example_item(self) -> torch.Tensor:
+        return torch.zeros(3, dtype=torch.int64)
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        return torch.tensor(list(payload), dtype=torch.int64)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(len(batch))
+        return batch * 10
+
+    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [
+            {"out": row, "params": dict(p)} for row, p in zip(outputs.tolist(), params, strict=True)
+        ]
+
+
+class Lossy(Echo):
+    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return super().postprocess(outputs, params)[:-1]
+
+
+@pytest.fixture(scope="module")
+def digits() -> ImageClassifier:
+    # The default artifact path: built once on this machine, loaded in milliseconds after.
+    return load_digits_handler()
+
+
+def test_cpu_and_auto_resolve_to_the_cpu_without_a_gpu() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+
+
+@no_gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_asking_for_a_gpu_where_there_is_none_says_what_to_pass(device: str) -> None:
+    with pytest.raises(ValueError, match="--device cpu"):
+        resolve_device(device)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu"])
+def test_unknown_devices_are_refused(device: str) -> None:
+    with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+        resolve_device(device)
+
+
+def test_each_result_answers_its_own_item_and_params() -> None:
+    runner = ModelRunner(Echo(), "cpu")
+    tensors = [torch.tensor([i, i + 1, i + 2]) for i in range(5)]
+    params = [{"n": i} for i in range(5)]
+
+    results = runner.run(tensors, params)
+
+    assert results == [
+        {"out": [10 * i, 10 * (i + 1), 10 * (i + 2)], "params": {"n": i}} for i in range(5)
+    ]
+
+
+def test_a_batch_gives_what_each_item_gives_alone(digits: ImageClassifier) -> None:
+    runner = ModelRunner(digits, "cpu")
+    items = heldout_digits()[:24]
+    tensors = [digits.preprocess(png, ContentType.PNG, {}) for png, _ in items]
+    params = [{"top_k": 1 + i % 4} for i in range(len(items))]
+
+    batched = runner.run(tensors, params)
+    alone = [runner.run([t], [p])[0] for t, p in zip(tensors, params, strict=True)]
+
+    for together, single in zip(batched, alone, strict=True):
+        assert [r["index"] for r in together] == [r["index"] for r in single]
+        assert [r["score"] for r in together] == pytest.approx(
+            [r["score"] for r in single], rel=1e-4, abs=1e-6
+        )
+
+
+def test_params_and_tensors_must_pair_up() -> None:
+    runner = ModelRunner(Echo(), "cpu")
+    with pytest.raises(ValueError, match="need one each"):
+        runner.run([torch.zeros(3, dtype=torch.int64)], [])
+    assert runner.run([], []) == []
+
+
+def test_a_handler_that_drops_results_is_caught() -> None:
+    runner = ModelRunner(Lossy(), "cpu")
+    with pytest.raises(RuntimeError, match="returned 1 results for a batch of 2"):
+        runner.run([torch.zeros(3, dtype=torch.int64)] * 2, [{}, {}])
+
+
+def test_model_errors_propagate_for_the_caller_to_isolate() -> None:
+    runner = ModelRunner(Echo(), "cpu")
+    with pytest.raises(RuntimeError):
+        runner.run([torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)], [{}, {}])
+
+
+def test_warm_up_runs_each_batch_size_once() -> None:
+    handler = Echo()
+    ModelRunner(handler, "cpu").warm_up([8, 1, 2, 8, 4])
+    assert handler.batch_sizes == [1, 2, 4, 8]
+
+
+def test_warm_up_refuses_an_empty_batch() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ModelRunner(Echo(), "cpu").warm_up([0])
+
+
+def test_forward_runs_in_inference_mode() -> None:
+    seen: list[bool] = []
+
+    class Probe(Echo):
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_inference_mode_enabled())
+            return batch
+
+    ModelRunner(Probe(), "cpu").run([torch.zeros(3, dtype=torch.int64)], [{}])
+    assert seen == [True]

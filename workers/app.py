@@ -1,0 +1,101 @@
+"""The worker process: load the model, then run the pipeline until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from contextlib import AsyncExitStack
+
+from schemas import consumer_group, topics_for
+from workers.consumer import Consumer
+from workers.loader import load_handler
+from workers.pipeline import Pipeline
+from workers.publisher import Publisher
+from workers.runner import ModelRunner
+from workers.settings import WorkerSettings
+
+log = logging.getLogger("conveyor.worker")
+
+
+async def run_worker(settings: WorkerSettings) -> None:
+    """Serve ``settings.model`` from its request topic until SIGTERM or SIGINT."""
+    topics = topics_for(settings.served_name, settings.topic_prefix)
+    runner = await asyncio.to_thread(_load_model, settings)
+    stop = _stop_on_signals()
+    async with AsyncExitStack() as stack:
+        publisher = await stack.enter_async_context(Publisher(settings, topics.results, topics.dlq))
+        consumer = await stack.enter_async_context(
+            Consumer(
+                settings,
+                topics.requests,
+                consumer_group(settings.served_name, settings.topic_prefix),
+            )
+        )
+        pipeline = Pipeline(settings, consumer, publisher, runner, runner.handler, topics)
+        log.info(
+            "worker %s ready: serving %s from %s",
+            settings.worker_id,
+            settings.served_name,
+            topics.requests,
+        )
+        await pipeline.run(stop)
+        log.info(
+            "drained and stopping: %d answered (%s), %d duplicates left unchanged",
+            pipeline.stats.answered,
+            pipeline.stats.by_status,
+            pipeline.stats.duplicates,
+        )
+
+
+def _load_model(settings: WorkerSettings) -> ModelRunner:
+    started = time.monotonic()
+    handler = load_handler(
+        settings.model,
+        device=settings.device,
+        weights=settings.weights,
+        dtype=settings.dtype,
+        channels_last=settings.channels_last,
+        limits=settings.limits,
+    )
+    runner = ModelRunner(handler, device=settings.device, compile=settings.compile)
+    sizes = sorted(
+        {1, settings.max_batch_size}
+        | {
+            2**k
+            for k in range(settings.max_batch_size.bit_length())
+            if 2**k <= settings.max_batch_size
+        }
+    )
+    runner.warm_up(sizes)
+    log.info(
+        "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s",
+        settings.model,
+        handler.version,
+        sizes,
+        time.monotonic() - started,
+    )
+    return runner
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """First SIGTERM/SIGINT: stop fetching and drain. Second: exit at once.
+
+    Exiting at once is safe: offsets are only committed after results are durable,
+    so whatever was in flight is redelivered to the next worker.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        log.info("%s: draining in-flight work, then stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stop

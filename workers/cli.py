@@ -1,0 +1,83 @@
+"""``conveyor worker``: flags and CONVEYOR_* variables → WorkerSettings → the worker process.
+
+Flags are generated from WorkerSettings' fields, so a field, its flag
+(``--max-batch-size``) and its variable (``CONVEYOR_MAX_BATCH_SIZE``) never drift
+apart. A flag given on the command line wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any, get_args
+
+from pydantic import SecretStr, ValidationError
+
+from workers.settings import WorkerSettings
+
+_SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, info in WorkerSettings.model_fields.items():
+        if name in _SKIPPED:
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"CONVEYOR_{name.upper()}"
+        help_text = f"{info.description or name.replace('_', ' ')} [env {env}]"
+        if info.annotation is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            choices = get_args(info.annotation) if "Literal" in str(info.annotation) else None
+            parser.add_argument(
+                flag, default=None, choices=choices or None, help=help_text, metavar=name.upper()
+            )
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    given: dict[str, Any] = {
+        name: value
+        for name, value in vars(args).items()
+        if name in WorkerSettings.model_fields and value is not None
+    }
+    if "redis_url" in given:
+        given["redis_url"] = SecretStr(given["redis_url"])
+    return WorkerSettings(**given)
+
+
+def describe_error(exc: ValidationError) -> str:
+    lines = ["invalid worker settings:"]
+    for err in exc.errors():
+        name = ".".join(str(part) for part in err["loc"]) or "settings"
+        flag = "--" + name.replace("_", "-")
+        env = "CONVEYOR_" + name.upper().replace(".", "__")
+        lines.append(f"  {name} ({flag} or {env}): {err['msg']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"conveyor worker: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("aiokafka").setLevel(
+        max(logging.WARNING, logging.getLevelName(settings.log_level))
+    )
+
+    from workers.app import run_worker  # torch is imported only when a worker really starts
+
+    try:
+        asyncio.run(run_worker(settings))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"conveyor worker: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,179 @@
+"""Model handlers: the plug-in point between the worker and a model.
+
+A handler turns one payload into one tensor (``preprocess``, thread pool), a
+stacked batch into outputs (``forward``, the model thread, on the device) and
+outputs into one JSON-able result per item (``postprocess``). ``ImageClassifier``
+is the built-in handler behind every image model spec; ``workers.loader``
+builds handlers from specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode, Limits
+from workers.preprocess import ImageSpec, decode
+
+DEFAULT_TOP_K = 5
+
+
+@runtime_checkable
+class Handler(Protocol):
+    """What the worker needs from a model. Plain attributes satisfy the two properties."""
+
+    @property
+    def name(self) -> str:
+        """The model's name, e.g. ``resnet50``."""
+
+    @property
+    def version(self) -> str:
+        """What exactly answers, reported in every result: e.g. ``digits-cnn-v1`` or
+        ``resnet50:random-weights`` (so a result says when its weights are random)."""
+
+    def example_item(self) -> torch.Tensor:
+        """One input as ``preprocess`` returns it (CPU); stacked to warm the model up."""
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """Decode and check one payload to a CPU tensor of the model's item shape.
+
+        Runs in a thread pool, so it must be thread-safe. Anything wrong with the
+        payload or ``params`` raises ``ContractError`` (``decode_failed``,
+        ``image_too_large``, ``unsupported_media_type``, ``bad_request``): checking
+        ``params`` here fails only that request, never the batch it would join.
+        """
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Run the model on a stacked batch already on the model's device.
+
+        Called from a single thread under ``torch.inference_mode()``.
+        """
+
+    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """One JSON-able result per item, in batch order; ``params[i]`` belongs to item i."""
+
+
+def top_k_param(params: Mapping[str, Any], default: int = DEFAULT_TOP_K) -> int:
+    """The ``top_k`` request parameter: a positive integer, ``default`` when absent."""
+    value = params.get("top_k", default)
+    # bool is an int subclass, but {"top_k": true} is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ContractError(
+            ErrorCode.bad_request,
+            "ce_params.top_k",
+            "top_k must be a positive integer",
+            seen=value,
+        )
+    return value
+
+
+class ImageClassifier:
+    """An image classification ``torch.nn.Module`` served as a handler.
+
+    Items travel as uint8 (C, H, W) tensors; ``forward`` converts them to
+    ``dtype``, normalizes them with ``mean``/``std`` on the device, and runs the
+    module. Results are the ``top_k`` classes (request parameter, default
+    ``default_top_k``, capped at the number of labels) as
+    ``{"label", "index", "score"}`` with softmax scores, best first.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        name: str,
+        version: str,
+        labels: Sequence[str],
+        image: ImageSpec,
+        mean: Sequence[float],
+        std: Sequence[float],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        default_top_k: int = DEFAULT_TOP_K,
+        set_eval: bool = True,
+    ) -> None:
+        """Wrap ``module``, moving it to ``device`` and ``dtype``.
+
+        ``set_eval=False`` is for ``torch.export`` modules, whose train/eval mode is
+        fixed when they are exported and which refuse ``.eval()``.
+        """
+        if len(mean) != image.channels or len(std) != image.channels:
+            raise ValueError(
+                f"mean and std need {image.channels} values for {image.mode} input, "
+                f"got {len(mean)} and {len(std)}"
+            )
+        if not labels:
+            raise ValueError("an image classifier needs at least one label")
+        self.name = name
+        self.version = version
+        self.labels: tuple[str, ...] = tuple(labels)
+        self.image = image
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._limits = limits
+        self._default_top_k = default_top_k
+        self._channels_last = channels_last
+        module = module.to(device=self.device, dtype=dtype)
+        if channels_last:
+            module = module.to(memory_format=torch.channels_last)
+        if set_eval:
+            module.eval()
+        self.module = module
+        # (pixels / 255 - mean) / std as one multiply-subtract: pixels * scale - shift.
+        shape = (1, image.channels, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float64).view(shape)
+        mean_t = torch.tensor(mean, dtype=torch.float64).view(shape)
+        self._scale = (1.0 / (255.0 * std_t)).to(self.device, dtype)
+        self._shift = (mean_t / std_t).to(self.device, dtype)
+
+    def example_item(self) -> torch.Tensor:
+        return torch.zeros(
+            (self.image.channels, self.image.height, self.image.width), dtype=torch.uint8
+        )
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        top_k_param(params, self._default_top_k)
+        return decode(payload, content_type, self.image, max_pixels=self._limits.max_pixels)
+
+    def normalize(self, batch: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, C, H, W) pixels to the module's normalized input (device, dtype, layout)."""
+        # Out of place: a batch already in ``dtype`` must not be changed under the caller.
+        x = batch.to(self.device, self.dtype) * self._scale - self._shift
+        if self._channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.module(self.normalize(batch))
+        return logits
+
+    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        if outputs.ndim != 2 or outputs.shape[1] != len(self.labels):
+            raise RuntimeError(
+                f"{self.name} returned outputs of shape {tuple(outputs.shape)}; "
+                f"expected (batch, {len(self.labels)}), one score per label"
+            )
+        if not params:
+            return []
+        ks = [min(top_k_param(p, self._default_top_k), len(self.labels)) for p in params]
+        # One top-k and one device-to-host copy for the whole batch, sliced per item.
+        scores, indices = outputs.float().softmax(dim=-1).topk(max(ks), dim=-1)
+        results: list[Any] = []
+        for k, item_scores, item_indices in zip(
+            ks, scores.cpu().tolist(), indices.cpu().tolist(), strict=True
+        ):
+            results.append(
+                [
+                    {"label": self.labels[i], "index": i, "score": s}
+                    for s, i in zip(item_scores[:k], item_indices[:k], strict=True)
+                ]
+            )
+        return results

@@ -1,0 +1,435 @@
+"""The worker's stages, wired as asyncio tasks around a pure batcher.
+
+    fetch ──▶ decode + preprocess (thread pool) ──▶ collect ──▶ batch ──▶ infer (model thread)
+                                                                                │
+    commit ◀── finish offsets ◀── publish (Redis, reply topic, DLQ) ◀───────────┘
+
+Every record fetched ends in exactly one ``Answer`` (ok, error or expired result,
+and/or a dead letter), and its offset is finished only after the publisher made
+that answer durable. Inference runs in one dedicated thread, at most
+``_MODEL_SLOTS`` batches deep, so the next batch forms (and the previous one is
+published) while the current one runs; while the model is busy, arrivals pile up
+and the next batch comes out fuller: adaptive batching without a tuning knob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiokafka import TopicPartition
+
+from schemas import (
+    ContractError,
+    ErrorCode,
+    ModelTopics,
+    Request,
+    Result,
+    Status,
+    Timings,
+    decode_request,
+    dlq_headers,
+    encode_result,
+    result_headers,
+    status_for,
+)
+from workers.batcher import Batch, Batcher
+from workers.consumer import Consumer, Record
+from workers.handlers import Handler
+from workers.publisher import DeadLetter, Outgoing, Publisher
+from workers.runner import ModelRunner
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_MODEL_SLOTS = 2  # batches queued on the model thread: one running, one ready to go
+_FETCH_TIMEOUT_MS = 100
+_DECODE_CHUNK = 64  # records per thread-pool job: amortises the hand-off cost
+
+
+@dataclass(slots=True)
+class Item:
+    """A decoded request on its way to the model."""
+
+    record: Record
+    request: Request
+    received_ms: float  # wall clock, epoch ms: comparable with the producer's timestamp
+    received_at: float  # monotonic seconds: for waiting and deadlines
+    deadline_at: float | None  # monotonic seconds
+    tensor: torch.Tensor
+
+
+@dataclass(slots=True)
+class Answer:
+    """The final word on one record: a result (if it had a usable id) and/or a dead letter."""
+
+    record: Record
+    result: Result | None
+    dead: DeadLetter | None = None
+    traceparent: str | None = None
+    reply_to: str | None = None
+
+
+@dataclass(slots=True)
+class _Stats:
+    answered: int = 0
+    duplicates: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Runs the stages until stopped, then drains: every fetched record is answered."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        consumer: Consumer,
+        publisher: Publisher,
+        runner: ModelRunner,
+        handler: Handler,
+        topics: ModelTopics,
+    ) -> None:
+        self._s = settings
+        self._consumer = consumer
+        self._publisher = publisher
+        self._runner = runner
+        self._handler = handler
+        self._topics = topics
+        self._batcher: Batcher[Item] = Batcher(
+            settings.max_batch_size, settings.max_delay_s, deadline_of=lambda item: item.deadline_at
+        )
+        self._decode_pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
+        self._model_thread = ThreadPoolExecutor(1, "conveyor-model")
+        self._model_slots = asyncio.Semaphore(_MODEL_SLOTS)
+        self._decoding: asyncio.Queue[asyncio.Future[list[Item | Answer]] | None] = asyncio.Queue()
+        self._ready: deque[Item] = deque()
+        self._arrived = asyncio.Event()
+        self._input_done = False
+        self._to_publish: asyncio.Queue[asyncio.Future[list[Answer]] | list[Answer] | None] = (
+            asyncio.Queue()
+        )
+        self.stats = _Stats()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then finish everything already fetched."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._fetch_loop(stop), name="fetch")
+                tasks.create_task(self._collect_loop(), name="collect")
+                tasks.create_task(self._batch_loop(), name="batch")
+                tasks.create_task(self._publish_loop(), name="publish")
+        finally:
+            self._decode_pool.shutdown(wait=False, cancel_futures=True)
+            self._model_thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- fetch and decode ---------------------------------------------------------------
+
+    async def _fetch_loop(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                self._consumer.set_paused(self._consumer.in_flight() >= self._s.max_in_flight)
+                fetch = asyncio.ensure_future(
+                    self._consumer.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
+                )
+                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                records = await fetch  # a fetch in progress still completes: its records count
+                for start in range(0, len(records), _DECODE_CHUNK):
+                    chunk = records[start : start + _DECODE_CHUNK]
+                    await self._decoding.put(
+                        loop.run_in_executor(self._decode_pool, self._decode, chunk)
+                    )
+        finally:
+            stopping.cancel()
+            await self._decoding.put(None)
+
+    def _decode(self, records: Sequence[Record]) -> list[Item | Answer]:
+        """Thread pool: contract-decode and preprocess each record; failures become answers."""
+        out: list[Item | Answer] = []
+        now_ms, now = time.time() * 1000.0, time.monotonic()
+        for record in records:
+            request_id = None
+            try:
+                request = decode_request(
+                    record.headers, record.key, record.value, record.timestamp, self._s.limits
+                )
+                meta = request.meta
+                request_id = meta.id
+                tensor = self._handler.preprocess(request.payload, meta.content_type, meta.params)
+            except ContractError as exc:
+                request_id = exc.request_id or request_id
+                out.append(self._failure(record, exc.code, str(exc), exc.field, request_id, now_ms))
+                continue
+            except Exception as exc:  # a handler bug fails this record, never the worker
+                log.exception("preprocess failed on record %s", request_id)
+                message = f"the model's preprocess failed on this input: {exc!r}"
+                out.append(
+                    self._failure(record, ErrorCode.model_error, message, None, request_id, now_ms)
+                )
+                continue
+            deadline_at = None
+            if meta.deadline is not None:
+                deadline_at = now + (meta.deadline.timestamp() * 1000.0 - now_ms) / 1000.0
+            out.append(Item(record, request, now_ms, now, deadline_at, tensor))
+        return out
+
+    async def _collect_loop(self) -> None:
+        """Take decoded chunks in fetch order; items go to the batcher, failures to publish."""
+        while (chunk := await self._decoding.get()) is not None:
+            decoded = await chunk
+            failures = [a for a in decoded if isinstance(a, Answer)]
+            if failures:
+                await self._to_publish.put(failures)
+            self._ready.extend(i for i in decoded if isinstance(i, Item))
+            self._arrived.set()
+        self._input_done = True
+        self._arrived.set()
+
+    # -- batch and infer ----------------------------------------------------------------
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._model_slots.acquire()
+                batch = await self._next_batch()
+                if batch is None:
+                    self._model_slots.release()
+                    return
+                if batch.expired:
+                    await self._to_publish.put([self._expired(item) for item in batch.expired])
+                if not batch.items:
+                    self._model_slots.release()
+                    continue
+                future = loop.run_in_executor(self._model_thread, self._infer, batch)
+                future.add_done_callback(lambda _: self._model_slots.release())
+                await self._to_publish.put(future)
+        finally:
+            await self._to_publish.put(None)
+
+    async def _next_batch(self) -> Batch[Item] | None:
+        """Wait for the batcher to close a batch; None once the input is done and drained."""
+        while True:
+            now = time.monotonic()
+            if self._ready:
+                self._batcher.add_many(self._ready, now)
+                self._ready.clear()
+            backlog = not self._decoding.empty()
+            batch = self._batcher.poll(now, backlog=backlog)
+            if batch is not None:
+                return batch
+            if self._input_done:
+                rest = self._batcher.drain(now)
+                return rest[0] if rest else None
+            deadline = self._batcher.next_deadline()
+            self._arrived.clear()
+            try:
+                timeout = None if deadline is None else max(0.0, deadline - now)
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _infer(self, batch: Batch[Item]) -> list[Answer]:
+        """Model thread: run the batch; a failing batch is bisected so bad items fail alone."""
+        start_ms, start = time.time() * 1000.0, time.monotonic()
+        outcomes = self._run_isolated(batch.items)
+        inference_ms = (time.monotonic() - start) * 1000.0
+        finished_ms = time.time() * 1000.0
+        answers = []
+        for item, outcome in zip(batch.items, outcomes, strict=True):
+            timings = Timings(
+                produced_ms=item.record.timestamp,
+                received_ms=item.received_ms,
+                batch_start_ms=start_ms,
+                finished_ms=finished_ms,
+                queue_ms=start_ms - item.received_ms,
+                inference_ms=inference_ms,
+                batch_size=len(batch.items),
+            )
+            if isinstance(outcome, _Failure):
+                answers.append(
+                    self._failure(
+                        item.record,
+                        outcome.code,
+                        outcome.message,
+                        None,
+                        item.request.meta.id,
+                        item.received_ms,
+                        timings,
+                    )
+                )
+            else:
+                answers.append(self._answer(item, Status.ok, outcome, None, timings))
+        return answers
+
+    def _run_isolated(self, items: Sequence[Item]) -> list[Any]:
+        try:
+            return self._runner.run(
+                [i.tensor for i in items], [i.request.meta.params for i in items]
+            )
+        except torch.cuda.OutOfMemoryError as exc:
+            if len(items) == 1:
+                return [_Failure(ErrorCode.out_of_memory, f"out of memory even alone: {exc}")]
+        except Exception as exc:
+            if len(items) == 1:
+                log.warning("model failed on request %s: %r", items[0].request.meta.id, exc)
+                return [_Failure(ErrorCode.model_error, f"model failed on this input: {exc!r}")]
+        half = len(items) // 2
+        return self._run_isolated(items[:half]) + self._run_isolated(items[half:])
+
+    # -- answers --------------------------------------------------------------------------
+
+    def _answer(
+        self,
+        item: Item,
+        status: Status,
+        outputs: Any,
+        error: tuple[ErrorCode, str] | None,
+        timings: Timings | None,
+    ) -> Answer:
+        meta = item.request.meta
+        result = self._result(meta.id, status, outputs, error, timings)
+        return Answer(item.record, result, None, meta.traceparent, meta.reply_to)
+
+    def _expired(self, item: Item) -> Answer:
+        now_ms = time.time() * 1000.0
+        timings = Timings(
+            produced_ms=item.record.timestamp,
+            received_ms=item.received_ms,
+            batch_start_ms=None,
+            finished_ms=now_ms,
+            queue_ms=now_ms - item.received_ms,
+            inference_ms=0.0,
+            batch_size=0,
+        )
+        deadline = item.request.meta.deadline
+        message = f"deadline {deadline.isoformat() if deadline else ''} passed before inference"
+        return self._answer(item, Status.expired, None, (ErrorCode.expired, message), timings)
+
+    def _failure(
+        self,
+        record: Record,
+        code: ErrorCode,
+        message: str,
+        field_name: str | None,
+        request_id: str | None,
+        received_ms: float,
+        timings: Timings | None = None,
+    ) -> Answer:
+        """An error result (when the record has a usable id) plus a dead-letter copy."""
+        headers = dlq_headers(
+            record.headers,
+            code=code,
+            message=message,
+            field=field_name,
+            source_topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            worker=self._s.worker_id,
+        )
+        dead = DeadLetter(record.key, record.value, headers)
+        if timings is None:
+            now_ms = time.time() * 1000.0
+            timings = Timings(
+                produced_ms=record.timestamp,
+                received_ms=received_ms,
+                batch_start_ms=None,
+                finished_ms=now_ms,
+                queue_ms=0.0,
+                inference_ms=0.0,
+                batch_size=0,
+            )
+        status = status_for(code)
+        result = None
+        if request_id is not None:
+            result = self._result(request_id, status, None, (code, message), timings)
+        return Answer(record, result, dead, _header(record, "traceparent"), None)
+
+    def _result(
+        self,
+        request_id: str,
+        status: Status,
+        outputs: Any,
+        error: tuple[ErrorCode, str] | None,
+        timings: Timings | None,
+    ) -> Result:
+        return Result.model_validate(
+            {
+                "id": request_id,
+                "status": status,
+                "model": self._s.served_name,
+                "model_version": self._handler.version,
+                "outputs": outputs,
+                "error": None if error is None else {"code": error[0], "message": error[1]},
+                "timings": timings,
+                "worker": self._s.worker_id,
+            }
+        )
+
+    # -- publish and commit ---------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            unit = await self._to_publish.get()
+            if unit is None:
+                return
+            answers = list(await unit) if isinstance(unit, asyncio.Future) else list(unit)
+            # Publish everything already waiting in one round-trip.
+            while not self._to_publish.empty():
+                more = self._to_publish.get_nowait()
+                if more is None:
+                    await self._publish(answers)
+                    return
+                answers.extend(await more if isinstance(more, asyncio.Future) else more)
+            await self._publish(answers)
+
+    async def _publish(self, answers: Sequence[Answer]) -> None:
+        outgoing, dead = [], []
+        for answer in answers:
+            if answer.result is not None:
+                data = encode_result(answer.result)
+                outgoing.append(
+                    Outgoing(
+                        answer.result.id,
+                        data,
+                        result_headers(answer.result, answer.traceparent),
+                        answer.reply_to or self._topics.results,
+                    )
+                )
+                status = answer.result.status.value
+                self.stats.by_status[status] = self.stats.by_status.get(status, 0) + 1
+            if answer.dead is not None:
+                dead.append(answer.dead)
+        report = await self._publisher.publish(outgoing, dead)
+        self.stats.answered += len(answers)
+        self.stats.duplicates += report.duplicates
+        await self._consumer.finish([(_tp(a.record), a.record.offset) for a in answers])
+        await self._consumer.commit_finished()
+
+
+@dataclass(slots=True)
+class _Failure:
+    code: ErrorCode
+    message: str
+
+
+def _tp(record: Record) -> TopicPartition:
+    return TopicPartition(record.topic, record.partition)
+
+
+def _header(record: Record, name: str) -> str | None:
+    for key, value in record.headers:
+        if key == name:
+            try:
+                return str(value.decode("utf-8"))
+            except (UnicodeDecodeError, AttributeError):
+                return None
+    return None

@@ -1,0 +1,240 @@
+"""Payload decoding: image and NumPy bytes to a uint8 CHW tensor of the model's input size.
+
+Pure functions with no shared state, so the worker can run them in a thread pool
+(Pillow and NumPy release the GIL while they decode and resize). Every failure
+that is the payload's fault raises ``ContractError`` naming the problem; the
+checks that bound memory (declared pixels, declared array size) run before any
+pixel buffer is allocated.
+
+The output is uint8, not float: it is four times smaller to stack, pin and copy
+to the GPU, and the handler normalizes it there.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from schemas import ContentType, ContractError, ErrorCode
+
+IMAGE_TYPES: dict[ContentType, str] = {
+    ContentType.JPEG: "JPEG",
+    ContentType.PNG: "PNG",
+    ContentType.WEBP: "WEBP",
+}
+"""Media types decoded as images, with the one Pillow format each may be (no sniffing:
+a payload declared ``image/png`` is only ever parsed by the PNG decoder)."""
+
+_VALUE = "value"  # the record field every payload error points at
+_NPY_CHANNELS = (1, 3)
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What a model takes as one image, and how any submitted image is fitted to it."""
+
+    height: int
+    width: int
+    mode: Literal["RGB", "L"]
+    """Colour mode of the model input: 3 channels (RGB) or 1 (grayscale)."""
+    crop_ratio: float = 1.0
+    """Share of the shorter side kept by the center crop: 1.0 keeps the largest centered
+    region of the target's aspect ratio; 0.875 is torchvision's resize-256, crop-224."""
+    resample: Image.Resampling = Image.Resampling.BILINEAR
+
+    def __post_init__(self) -> None:
+        if self.height < 1 or self.width < 1:
+            raise ValueError(f"image size must be positive, not {self.height}x{self.width}")
+        if not 0.0 < self.crop_ratio <= 1.0:
+            raise ValueError(f"crop_ratio must be in (0, 1], not {self.crop_ratio}")
+
+    @property
+    def channels(self) -> int:
+        return 3 if self.mode == "RGB" else 1
+
+
+def decode(
+    payload: bytes, content_type: ContentType, spec: ImageSpec, *, max_pixels: int
+) -> torch.Tensor:
+    """Decode an image or ``.npy`` payload to a uint8 tensor of shape (C, H, W) per ``spec``.
+
+    Raises ``ContractError`` with ``unsupported_media_type`` for other content types.
+    """
+    if content_type in IMAGE_TYPES:
+        return decode_image(payload, content_type, spec, max_pixels=max_pixels)
+    if content_type == ContentType.NPY:
+        return decode_npy(payload, spec, max_pixels=max_pixels)
+    accepted = ", ".join([*IMAGE_TYPES, ContentType.NPY])
+    raise ContractError(
+        ErrorCode.unsupported_media_type,
+        "content-type",
+        f"this model takes images; send one of {accepted}",
+        seen=str(content_type),
+    )
+
+
+def decode_image(
+    payload: bytes, content_type: ContentType, spec: ImageSpec, *, max_pixels: int
+) -> torch.Tensor:
+    """Decode a JPEG, PNG or WebP payload to a uint8 (C, H, W) tensor fitted to ``spec``.
+
+    The declared size is checked against ``max_pixels`` from the header alone, before
+    any pixel is decoded; JPEGs are decoded at a reduced scale when the target is smaller.
+    """
+    with _load_image(payload, IMAGE_TYPES[content_type], spec, max_pixels) as img:
+        return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
+
+
+def _load_image(payload: bytes, fmt: str, spec: ImageSpec, max_pixels: int) -> Image.Image:
+    """Open, check the declared size, and decode the pixels; codec failures become errors."""
+    try:
+        img = Image.open(io.BytesIO(payload), formats=[fmt])
+        _check_pixels(img.width, img.height, max_pixels)
+        if img.format == "JPEG":
+            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is that much
+            # smaller: most of the decode cost of a large photo never happens.
+            scale = _scale(img.width, img.height, spec)
+            img.draft(spec.mode, (math.ceil(img.width * scale), math.ceil(img.height * scale)))
+        img.load()
+    except ContractError:
+        raise
+    except UnidentifiedImageError as exc:
+        raise ContractError(
+            ErrorCode.decode_failed, _VALUE, f"not a {fmt} image (its header is not one)"
+        ) from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Pillow's own guard fires inside Image.open for sizes past its global limit
+        # (an error, or a warning that pytest and strict deployments turn into one),
+        # before our check can see the size: it is the same refusal.
+        raise ContractError(
+            ErrorCode.image_too_large,
+            _VALUE,
+            f"the image's declared size is far too large to decode ({exc})",
+            limit=max_pixels,
+        ) from exc
+    except Exception as exc:
+        # Codecs report bad bytes as OSError, SyntaxError, ValueError, struct.error,
+        # zlib.error and more; on untrusted input every one of them means the same thing.
+        raise ContractError(
+            ErrorCode.decode_failed, _VALUE, f"not a valid {fmt} image: {exc}"
+        ) from exc
+    return img
+
+
+def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Tensor:
+    """Decode an ``application/x-npy`` payload (what ``numpy.save`` writes) of uint8 pixels.
+
+    The array must be (H, W) or (H, W, C) with C in {1, 3}, like an image read with
+    Pillow or OpenCV (channels in RGB order). It is fitted to ``spec`` like an image.
+    """
+    pixels = _read_npy(payload)
+    if pixels.dtype != np.uint8:
+        raise ContractError(
+            ErrorCode.decode_failed, _VALUE, "expected uint8 pixels", seen=str(pixels.dtype)
+        )
+    if pixels.ndim == 3 and pixels.shape[2] in _NPY_CHANNELS:
+        if pixels.shape[2] == 1:
+            pixels = pixels[:, :, 0]
+    elif pixels.ndim != 2:
+        raise ContractError(
+            ErrorCode.decode_failed,
+            _VALUE,
+            "expected an array of shape (H, W), (H, W, 1) or (H, W, 3)",
+            seen=str(pixels.shape),
+        )
+    height, width = pixels.shape[:2]
+    _check_pixels(width, height, max_pixels)
+    channels = 1 if pixels.ndim == 2 else 3
+    if (height, width, channels) == (spec.height, spec.width, spec.channels):
+        return _to_tensor(pixels)
+    img = Image.fromarray(np.ascontiguousarray(pixels))  # 2-D gives "L", 3 channels "RGB"
+    return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
+
+
+def _read_npy(payload: bytes) -> npt.NDArray[Any]:
+    """Parse the .npy header and view the data in place, checking sizes first.
+
+    ``numpy.load`` on a byte stream allocates the declared shape before reading
+    the data, so a 100-byte payload could ask for terabytes; here the declared
+    size must match the bytes actually present.
+    """
+    stream = io.BytesIO(payload)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except ValueError as exc:
+        raise ContractError(
+            ErrorCode.decode_failed, _VALUE, f"not a valid .npy array: {exc}"
+        ) from exc
+    if dtype.hasobject or dtype.fields is not None:
+        raise ContractError(
+            ErrorCode.decode_failed, _VALUE, "expected a plain numeric array", seen=str(dtype)
+        )
+    offset = stream.tell()
+    expected = math.prod(shape) * dtype.itemsize
+    if len(payload) - offset != expected:
+        raise ContractError(
+            ErrorCode.decode_failed,
+            _VALUE,
+            f"the .npy header declares {shape} {dtype} ({expected} bytes of data)",
+            seen=f"{len(payload) - offset} bytes of data",
+        )
+    flat = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=offset)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise ContractError(
+            ErrorCode.image_too_large,
+            _VALUE,
+            f"the image is {width}x{height}; send a smaller one",
+            limit=max_pixels,
+            seen=width * height,
+        )
+
+
+def _scale(width: int, height: int, spec: ImageSpec) -> float:
+    """Scale factor that makes the center crop of a (width, height) image cover the target."""
+    return max(spec.width / width, spec.height / height) / spec.crop_ratio
+
+
+def _fit(img: Image.Image, spec: ImageSpec) -> Image.Image:
+    """Center-crop and resize to the target in one resampling pass (``resize`` with a box)."""
+    scale = _scale(img.width, img.height, spec)
+    box_w, box_h = spec.width / scale, spec.height / scale
+    left, top = (img.width - box_w) / 2, (img.height - box_h) / 2
+    # Clamped: float rounding can put an edge a hair outside the image.
+    box = (
+        max(left, 0.0),
+        max(top, 0.0),
+        min(left + box_w, img.width),
+        min(top + box_h, img.height),
+    )
+    if img.size == (spec.width, spec.height) and box == (0, 0, img.width, img.height):
+        return img
+    # reducing_gap lets Pillow shrink large images by integer factors first (fast),
+    # then resample the rest; 3.0 is indistinguishable from a full resample.
+    return img.resize((spec.width, spec.height), spec.resample, box=box, reducing_gap=3.0)
+
+
+def _to_tensor(pixels: npt.NDArray[np.uint8]) -> torch.Tensor:
+    """(H, W) or (H, W, C) uint8 pixels to a contiguous (C, H, W) tensor: one copy.
+
+    The copy is needed anyway: Pillow's and ``frombuffer``'s arrays are read-only,
+    and torch tensors must own writable memory.
+    """
+    chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    return torch.from_numpy(np.array(chw, dtype=np.uint8, order="C"))

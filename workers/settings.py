@@ -1,0 +1,97 @@
+"""The worker's settings: one frozen object, parsed at the edge (CLI + environment).
+
+Every option is a field here and can be set with a ``CONVEYOR_<FIELD>`` environment
+variable (e.g. ``CONVEYOR_MAX_BATCH_SIZE=64``) or the matching CLI flag
+(``--max-batch-size 64``); the flag wins. Values are validated when the worker
+starts, so a bad setting fails fast with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import DEFAULT_LIMITS, Limits, topics_for
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker process needs to know, validated once at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_", frozen=True, extra="forbid", env_nested_delimiter="__"
+    )
+
+    # What to serve.
+    model: str = Field(
+        description="model spec: digits | torchvision:ARCH | torchscript:PATH | "
+        "export:PATH | module.path:Class"
+    )
+    model_name: str | None = Field(
+        default=None, description="name used in topic names (default: derived from --model)"
+    )
+    weights: str | None = Field(
+        default=None,
+        description="weights file for torchvision models, or 'random' (benchmarks only)",
+    )
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    channels_last: bool = False
+    compile: bool = Field(default=False, description="torch.compile the model")
+
+    # Batching.
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+    max_in_flight: int = Field(
+        default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
+    )
+    decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
+
+    # Where.
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    topic_prefix: str = "conveyor"
+    result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
+    # A slow batch must not get the worker thrown out of its group: aiokafka sends
+    # heartbeats from a background task, and max.poll.interval bounds the time
+    # between two fetches, which backpressure keeps short.
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+
+    worker_id: str = Field(default_factory=_default_worker_id)
+    limits: Limits = DEFAULT_LIMITS
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_names(self) -> WorkerSettings:
+        topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
+        return self
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in topic names: --model-name, else the last part of the spec."""
+        if self.model_name:
+            return self.model_name
+        tail = re.split(r"[:/]", self.model)[-1]
+        return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
