@@ -15,6 +15,7 @@ help:
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
 	@echo "make down     stop what 'make up' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
+	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict"
 	@echo "make clean    remove the venv, caches and local service data"
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,dev]'
+	$(PY) -m pip install --quiet -e '.[worker,video,dev]'
 	touch $(STAMP)
 
 up:
@@ -49,6 +50,11 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+demo: install
+	@$(MAKE) --no-print-directory up
+	$(PY) -m workers.demo_model
+	$(PY) -m workers.demo --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 clean: down
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,39 @@
+"""Conveyor's client SDK: submit requests to a model and wait for their results.
+
+    from producers import Client
+
+    with Client() as client:
+        request_id = client.submit(Path("digit.png"), model="digits")
+        print(client.wait(request_id, timeout=10).outputs)
+
+``AsyncClient`` has the same methods for asyncio code. This package needs no
+torch: a client-only install (``pip install conveyor``) can use it.
+"""
+
+from producers.client import AsyncClient, Client
+from producers.errors import (
+    ClientError,
+    InvalidInput,
+    ResultTimeout,
+    ServiceUnavailable,
+    UnknownModel,
+)
+from producers.payload import sniff_content_type
+from producers.settings import ClientSettings
+from schemas import ContentType, ContractError, Result, Status
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ClientError",
+    "ClientSettings",
+    "ContentType",
+    "ContractError",
+    "InvalidInput",
+    "Result",
+    "ResultTimeout",
+    "ServiceUnavailable",
+    "Status",
+    "UnknownModel",
+    "sniff_content_type",
+]

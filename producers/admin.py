@@ -1,0 +1,82 @@
+"""Create a model's topics: requests, results and dead letters.
+
+A topic's partition count caps how many workers of a model can share its
+work: each partition is read by one worker of the group at a time, so the
+request topic needs at least as many partitions as the most workers you
+plan to run. Creating is idempotent; existing topics are left as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
+
+from producers.errors import ClientError, InvalidInput, ServiceUnavailable
+from producers.settings import ClientSettings
+from schemas import topics_for
+
+_TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
+# Dead letters are rare and have no order to keep: one partition is plenty.
+_DLQ_PARTITIONS = 1
+
+
+@dataclass(frozen=True)
+class TopicState:
+    """One topic after ``create_model_topics``."""
+
+    name: str
+    partitions: int  # what the topic has now, which for an old topic may differ from the ask
+    created: bool  # False: it existed already and was left unchanged
+
+
+async def create_model_topics(
+    settings: ClientSettings, model: str, partitions: int, replication_factor: int = 1
+) -> list[TopicState]:
+    """Create ``model``'s request and result topics with ``partitions`` partitions, and its DLQ.
+
+    Raises ``InvalidInput`` for a bad model name or count, ``ServiceUnavailable``
+    when Kafka cannot be reached, and ``ClientError`` when the broker refuses.
+    """
+    if partitions < 1 or replication_factor < 1:
+        raise InvalidInput("partitions and replication factor must be at least 1")
+    try:
+        topics = topics_for(model, settings.topic_prefix)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    wanted = {topics.requests: partitions, topics.results: partitions, topics.dlq: _DLQ_PARTITIONS}
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=settings.kafka_bootstrap,
+        request_timeout_ms=int(settings.connect_timeout_s * 1000),
+    )
+    try:
+        async with asyncio.timeout(settings.connect_timeout_s * 3):
+            await admin.start()
+            response = await admin.create_topics(
+                [NewTopic(name, count, replication_factor) for name, count in wanted.items()]
+            )
+            created = _check_created(response.topic_errors)
+            described = await admin.describe_topics(list(wanted))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise ServiceUnavailable(
+            f"cannot create topics on Kafka at {settings.kafka_bootstrap} "
+            f"({exc or 'no answer in time'}): is the broker running (`make up`)? "
+            "Point at it with --kafka-bootstrap or CONVEYOR_KAFKA_BOOTSTRAP"
+        ) from None
+    finally:
+        await admin.close()
+    counts = {topic["topic"]: len(topic["partitions"]) for topic in described}
+    return [TopicState(name, counts.get(name, 0), name in created) for name in wanted]
+
+
+def _check_created(topic_errors: list[tuple[str, int, str | None]]) -> set[str]:
+    """Names created now; raises ``ClientError`` for any failure but "already exists"."""
+    created = set()
+    for name, code, message in topic_errors:
+        if code == 0:
+            created.add(name)
+        elif code != _TOPIC_ALREADY_EXISTS:
+            raise ClientError(f"Kafka refused to create topic {name}: {message} (error {code})")
+    return created

@@ -1,0 +1,345 @@
+"""The client SDK: submit requests to a model, read and wait for their results.
+
+``AsyncClient`` holds the logic: ``RequestSender`` (Kafka) sends, ``ResultReader``
+(Redis) reads and waits. ``Client`` offers the same methods to synchronous code
+by running an ``AsyncClient`` on an event loop in a private thread.
+
+    with Client() as client:
+        request_id = client.submit(Path("cat.jpg"), model="resnet50")
+        print(client.wait(request_id, timeout=10).outputs)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from concurrent.futures import Future
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from producers.errors import InvalidInput
+from producers.payload import load_payload
+from producers.results import ResultReader
+from producers.sender import RequestSender
+from producers.settings import ClientSettings
+from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
+
+T = TypeVar("T")
+Payload = bytes | Path
+"""Payload bytes, or the path of a file to send."""
+Deadline = datetime | timedelta
+"""When the answer stops being useful: a timezone-aware time, or a time from now."""
+
+
+class AsyncClient:
+    """Submit requests and wait for results from asyncio code.
+
+    Connections open on first use and close with ``close()`` or at the end of
+    ``async with``. Kafka is needed only to submit, Redis only to read.
+    """
+
+    def __init__(self, settings: ClientSettings | None = None) -> None:
+        """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
+        self.settings = settings if settings is not None else ClientSettings()
+        self._sender = RequestSender(self.settings)
+        self._reader = ResultReader(self.settings)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Deliver buffered requests and give back every connection and subscription."""
+        try:
+            await self._sender.close()
+        finally:
+            await self._reader.close()
+
+    async def submit(
+        self,
+        payload: Payload,
+        *,
+        model: str,
+        params: Mapping[str, Any] | None = None,
+        deadline: Deadline | None = None,
+        request_id: str | None = None,
+        reply_to: str | None = None,
+        content_type: ContentType | str | None = None,
+    ) -> str:
+        """Send one request to ``model``; returns its request id once the broker has it.
+
+        ``content_type`` defaults to what the payload's magic bytes say (JPEG,
+        PNG, WebP, npy). Raises ``InvalidInput`` or ``schemas.ContractError`` for
+        input a worker would refuse, ``UnknownModel`` when the model has no
+        request topic, and ``ServiceUnavailable`` when Kafka cannot be reached;
+        in every case nothing was sent.
+        """
+        ids = await self.submit_many(
+            [payload],
+            model=model,
+            params=params,
+            deadline=deadline,
+            request_ids=None if request_id is None else [request_id],
+            reply_to=reply_to,
+            content_type=content_type,
+        )
+        return ids[0]
+
+    async def submit_many(
+        self,
+        payloads: Iterable[Payload],
+        *,
+        model: str,
+        params: Mapping[str, Any] | None = None,
+        deadline: Deadline | None = None,
+        request_ids: Sequence[str] | None = None,
+        reply_to: str | None = None,
+        content_type: ContentType | str | None = None,
+    ) -> list[str]:
+        """Send one request per payload, batched; returns their ids in payload order.
+
+        Every payload is read and checked before the first one is sent, so bad
+        input sends nothing. Options apply to every request; ``request_ids``,
+        when given, has one id per payload.
+        """
+        topic = _request_topic(model, self.settings)
+        ids, records = self._encode_all(
+            list(payloads),
+            params=params,
+            deadline=_absolute(deadline),
+            request_ids=request_ids,
+            reply_to=reply_to,
+            content_type=content_type,
+        )
+        if records:
+            await self._sender.send(model, topic, records)
+        return ids
+
+    async def result(self, request_id: str) -> Result | None:
+        """The result of ``request_id`` now, or None while it is pending (one Redis read)."""
+        return await self._reader.get(request_id)
+
+    # A timeout parameter rather than asyncio.timeout() around the call: the sync
+    # Client shares it, and expiry raises ResultTimeout naming the pending ids.
+    async def wait(self, request_id: str, timeout: float = 30.0) -> Result:  # noqa: ASYNC109
+        """Wait up to ``timeout`` seconds for the result of ``request_id``.
+
+        Raises ``ResultTimeout`` (naming the id) when none arrives in time.
+        """
+        results = self._reader.wait_many([request_id], timeout)
+        try:
+            return await anext(results)
+        finally:
+            await results.aclose()
+
+    def wait_many(
+        self, request_ids: Iterable[str], timeout: float = 30.0
+    ) -> AsyncGenerator[Result, None]:
+        """Yield the results of ``request_ids`` as they complete, within ``timeout`` s overall.
+
+        Raises ``ResultTimeout`` naming the ids still pending when time is up.
+        To stop early, close it: ``async with contextlib.aclosing(client.wait_many(ids)) as it``.
+        """
+        return self._reader.wait_many(request_ids, timeout)
+
+    def _encode_all(
+        self,
+        payloads: list[Payload],
+        *,
+        params: Mapping[str, Any] | None,
+        deadline: datetime | None,
+        request_ids: Sequence[str] | None,
+        reply_to: str | None,
+        content_type: ContentType | str | None,
+    ) -> tuple[list[str], list[OutgoingRecord]]:
+        if request_ids is not None and len(request_ids) != len(payloads):
+            raise InvalidInput(
+                f"request_ids has {len(request_ids)} ids for {len(payloads)} payloads; "
+                "give one id per payload, or none"
+            )
+        ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in payloads]
+        limits = self.settings.limits
+        records = []
+        for payload, request_id in zip(payloads, ids, strict=True):
+            data, media_type = load_payload(payload, content_type, limits)
+            records.append(
+                encode_request(
+                    data,
+                    request_id=request_id,
+                    content_type=media_type,
+                    source=self.settings.source,
+                    params=params,
+                    deadline=deadline,
+                    reply_to=reply_to,
+                    time=datetime.now(UTC),
+                    limits=limits,
+                )
+            )
+        return ids, records
+
+
+class Client:
+    """The synchronous twin of ``AsyncClient``: same methods, same errors, blocking calls.
+
+    Runs an ``AsyncClient`` on an event loop in a private daemon thread, started
+    here and stopped by ``close()`` (or the end of ``with``). Safe to call from
+    several threads. Interrupting a call (Ctrl-C) cancels it on the loop, which
+    gives back what it held.
+    """
+
+    def __init__(self, settings: ClientSettings | None = None) -> None:
+        """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
+        self.settings = settings if settings is not None else ClientSettings()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="conveyor-client", daemon=True
+        )
+        self._thread.start()
+        self._client = self._call(_make_async_client(self.settings))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Deliver buffered requests, give back every connection, stop the loop thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            # Waits left unfinished (a wait_many not iterated to its end) end first,
+            # each giving back its subscription, before the client closes the rest.
+            self._call(self._loop.shutdown_asyncgens())
+            self._call(self._client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def submit(
+        self,
+        payload: Payload,
+        *,
+        model: str,
+        params: Mapping[str, Any] | None = None,
+        deadline: Deadline | None = None,
+        request_id: str | None = None,
+        reply_to: str | None = None,
+        content_type: ContentType | str | None = None,
+    ) -> str:
+        """See ``AsyncClient.submit``."""
+        return self._call(
+            self._client.submit(
+                payload,
+                model=model,
+                params=params,
+                deadline=deadline,
+                request_id=request_id,
+                reply_to=reply_to,
+                content_type=content_type,
+            )
+        )
+
+    def submit_many(
+        self,
+        payloads: Iterable[Payload],
+        *,
+        model: str,
+        params: Mapping[str, Any] | None = None,
+        deadline: Deadline | None = None,
+        request_ids: Sequence[str] | None = None,
+        reply_to: str | None = None,
+        content_type: ContentType | str | None = None,
+    ) -> list[str]:
+        """See ``AsyncClient.submit_many``."""
+        return self._call(
+            self._client.submit_many(
+                payloads,
+                model=model,
+                params=params,
+                deadline=deadline,
+                request_ids=request_ids,
+                reply_to=reply_to,
+                content_type=content_type,
+            )
+        )
+
+    def result(self, request_id: str) -> Result | None:
+        """See ``AsyncClient.result``."""
+        return self._call(self._client.result(request_id))
+
+    def wait(self, request_id: str, timeout: float = 30.0) -> Result:
+        """See ``AsyncClient.wait``."""
+        return self._call(self._client.wait(request_id, timeout))
+
+    def wait_many(self, request_ids: Iterable[str], timeout: float = 30.0) -> Iterator[Result]:
+        """See ``AsyncClient.wait_many``; stopping early (``break``) ends the wait."""
+        results = self._client.wait_many(list(request_ids), timeout)
+        try:
+            while True:
+                try:
+                    yield self._call(_next(results))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._loop.is_closed():
+                self._call(results.aclose())
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("this Client is closed")
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: cancel the coroutine so it lets go of
+            # its connections; cancelling a finished one does nothing.
+            future.cancel()
+            raise
+
+
+def _request_topic(model: str, settings: ClientSettings) -> str:
+    try:
+        return topics_for(model, settings.topic_prefix).requests
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def _absolute(deadline: Deadline | None) -> datetime | None:
+    if isinstance(deadline, timedelta):
+        return datetime.now(UTC) + deadline
+    return deadline
+
+
+async def _make_async_client(settings: ClientSettings) -> AsyncClient:
+    # Built on the loop thread, so everything it creates belongs to that loop.
+    return AsyncClient(settings)
+
+
+async def _next(results: AsyncIterator[Result]) -> Result:
+    return await anext(results)

@@ -1,0 +1,281 @@
+"""The client commands of ``conveyor``: submit, result, wait and topics create.
+
+Each command parses its input completely (files, ``--params``, settings)
+before it connects to anything, prints results as JSON lines on stdout and
+everything meant for people on stderr. Exit status: 0 every result ``ok`` (or
+submitted), 1 some result is not ``ok``, 2 bad input, 3 no result in time,
+4 Kafka or Redis unreachable, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import aclosing
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import SecretStr, ValidationError
+
+from producers.admin import create_model_topics
+from producers.client import AsyncClient
+from producers.errors import ClientError, InvalidInput, ResultTimeout, ServiceUnavailable
+from producers.progress import ProgressBar
+from producers.settings import ClientSettings
+from schemas import ContentType, ContractError, Result, Status
+
+EXIT_OK = 0
+EXIT_NOT_OK = 1
+EXIT_BAD_INPUT = 2
+EXIT_NO_RESULT = 3
+EXIT_UNAVAILABLE = 4
+EXIT_INTERRUPTED = 130
+
+Command = Callable[[argparse.Namespace, ClientSettings], Coroutine[Any, Any, int]]
+
+
+def connection_options(parser: argparse.ArgumentParser, dest_prefix: str = "") -> None:
+    """``--kafka-bootstrap`` and ``--redis-url``, stored as ``<dest_prefix>kafka_bootstrap``..."""
+    parser.add_argument(
+        "--kafka-bootstrap",
+        dest=f"{dest_prefix}kafka_bootstrap",
+        metavar="HOST:PORT",
+        help="Kafka bootstrap servers [env CONVEYOR_KAFKA_BOOTSTRAP, default 127.0.0.1:9092]",
+    )
+    parser.add_argument(
+        "--redis-url",
+        dest=f"{dest_prefix}redis_url",
+        metavar="URL",
+        help="Redis URL [env CONVEYOR_REDIS_URL, default redis://127.0.0.1:6379/0]",
+    )
+
+
+CONNECTION_OPTIONS: Sequence[str] = ("kafka_bootstrap", "redis_url")
+"""Dest names of the connection options, shared by every subcommand that connects."""
+
+
+def add_client_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    connection: argparse.ArgumentParser,
+) -> None:
+    """Add submit, result, wait and topics to ``commands``; ``connection`` holds the
+    ``--kafka-bootstrap`` and ``--redis-url`` options each of them accepts."""
+    submit = commands.add_parser(
+        "submit",
+        parents=[connection],
+        help="send files as requests to a model; print one JSON line per file",
+    )
+    submit.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    submit.add_argument("--model", required=True, help="model name (topic conveyor.MODEL.requests)")
+    submit.add_argument("--wait", action="store_true", help="wait for and print the results")
+    submit.add_argument("--timeout", type=float, default=30.0, help="seconds --wait waits")
+    submit.add_argument("--params", help="JSON object of model parameters, e.g. '{\"top_k\": 3}'")
+    submit.add_argument(
+        "--content-type",
+        choices=[c.value for c in ContentType],
+        help="media type of every file (default: from each file's first bytes)",
+    )
+    submit.add_argument("--deadline", type=float, help="seconds after which answers are useless")
+    submit.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr while waiting (default: on a terminal, for several files)",
+    )
+    submit.set_defaults(handler=_runner(_submit))
+
+    result = commands.add_parser(
+        "result", parents=[connection], help="print a request's result now, if it has one"
+    )
+    result.add_argument("request_id", metavar="ID")
+    result.set_defaults(handler=_runner(_result))
+
+    wait = commands.add_parser(
+        "wait", parents=[connection], help="wait for a request's result and print it"
+    )
+    wait.add_argument("request_id", metavar="ID")
+    wait.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+    wait.set_defaults(handler=_runner(_wait))
+
+    topics = commands.add_parser("topics", help="manage a model's Kafka topics")
+    topic_commands = topics.add_subparsers(dest="topics_command", required=True)
+    create = topic_commands.add_parser(
+        "create",
+        parents=[connection],
+        help="create a model's request, result and dead-letter topics",
+        description="Create conveyor.MODEL.requests, .results and .dlq. Give the request "
+        "topic at least as many partitions as the most workers you plan to run for the "
+        "model: a worker beyond the partition count gets no work.",
+    )
+    create.add_argument("--model", required=True, help="model name")
+    create.add_argument(
+        "--partitions", type=int, required=True, help=">= the most workers planned for the model"
+    )
+    create.add_argument("--replication-factor", type=int, default=1)
+    create.set_defaults(handler=_runner(_topics_create))
+
+
+def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
+    """Settings from flags and environment, then the command, with errors as exit codes."""
+
+    def run(args: argparse.Namespace) -> int:
+        name = f"conveyor {args.command}"
+        try:
+            settings = _settings(args)
+        except ValidationError as exc:
+            return _fail(name, _describe(exc), EXIT_BAD_INPUT)
+        # The client's own errors say what failed; aiokafka's log lines would repeat it.
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+        try:
+            return asyncio.run(command(args, settings))
+        except (InvalidInput, ContractError) as exc:
+            return _fail(name, str(exc), EXIT_BAD_INPUT)
+        except ResultTimeout as exc:
+            return _fail(name, str(exc), EXIT_NO_RESULT)
+        except ServiceUnavailable as exc:
+            return _fail(name, str(exc), EXIT_UNAVAILABLE)
+        except ClientError as exc:  # an unknown model, a broker that refused
+            return _fail(name, str(exc), EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            return _fail(name, "interrupted", EXIT_INTERRUPTED)
+
+    return run
+
+
+async def _submit(args: argparse.Namespace, settings: ClientSettings) -> int:
+    params = _params(args.params)
+    files: list[Path] = args.files
+    deadline = None if args.deadline is None else timedelta(seconds=args.deadline)
+    async with AsyncClient(settings) as client:
+        ids = await client.submit_many(
+            files,
+            model=args.model,
+            params=params,
+            deadline=deadline,
+            content_type=args.content_type,
+        )
+        if not args.wait:
+            for path, request_id in zip(files, ids, strict=True):
+                _print({"file": str(path), "id": request_id})
+            return EXIT_OK
+        show = args.progress if args.progress is not None else sys.stderr.isatty() and len(ids) > 1
+        progress = ProgressBar(len(ids), "results", sys.stderr) if show else None
+        file_of = dict(zip(ids, files, strict=True))
+        status = EXIT_OK
+        try:
+            async with aclosing(client.wait_many(ids, args.timeout)) as results:
+                async for result in results:
+                    _print({"file": str(file_of.pop(result.id)), **_document(result)})
+                    status = max(status, _exit_status(result))
+                    if progress is not None:
+                        progress.advance()
+        except ResultTimeout:
+            # The ids still pending, so they can be waited for (or read) later.
+            for request_id, path in file_of.items():
+                _print({"file": str(path), "id": request_id, "status": "pending"})
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return status
+
+
+async def _result(args: argparse.Namespace, settings: ClientSettings) -> int:
+    async with AsyncClient(settings) as client:
+        result = await client.result(args.request_id)
+    if result is None:
+        return _fail(
+            f"conveyor {args.command}",
+            f"no result for {args.request_id} yet: it is pending, the id is unknown, or the "
+            "result outlived its time in Redis; `conveyor wait ID` waits for it",
+            EXIT_NO_RESULT,
+        )
+    _print(_document(result))
+    return _exit_status(result)
+
+
+async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:
+    async with AsyncClient(settings) as client:
+        result = await client.wait(args.request_id, args.timeout)
+    _print(_document(result))
+    return _exit_status(result)
+
+
+async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> int:
+    states = await create_model_topics(
+        settings, args.model, args.partitions, args.replication_factor
+    )
+    status = EXIT_OK
+    for state in states:
+        verb = "created" if state.created else "exists "
+        plural = "" if state.partitions == 1 else "s"
+        print(f"{verb} {state.name} ({state.partitions} partition{plural})")
+        if state.name.endswith(".requests") and state.partitions < args.partitions:
+            status = _fail(
+                f"conveyor {args.command}",
+                f"{state.name} already exists with {state.partitions} partitions, fewer than "
+                f"the {args.partitions} asked for; add partitions with Kafka's tools "
+                "(kafka-topics.sh --alter --partitions N) before running more workers",
+                EXIT_NOT_OK,
+            )
+    print(
+        f"partitions should be >= the largest number of workers planned for {args.model}: "
+        "a worker beyond the partition count gets no work",
+        file=sys.stderr,
+    )
+    return status
+
+
+def _settings(args: argparse.Namespace) -> ClientSettings:
+    given: dict[str, Any] = {}
+    if args.kafka_bootstrap is not None:
+        given["kafka_bootstrap"] = args.kafka_bootstrap
+    if args.redis_url is not None:
+        given["redis_url"] = SecretStr(args.redis_url)
+    return ClientSettings(**given)
+
+
+def _params(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        params = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"--params is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(params, dict):
+        raise InvalidInput(f'--params must be a JSON object like {{"top_k": 3}}, not {text!r}')
+    return params
+
+
+def _document(result: Result) -> dict[str, Any]:
+    document: dict[str, Any] = result.model_dump(mode="json")
+    return document
+
+
+def _exit_status(result: Result) -> int:
+    return EXIT_OK if result.status is Status.ok else EXIT_NOT_OK
+
+
+def _print(document: dict[str, Any]) -> None:
+    sys.stdout.write(orjson.dumps(document).decode() + "\n")
+    sys.stdout.flush()
+
+
+def _fail(name: str, message: str, status: int) -> int:
+    print(f"{name}: {message}", file=sys.stderr)
+    return status
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = ["invalid client settings:"]
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "settings"
+        lines.append(
+            f"  {field} (--{field.replace('_', '-')} or CONVEYOR_{field.upper()}): {err['msg']}"
+        )
+    return "\n".join(lines)

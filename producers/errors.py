@@ -1,0 +1,62 @@
+"""Errors the client raises, each saying what went wrong and what to do.
+
+Input the contract refuses (a payload too large, bad params, a bad request
+id) raises ``schemas.ContractError`` before anything is sent; everything else
+is a ``ClientError``. ``retriable`` tells whether trying again later may help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+# How many ids a message lists before it says "and N more".
+_SHOWN_IDS = 5
+
+
+class ClientError(Exception):
+    """Base class of the client's own errors."""
+
+    retriable: ClassVar[bool] = False
+
+
+class InvalidInput(ClientError, ValueError):
+    """A payload or argument the client cannot send: unreadable file, unknown media type, ..."""
+
+
+class UnknownModel(ClientError):
+    """The model's request topic does not exist, so nothing would ever serve the request."""
+
+    def __init__(self, model: str, topic: str) -> None:
+        super().__init__(
+            f"topic {topic} does not exist, so no worker serves model {model!r}: "
+            f"create it with `conveyor topics create --model {model} --partitions N` "
+            "(N >= the most workers you plan to run), then start `conveyor worker`"
+        )
+        self.model = model
+        self.topic = topic
+
+
+class ServiceUnavailable(ClientError):
+    """Kafka or Redis could not be reached in time."""
+
+    retriable: ClassVar[bool] = True
+
+
+class ResultTimeout(ClientError, TimeoutError):
+    """No result arrived in time. ``request_ids`` are the ones still pending."""
+
+    retriable: ClassVar[bool] = True
+
+    def __init__(self, request_ids: Sequence[str], timeout: float) -> None:
+        self.request_ids = tuple(request_ids)
+        self.timeout = timeout
+        shown = ", ".join(self.request_ids[:_SHOWN_IDS])
+        more = len(self.request_ids) - _SHOWN_IDS
+        if more > 0:
+            shown += f" and {more} more"
+        noun = "request" if len(self.request_ids) == 1 else f"{len(self.request_ids)} requests"
+        super().__init__(
+            f"no result within {timeout:g} s for {noun} {shown}: the request may still be "
+            "queued (is a worker running for its model?); wait again or read it later by id"
+        )

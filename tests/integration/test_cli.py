@@ -1,0 +1,180 @@
+"""``conveyor`` client commands against the real broker, Redis and a real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+from aiokafka.admin import AIOKafkaAdminClient
+
+from producers.cli import main
+from schemas import encode_result, error_result, ok_result, result_key, topics_for
+from tests.integration.harness import REPO, WorkerProcess, create_model_topics
+from workers.demo_model import build_digits_model, heldout_digits
+
+
+@pytest.fixture
+def connection(kafka_bootstrap: str, redis_url: str) -> list[str]:
+    return ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+
+
+@pytest.fixture
+async def drop_topics(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[list[str]]:
+    """Models whose topics are deleted after the test."""
+    models: list[str] = []
+    yield models
+    for model in models:
+        topics = topics_for(model)
+        await kafka_admin.delete_topics([topics.requests, topics.results, topics.dlq])
+
+
+@pytest.fixture
+def stored(redis_url: str, uid: str) -> Iterator[dict[str, str]]:
+    """Two results written straight into Redis, as a worker would: an ok one and an error."""
+    client = redis.Redis.from_url(redis_url)
+    ok_id, error_id = f"{uid}-ok", f"{uid}-err"
+    served = ok_result(ok_id, [{"label": "3"}], model="m", model_version="1", worker="t")
+    failed = error_result(
+        error_id, "decode_failed", "not an image", model="m", model_version="1", worker="t"
+    )
+    client.set(result_key(ok_id), encode_result(served))
+    client.set(result_key(error_id), encode_result(failed))
+    yield {"ok": ok_id, "error": error_id}
+    client.delete(result_key(ok_id), result_key(error_id))
+    client.close()
+
+
+@pytest.mark.timeout(180)
+async def test_submit_wait_prints_one_json_line_per_file(
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    drop_topics: list[str],
+    tmp_path: Path,
+) -> None:
+    build_digits_model()
+    files = []
+    for n, (png, _digit) in enumerate(heldout_digits()[:3]):
+        files.append(tmp_path / f"digit-{n}.png")
+        files[-1].write_bytes(png)
+    await create_model_topics(kafka_admin, model_name, partitions=1)
+    drop_topics.append(model_name)
+    worker = WorkerProcess(model_name, kafka_bootstrap, redis_url, tmp_path / "worker.log")
+    worker.start()
+    try:
+        # Connection settings from the environment this time, as a deployment would give them.
+        env = {
+            **os.environ,
+            "CONVEYOR_KAFKA_BOOTSTRAP": kafka_bootstrap,
+            "CONVEYOR_REDIS_URL": redis_url,
+        }
+        argv = ["submit", *map(str, files), "--model", model_name, "--wait", "--timeout", "90"]
+        done = await _run_cli(argv, env=env)
+    finally:
+        worker.stop()
+    assert done.returncode == 0, done.stderr + worker.log()
+    lines = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert sorted(line["file"] for line in lines) == sorted(map(str, files))
+    assert all(line["status"] == "ok" and line["model"] == model_name for line in lines)
+    assert len({line["id"] for line in lines}) == 3
+
+
+def test_submit_without_wait_prints_ids(
+    connection: list[str],
+    model_name: str,
+    drop_topics: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No worker needed: the request is only queued. The topic must exist, though."""
+    image = tmp_path / "a.png"
+    image.write_bytes(heldout_digits()[0][0])
+    drop_topics.append(model_name)
+    assert main([*connection, "topics", "create", "--model", model_name, "--partitions", "1"]) == 0
+    assert main([*connection, "submit", str(image), "--model", model_name]) == 0
+    line = orjson.loads(capsys.readouterr().out.splitlines()[-1])
+    assert line["file"] == str(image)
+    assert len(line["id"]) == 32
+
+
+async def test_topics_create_makes_three_topics_and_is_idempotent(
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    drop_topics: list[str],
+) -> None:
+    argv = ["--kafka-bootstrap", kafka_bootstrap, "topics", "create", "--model", model_name]
+    drop_topics.append(model_name)
+    first = await _run_cli([*argv, "--partitions", "3"])
+    assert first.returncode == 0, first.stderr
+    topics = topics_for(model_name)
+    assert f"created {topics.requests} (3 partitions)" in first.stdout
+    assert "partitions should be >= the largest number of workers planned" in first.stderr
+    described = await kafka_admin.describe_topics([topics.requests, topics.results, topics.dlq])
+    assert [len(t["partitions"]) for t in described] == [3, 3, 1]
+
+    again = await _run_cli([*argv, "--partitions", "3"])
+    assert again.returncode == 0
+    assert f"exists  {topics.requests} (3 partitions)" in again.stdout
+    more = await _run_cli([*argv, "--partitions", "6"])
+    assert more.returncode == 1
+    assert "fewer than the 6 asked for" in more.stderr
+
+
+def test_submit_to_unknown_model_says_how_to_create_it(
+    connection: list[str], uid: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image = tmp_path / "a.png"
+    image.write_bytes(heldout_digits()[0][0])
+    assert main([*connection, "submit", str(image), "--model", f"none{uid}"]) == 2
+    captured = capsys.readouterr()
+    assert f"topic conveyor.none{uid}.requests does not exist" in captured.err
+    assert f"conveyor topics create --model none{uid}" in captured.err
+    assert captured.out == ""
+
+
+def test_result_and_wait_print_the_document(
+    connection: list[str], stored: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*connection, "result", stored["ok"]]) == 0
+    assert orjson.loads(capsys.readouterr().out)["outputs"] == [{"label": "3"}]
+    assert main([*connection, "wait", stored["ok"], "--timeout", "5"]) == 0
+    assert orjson.loads(capsys.readouterr().out)["id"] == stored["ok"]
+    assert main([*connection, "result", stored["error"]]) == 1  # printed, but not ok
+    assert orjson.loads(capsys.readouterr().out)["error"]["code"] == "decode_failed"
+
+
+def test_missing_results_exit_3_naming_the_id(
+    connection: list[str], uid: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = f"{uid}-missing"
+    assert main([*connection, "result", missing]) == 3
+    assert f"no result for {missing} yet" in capsys.readouterr().err
+    assert main([*connection, "wait", missing, "--timeout", "0.2"]) == 3
+    captured = capsys.readouterr()
+    assert f"no result within 0.2 s for request {missing}" in captured.err
+    assert captured.out == ""
+
+
+async def _run_cli(
+    argv: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``conveyor ARGV`` in a child process (main() cannot run inside the test's event loop)."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "producers.cli", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

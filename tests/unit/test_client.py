@@ -1,0 +1,239 @@
+"""The client SDK's pure parts: payload sniffing, input checks, errors, settings, CLI parsing.
+
+Nothing here talks to Kafka or Redis; where a client is built, it points at a
+closed port, so a check that ran after connecting would fail differently.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from producers import (
+    AsyncClient,
+    Client,
+    ClientSettings,
+    InvalidInput,
+    ResultTimeout,
+    UnknownModel,
+    sniff_content_type,
+)
+from producers.cli import _apply_global_options, build_parser, main
+from producers.payload import load_payload
+from producers.progress import ProgressBar
+from schemas import ContentType, ContractError, Limits
+from workers.cli import settings_from_args
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 24
+# Nothing listens on port 9 (discard): a client that tried to connect would fail there.
+UNREACHABLE = ClientSettings(
+    kafka_bootstrap="127.0.0.1:9", redis_url=SecretStr("redis://127.0.0.1:9/0")
+)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"\xff\xd8\xff\xe0\0\x10JFIF", ContentType.JPEG),
+        (PNG, ContentType.PNG),
+        (b"RIFF\x24\0\0\0WEBPVP8 ", ContentType.WEBP),
+        (b"\x93NUMPY\x01\0v\0{'descr'", ContentType.NPY),
+        (b'{"uri": "s3://bucket/key"}', None),
+        (b"RIFF\x24\0\0\0WAVEfmt ", None),  # RIFF, but audio
+        (b"\x89PN", None),  # truncated
+        (b"", None),
+    ],
+)
+def test_sniff_content_type(data: bytes, expected: ContentType | None) -> None:
+    assert sniff_content_type(data) == expected
+
+
+def test_load_payload_reads_a_file_and_sniffs_it(tmp_path: Path) -> None:
+    path = tmp_path / "digit.bin"  # the name says nothing; the bytes do
+    path.write_bytes(PNG)
+    assert load_payload(path, None, Limits()) == (PNG, ContentType.PNG)
+
+
+def test_load_payload_keeps_an_explicit_content_type() -> None:
+    assert load_payload(b'{"a": 1}', ContentType.JSON, Limits()) == (
+        b'{"a": 1}',
+        "application/json",
+    )
+    assert load_payload(PNG, "image/jpeg", Limits())[1] == "image/jpeg"
+
+
+def test_unrecognised_bytes_ask_for_a_content_type() -> None:
+    with pytest.raises(InvalidInput, match="content type"):
+        load_payload(b"hello", None, Limits())
+
+
+def test_unreadable_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.png"
+    with pytest.raises(InvalidInput, match=r"cannot read file .*missing\.png"):
+        load_payload(missing, None, Limits())
+
+
+def test_oversize_file_is_refused_with_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "big.png"
+    path.write_bytes(PNG + b"\0" * 100)
+    with pytest.raises(
+        InvalidInput, match=rf"big\.png is {len(PNG) + 100} bytes, more than the 64"
+    ):
+        load_payload(path, None, Limits(max_payload_bytes=64))
+
+
+def test_empty_payload_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="empty"):
+        load_payload(b"", ContentType.PNG, Limits())
+
+
+async def test_bad_input_fails_before_connecting(tmp_path: Path) -> None:
+    """Every check runs before Kafka is touched: the unreachable broker is never reached."""
+    good = tmp_path / "good.png"
+    good.write_bytes(PNG)
+    async with AsyncClient(UNREACHABLE) as client:
+        with pytest.raises(InvalidInput, match="missing"):
+            await client.submit_many([good, tmp_path / "missing.png"], model="digits")
+        with pytest.raises(ContractError, match="ce_params"):
+            await client.submit(PNG, model="digits", params={"y": object()})
+        with pytest.raises(ContractError, match="ce_id"):
+            await client.submit(PNG, model="digits", request_id="no spaces allowed")
+        with pytest.raises(InvalidInput, match="model name"):
+            await client.submit(PNG, model="a/b")
+        with pytest.raises(InvalidInput, match="2 ids for 1 payloads"):
+            await client.submit_many([PNG], model="digits", request_ids=["a", "b"])
+        with pytest.raises(ContractError, match="request_id"):
+            await client.result("not a valid id")
+
+
+def test_sync_client_raises_the_same_errors_and_closes_twice() -> None:
+    client = Client(UNREACHABLE)
+    with pytest.raises(InvalidInput, match="content type"):
+        client.submit(b"hello", model="digits")
+    client.close()
+    client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.result("abc")
+
+
+def test_result_timeout_names_the_ids() -> None:
+    one = ResultTimeout(["req-1"], 2.5)
+    assert one.request_ids == ("req-1",)
+    assert isinstance(one, TimeoutError)
+    assert "within 2.5 s for request req-1:" in str(one)
+    many = ResultTimeout([f"id{n}" for n in range(8)], 1)
+    assert "8 requests id0, id1, id2, id3, id4 and 3 more" in str(many)
+    assert len(many.request_ids) == 8
+
+
+def test_unknown_model_names_the_topic_and_the_fix() -> None:
+    err = UnknownModel("cats", "conveyor.cats.requests")
+    assert "topic conveyor.cats.requests does not exist" in str(err)
+    assert "conveyor topics create --model cats --partitions N" in str(err)
+
+
+def test_settings_from_environment_and_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KAFKA_BOOTSTRAP", "kafka:9092")
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", "redis://:hunter2@cache:6380/1")
+    monkeypatch.setenv("CONVEYOR_MAX_BATCH_SIZE", "64")  # a worker's variable: ignored here
+    settings = ClientSettings()
+    assert settings.kafka_bootstrap == "kafka:9092"
+    assert settings.redis_location == "redis://cache:6380/1"
+    assert "hunter2" not in repr(settings)
+    assert ClientSettings(kafka_bootstrap="other:1").kafka_bootstrap == "other:1"
+    with pytest.raises(ValidationError):
+        settings.kafka_bootstrap = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("redis_url", "http://cache"), ("topic_prefix", "bad prefix"), ("connect_timeout_s", 0)],
+)
+def test_bad_settings_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValidationError, match=field):
+        ClientSettings.model_validate({field: value})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kafka-bootstrap", "k:1", "--redis-url", "redis://r:2/0", "result", "abc"],
+        ["result", "abc", "--kafka-bootstrap", "k:1", "--redis-url", "redis://r:2/0"],
+    ],
+)
+def test_connection_options_before_or_after_the_command(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    _apply_global_options(args)
+    assert (args.kafka_bootstrap, args.redis_url) == ("k:1", "redis://r:2/0")
+
+
+def test_worker_command_still_takes_its_options_and_the_global_ones() -> None:
+    parser = build_parser()
+    own = parser.parse_args(["worker", "--model", "digits", "--kafka-bootstrap", "k:1"])
+    _apply_global_options(own)
+    assert settings_from_args(own).kafka_bootstrap == "k:1"
+    before = parser.parse_args(["--kafka-bootstrap", "k:2", "worker", "--model", "digits"])
+    _apply_global_options(before)
+    assert settings_from_args(before).kafka_bootstrap == "k:2"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [("{not json", "--params is not valid JSON"), ("[1, 2]", "--params must be a JSON object")],
+)
+def test_cli_refuses_malformed_params_before_sending(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], params: str, message: str
+) -> None:
+    image = tmp_path / "a.png"
+    image.write_bytes(PNG)
+    argv = ["--kafka-bootstrap", "127.0.0.1:9", "submit", str(image), "--model", "m"]
+    assert main([*argv, "--params", params]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
+
+
+def test_cli_names_an_unreadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.png"
+    assert main(["--kafka-bootstrap", "127.0.0.1:9", "submit", str(missing), "--model", "m"]) == 2
+    assert f"cannot read file {missing}" in capsys.readouterr().err
+
+
+def test_cli_reports_an_unreachable_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image = tmp_path / "a.png"
+    image.write_bytes(PNG)
+    assert main(["--kafka-bootstrap", "127.0.0.1:9", "submit", str(image), "--model", "m"]) == 4
+    err = capsys.readouterr().err
+    assert "cannot reach Kafka at 127.0.0.1:9" in err
+    assert "CONVEYOR_KAFKA_BOOTSTRAP" in err
+
+
+def test_cli_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--redis-url", "redis://127.0.0.1:9/0", "result", "abc"]) == 4
+    assert "cannot reach Redis at redis://127.0.0.1:9/0" in capsys.readouterr().err
+
+
+def test_progress_bar_ends_full() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(3, "results", stream)
+    for _ in range(3):
+        bar.advance()
+    bar.close()
+    assert stream.getvalue().rstrip("\n").endswith("[" + "#" * 30 + "] 3/3 results")
+
+
+def test_client_package_imports_no_torch() -> None:
+    """A client-only install has no torch: importing the SDK and its CLI must not need it."""
+    code = (
+        "import producers, producers.client, producers.cli, sys; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
