@@ -15,6 +15,7 @@ from importlib import import_module
 from importlib.metadata import version
 
 from producers.commands import CONNECTION_OPTIONS, add_client_commands, connection_options
+from producers.video import add_stream_command
 
 _GLOBAL = "global_"  # dest prefix of the connection options given before the command
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     connection_options(connection)
     add_client_commands(commands, connection)
+    add_stream_command(commands, connection)
     return parser
 
 
