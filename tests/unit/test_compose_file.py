@@ -2,7 +2,8 @@
 
 Docker does not run where the tests run, so these read the file itself: the
 services, Kafka's KRaft settings, a worker that `--scale worker=N` can multiply,
-configuration through CONVEYOR_* variables only, and start-up ordered by health.
+configuration through CONVEYOR_* variables only, start-up ordered by health, and
+a Prometheus that scrapes every worker replica.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from schemas import topics_for
+from workers.health import DEFAULT_PORT
 from workers.settings import WorkerSettings
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
@@ -134,3 +136,22 @@ def test_dockerfile_installs_the_worker_extra() -> None:
     assert re.search(r"^FROM python:3\.12-slim$", dockerfile, re.MULTILINE)
     assert "pip install '.[worker]'" in dockerfile
     assert 'CMD ["conveyor", "worker", "--model", "digits"]' in dockerfile
+
+
+def test_prometheus_scrapes_every_worker_replica(services: dict[str, Any]) -> None:
+    prometheus = services["prometheus"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prometheus["image"])  # pinned
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    # The worker's metrics port is reachable inside the network, not published.
+    assert str(DEFAULT_PORT) in [str(port) for port in services["worker"]["expose"]]
+
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "conveyor-worker"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    [discovery] = job["dns_sd_configs"]
+    # DNS service discovery of the compose service: one A record per replica.
+    assert discovery["names"] == ["worker"]
+    assert discovery["type"] == "A"
+    assert discovery["port"] == DEFAULT_PORT
+    assert "static_configs" not in job  # a fixed target list would miss scaled replicas

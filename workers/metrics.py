@@ -1,0 +1,363 @@
+"""The worker's Prometheus metrics, in a registry of their own.
+
+Every metric is named ``conveyor_*`` and labelled with the served ``model``. The
+pipeline reports once per batch or per publish round-trip, never per record, so
+the cost stays flat at tens of thousands of requests per second: values that come
+one per record (queue wait, end-to-end time) go into `BulkHistogram`, which takes
+a whole batch under one lock (measured: about 0.13 µs per value, against 1.1 µs
+for one ``prometheus_client`` ``Histogram.observe``).
+
+The autoscaling signal is ``conveyor_backlog_drain_seconds``: this worker's lag
+divided by its recent answer rate (`RateMeter`), i.e. how long the records
+already waiting would take to serve at the current pace.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import ClassVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from schemas import Status
+from workers.batcher import CloseReason
+
+__all__ = [
+    "CONTENT_TYPE",
+    "BulkHistogram",
+    "Metrics",
+    "RateMeter",
+    "cuda_memory_allocated",
+    "drain_seconds",
+]
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus version reads
+
+# Powers of two up to the largest max_batch_size the settings allow.
+_BATCH_SIZE_BUCKETS = tuple(float(2**k) for k in range(13))
+_QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_INFERENCE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# End to end includes time spent in the topic, which a backlog stretches to minutes.
+_E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600, 1800)
+
+
+class RateMeter:
+    """Events per second over a sliding window, from counts reported with a timestamp.
+
+    Counts land in ``buckets`` slots of ``window_s / buckets`` seconds each, so memory
+    is bounded whatever the rate. Until the meter is ``window_s`` old, the rate is
+    taken over the time since the first count, so a fresh worker does not report a
+    rate diluted by seconds it did not exist. The caller supplies ``now`` (monotonic
+    seconds), which keeps this class pure and testable with plain numbers.
+    """
+
+    def __init__(self, window_s: float = 60.0, buckets: int = 60) -> None:
+        if window_s <= 0 or buckets < 1:
+            raise ValueError(f"window_s must be > 0 and buckets >= 1, got {window_s}, {buckets}")
+        self._window = window_s
+        self._width = window_s / buckets
+        self._slots: deque[list[float]] = deque()  # [slot start, count], oldest first
+        self._first: float | None = None
+
+    def add(self, count: int, now: float) -> None:
+        """Record ``count`` events at ``now``."""
+        if count <= 0:
+            return
+        if self._first is None:
+            self._first = now
+        start = math.floor(now / self._width) * self._width
+        if self._slots and self._slots[-1][0] >= start:
+            self._slots[-1][1] += count
+        else:
+            self._slots.append([start, float(count)])
+        self._expire(now)
+
+    def rate(self, now: float) -> float:
+        """Events per second over the last ``window_s`` seconds (0.0 before any event)."""
+        self._expire(now)
+        if self._first is None or not self._slots:
+            return 0.0
+        # Never divide by less than one slot: a single early burst is not a huge rate.
+        span = max(self._width, min(self._window, now - self._first))
+        return sum(slot[1] for slot in self._slots) / span
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self._window
+        while self._slots and self._slots[0][0] + self._width <= horizon:
+            self._slots.popleft()
+
+
+def drain_seconds(lag: int, rate: float) -> float:
+    """Seconds to serve ``lag`` waiting records at ``rate`` per second.
+
+    0 with nothing waiting; +Inf when records wait but nothing is being answered
+    (a stalled or brand-new worker), which any "above N seconds" alert catches.
+    """
+    if lag <= 0:
+        return 0.0
+    if rate <= 0:
+        return math.inf
+    return lag / rate
+
+
+def cuda_memory_allocated() -> int | None:
+    """Bytes held by tensors on the current CUDA device; None without an active GPU.
+
+    torch is looked up, not imported: a process that never imported it holds no GPU
+    memory, and a scrape must not pay for a multi-second import. Reading the
+    allocator's counter never creates a CUDA context (it is 0 before one exists).
+    """
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_allocated())
+
+
+class BulkHistogram(Collector):
+    """A one-series Prometheus histogram of durations, fed many values per call.
+
+    Negative values count as 0: a duration measured across two machines' clocks
+    can come out slightly negative. Thread-safe: the model thread and the event
+    loop may both observe while a scrape reads.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labels: Mapping[str, str],
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = sorted(float(b) for b in buckets if b != math.inf)
+        self._labels = dict(labels)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        """Count every value; ``le`` is inclusive, as in Prometheus."""
+        bounds, counts, find = self._bounds, self._counts, bisect.bisect_left
+        total = 0.0
+        with self._lock:
+            for value in values:
+                if value < 0.0:
+                    value = 0.0
+                counts[find(bounds, value)] += 1
+                total += value
+            self._sum += total
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, count in zip([*self._bounds, math.inf], counts, strict=True):
+            running += count
+            cumulative.append((_le(bound), float(running)))
+        family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), cumulative, sum_value=total)
+        yield family
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+class Metrics:
+    """All of one worker's metrics, and the cheap calls the pipeline makes to feed them.
+
+    ``render()`` gives the Prometheus text exposition of this registry only (plus
+    the process collector: CPU, memory, open files), never the global default one.
+    """
+
+    content_type: ClassVar[str] = CONTENT_TYPE  # of what render() returns
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rate_window_s: float = 60.0,
+        gpu_memory: Callable[[], int | None] = cuda_memory_allocated,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model
+        self._clock = clock
+        self._gpu_memory = gpu_memory
+        self._throughput = RateMeter(rate_window_s)
+        self._lag_series: dict[tuple[str, int], Gauge] = {}  # label children, by partition
+        self._lag_total = 0
+        ProcessCollector(registry=self.registry)
+        self._define(model)
+
+    def _define(self, model: str) -> None:
+        reg, by_model = self.registry, {"model": model}
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, ["model", *labels], registry=reg)
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, ["model", *labels], registry=reg)
+
+        self._requests = counter(
+            "conveyor_requests_total", "Requests answered, by final status.", "status"
+        )
+        self._batches = counter(
+            "conveyor_batches_total", "Batches closed, by why they closed.", "reason"
+        )
+        # Every series exists from the start, so rate() sees the zeros; children are
+        # kept because a labels() lookup costs more than the increment itself.
+        self._by_status = {s.value: self._requests.labels(model, s.value) for s in Status}
+        self._by_reason = {r.value: self._batches.labels(model, r.value) for r in CloseReason}
+        self._dead_letters = counter(
+            "conveyor_dead_letters_total", "Records copied to the dead-letter topic."
+        ).labels(model)
+        self._redeliveries = counter(
+            "conveyor_redeliveries_total",
+            "Redelivered requests whose result was already in Redis (left unchanged).",
+        ).labels(model)
+        self._batch_size = Histogram(
+            "conveyor_batch_size",
+            "Requests per batch sent to the model.",
+            ["model"],
+            registry=reg,
+            buckets=_BATCH_SIZE_BUCKETS,
+        ).labels(model)
+        self._inference = Histogram(
+            "conveyor_inference_seconds",
+            "Time the model took per batch, preprocessing excluded.",
+            ["model"],
+            registry=reg,
+            buckets=_INFERENCE_BUCKETS,
+        ).labels(model)
+        self._queue = BulkHistogram(
+            "conveyor_queue_wait_seconds",
+            "Per request: from the worker receiving it to its batch starting on the model.",
+            _QUEUE_BUCKETS,
+            by_model,
+        )
+        self._e2e = BulkHistogram(
+            "conveyor_end_to_end_seconds",
+            "Per request: from the Kafka record timestamp to its result being written.",
+            _E2E_BUCKETS,
+            by_model,
+        )
+        reg.register(self._queue)
+        reg.register(self._e2e)
+        self._in_flight = gauge(
+            "conveyor_in_flight_requests", "Records fetched and not yet answered."
+        ).labels(model)
+        self._lag = gauge(
+            "conveyor_consumer_lag",
+            "Records of an assigned partition not yet answered (in flight included).",
+            "topic",
+            "partition",
+        )
+        self._drain = gauge(
+            "conveyor_backlog_drain_seconds",
+            "Lag divided by the recent answer rate: time to serve what is waiting (+Inf if "
+            "records wait and none are answered).",
+        ).labels(model)
+        self._ready = gauge("conveyor_ready", "1 while /readyz answers 200, else 0.").labels(model)
+        self._loop_lag = gauge(
+            "conveyor_event_loop_lag_seconds",
+            "How late the last heartbeat woke up: time the event loop was blocked.",
+        ).labels(model)
+        self._gpu = gauge(
+            "conveyor_gpu_memory_allocated_bytes", "Bytes held by tensors on the GPU."
+        )
+
+    # -- per batch ------------------------------------------------------------------------
+
+    def batch_closed(self, reason: str) -> None:
+        """Count one closed batch (``CloseReason`` value), whether or not it had items."""
+        child = self._by_reason.get(reason) or self._batches.labels(self._model, reason)
+        child.inc()
+
+    def observe_batch(self, size: int, queue_s: Sequence[float], inference_s: float) -> None:
+        """A batch of ``size`` requests ran on the model in ``inference_s`` seconds;
+        ``queue_s`` holds each request's wait before the batch started."""
+        self._batch_size.observe(size)
+        self._inference.observe(inference_s)
+        self._queue.observe_many(queue_s)
+
+    def observe_results(self, status_counts: Mapping[str, int], e2e_s: Sequence[float]) -> None:
+        """Results made durable in one publish: counts by status, and each result's
+        end-to-end seconds (negative values, from producer clock skew, count as 0)."""
+        total = 0
+        for status, count in status_counts.items():
+            if count:
+                child = self._by_status.get(status) or self._requests.labels(self._model, status)
+                child.inc(count)
+                total += count
+        self._e2e.observe_many(e2e_s)
+        self._throughput.add(total, self._clock())
+
+    def dead_letters(self, count: int) -> None:
+        """``count`` records were written to the dead-letter topic."""
+        if count:
+            self._dead_letters.inc(count)
+
+    def duplicates(self, count: int) -> None:
+        """``count`` redelivered requests already had a result in Redis."""
+        if count:
+            self._redeliveries.inc(count)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def set_in_flight(self, count: int) -> None:
+        self._in_flight.set(count)
+
+    def set_lag(self, lag: Mapping[tuple[str, int], int]) -> None:
+        """Replace the per-partition lag with ``{(topic, partition): records}``.
+
+        Partitions missing from ``lag`` (revoked in a rebalance) lose their series, so
+        a sum over workers never counts a partition twice.
+        """
+        for gone in self._lag_series.keys() - lag.keys():
+            del self._lag_series[gone]
+            self._lag.remove(self._model, gone[0], str(gone[1]))
+        total = 0
+        for key, records in lag.items():
+            child = self._lag_series.get(key)
+            if child is None:
+                child = self._lag_series[key] = self._lag.labels(self._model, key[0], str(key[1]))
+            child.set(max(0, records))
+            total += max(0, records)
+        self._lag_total = total
+        self._update_drain()
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready.set(1 if ready else 0)
+
+    def set_loop_lag(self, seconds: float) -> None:
+        self._loop_lag.set(seconds)
+
+    def render(self) -> bytes:
+        """The exposition text; refreshes values that are read rather than pushed."""
+        self._update_drain()
+        allocated = self._gpu_memory()
+        if allocated is not None:
+            self._gpu.labels(self._model).set(allocated)
+        return bytes(generate_latest(self.registry))
+
+    def _update_drain(self) -> None:
+        rate = self._throughput.rate(self._clock())
+        self._drain.set(drain_seconds(self._lag_total, rate))
