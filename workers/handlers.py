@@ -2,9 +2,10 @@
 
 A handler turns one payload into one tensor (``preprocess``, thread pool), a
 stacked batch into outputs (``forward``, the model thread, on the device) and
-outputs into one JSON-able result per item (``postprocess``). ``ImageClassifier``
-is the built-in handler behind every image model spec; ``workers.loader``
-builds handlers from specs.
+outputs into one JSON-able result per item (``postprocess``). A handler may also
+build the device batch itself (``Collating``), e.g. to decode JPEGs there.
+``ImageClassifier`` is the built-in handler behind every image model spec;
+``workers.loader`` builds handlers from specs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode, Limits
+from workers.gpu_decode import BatchDecoder, DecodeOption, device_decode_supported
 from workers.preprocess import ImageSpec, decode
 
 DEFAULT_TOP_K = 5
@@ -57,6 +59,24 @@ class Handler(Protocol):
         """One JSON-able result per item, in batch order; ``params[i]`` belongs to item i."""
 
 
+@runtime_checkable
+class Collating(Protocol):
+    """Optional handler hook: build the device batch from preprocessed items.
+
+    ``ModelRunner`` calls ``collate`` instead of stacking when a handler has it, so
+    ``preprocess`` may return something cheaper than the model's input (encoded bytes,
+    say) and the expensive part happens once per batch, on the device.
+    """
+
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        """The batch for ``forward`` on ``device``, items in order; ``None`` to let the
+        runner stack ``items`` as usual (e.g. when none of them needs the hook).
+
+        Called on the runner's staging stream, from one thread at a time. May raise
+        ``ContractError`` for an item that turns out to be bad.
+        """
+
+
 def top_k_param(params: Mapping[str, Any], default: int = DEFAULT_TOP_K) -> int:
     """The ``top_k`` request parameter: a positive integer, ``default`` when absent."""
     value = params.get("top_k", default)
@@ -79,6 +99,11 @@ class ImageClassifier:
     module. Results are the ``top_k`` classes (request parameter, default
     ``default_top_k``, capped at the number of labels) as
     ``{"label", "index", "score"}`` with softmax scores, best first.
+
+    With ``decode="gpu"`` (the ``auto`` choice on CUDA), a JPEG item travels as its
+    encoded bytes (a 1-D uint8 tensor, its declared size already checked) and
+    ``collate`` decodes the batch's JPEGs on the device with nvJPEG; other images,
+    and JPEGs the device decoder will not take, are decoded on the CPU as before.
     """
 
     def __init__(
@@ -97,11 +122,16 @@ class ImageClassifier:
         limits: Limits = DEFAULT_LIMITS,
         default_top_k: int = DEFAULT_TOP_K,
         set_eval: bool = True,
+        decode: DecodeOption = "auto",
     ) -> None:
         """Wrap ``module``, moving it to ``device`` and ``dtype``.
 
         ``set_eval=False`` is for ``torch.export`` modules, whose train/eval mode is
-        fixed when they are exported and which refuse ``.eval()``.
+        fixed when they are exported and which refuse ``.eval()``. ``decode`` picks
+        where images are decoded (``workers.gpu_decode.DecodeOption``); ``gpu`` on a
+        CPU device runs the same batched path with torchvision's CPU decoder (for tests).
+        Raises ``ValueError`` for ``decode="gpu"`` where the batched path cannot fit
+        images the way ``image`` says.
         """
         if len(mean) != image.channels or len(std) != image.channels:
             raise ValueError(
@@ -131,8 +161,12 @@ class ImageClassifier:
         mean_t = torch.tensor(mean, dtype=torch.float64).view(shape)
         self._scale = (1.0 / (255.0 * std_t)).to(self.device, dtype)
         self._shift = (mean_t / std_t).to(self.device, dtype)
+        self.batch_decoder = _batch_decoder(decode, image, self.device, limits)
+        """The device JPEG path, or ``None`` when every image is decoded on the CPU."""
 
     def example_item(self) -> torch.Tensor:
+        if self.batch_decoder is not None:
+            return self.batch_decoder.example()  # so that warm-up starts nvJPEG too
         return torch.zeros(
             (self.image.channels, self.image.height, self.image.width), dtype=torch.uint8
         )
@@ -141,7 +175,16 @@ class ImageClassifier:
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
         top_k_param(params, self._default_top_k)
+        if self.batch_decoder is not None and content_type == ContentType.JPEG:
+            encoded = self.batch_decoder.encoded(payload)
+            if encoded is not None:
+                return encoded
         return decode(payload, content_type, self.image, max_pixels=self._limits.max_pixels)
+
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        if self.batch_decoder is None:
+            return None
+        return self.batch_decoder.collate(items, device)
 
     def normalize(self, batch: torch.Tensor) -> torch.Tensor:
         """uint8 (N, C, H, W) pixels to the module's normalized input (device, dtype, layout)."""
@@ -177,3 +220,17 @@ class ImageClassifier:
                 ]
             )
         return results
+
+
+def _batch_decoder(
+    decode: DecodeOption, image: ImageSpec, device: torch.device, limits: Limits
+) -> BatchDecoder | None:
+    if decode not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"decode must be auto, cpu or gpu, not {decode!r}")
+    if decode == "cpu":
+        return None
+    # auto: the device path only pays off on CUDA, and only where it fits images the way
+    # Pillow would (a model that wants Lanczos resampling keeps the CPU path).
+    if decode == "auto" and (device.type != "cuda" or device_decode_supported(image) is not None):
+        return None
+    return BatchDecoder(image, max_pixels=limits.max_pixels)

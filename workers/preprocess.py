@@ -96,7 +96,7 @@ def _load_image(payload: bytes, fmt: str, spec: ImageSpec, max_pixels: int) -> I
     """Open, check the declared size, and decode the pixels; codec failures become errors."""
     try:
         img = Image.open(io.BytesIO(payload), formats=[fmt])
-        _check_pixels(img.width, img.height, max_pixels)
+        check_pixels(img.width, img.height, max_pixels)
         if img.format == "JPEG":
             # Let libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is that much
             # smaller: most of the decode cost of a large photo never happens.
@@ -150,7 +150,7 @@ def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Ten
             seen=str(pixels.shape),
         )
     height, width = pixels.shape[:2]
-    _check_pixels(width, height, max_pixels)
+    check_pixels(width, height, max_pixels)
     channels = 1 if pixels.ndim == 2 else 3
     if (height, width, channels) == (spec.height, spec.width, spec.channels):
         return _to_tensor(pixels)
@@ -195,7 +195,8 @@ def _read_npy(payload: bytes) -> npt.NDArray[Any]:
     return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
-def _check_pixels(width: int, height: int, max_pixels: int) -> None:
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    """Raise ``ContractError(image_too_large)`` for a declared size above ``max_pixels``."""
     if width * height > max_pixels:
         raise ContractError(
             ErrorCode.image_too_large,
@@ -211,18 +212,19 @@ def _scale(width: int, height: int, spec: ImageSpec) -> float:
     return max(spec.width / width, spec.height / height) / spec.crop_ratio
 
 
+def crop_box(width: int, height: int, spec: ImageSpec) -> tuple[float, float, float, float]:
+    """The (left, top, right, bottom) region of a (width, height) image that ``spec`` keeps:
+    centered, of the target's aspect ratio, ``crop_ratio`` of the shorter side."""
+    scale = _scale(width, height, spec)
+    box_w, box_h = spec.width / scale, spec.height / scale
+    left, top = (width - box_w) / 2, (height - box_h) / 2
+    # Clamped: float rounding can put an edge a hair outside the image.
+    return (max(left, 0.0), max(top, 0.0), min(left + box_w, width), min(top + box_h, height))
+
+
 def _fit(img: Image.Image, spec: ImageSpec) -> Image.Image:
     """Center-crop and resize to the target in one resampling pass (``resize`` with a box)."""
-    scale = _scale(img.width, img.height, spec)
-    box_w, box_h = spec.width / scale, spec.height / scale
-    left, top = (img.width - box_w) / 2, (img.height - box_h) / 2
-    # Clamped: float rounding can put an edge a hair outside the image.
-    box = (
-        max(left, 0.0),
-        max(top, 0.0),
-        min(left + box_w, img.width),
-        min(top + box_h, img.height),
-    )
+    box = crop_box(img.width, img.height, spec)
     if img.size == (spec.width, spec.height) and box == (0, 0, img.width, img.height):
         return img
     # reducing_gap lets Pillow shrink large images by integer factors first (fast),

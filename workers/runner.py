@@ -1,18 +1,31 @@
-"""The model runner: stacks a micro-batch, runs the handler on the device, splits results.
+"""The model runner: stages a micro-batch on the device, runs the handler, splits results.
 
 Synchronous by design: the worker calls ``run`` from one dedicated thread, so
 the device sees one batch at a time while the event loop keeps fetching,
-decoding and publishing around it.
+decoding and publishing around it. ``run`` is ``prepare`` (stack into pinned
+memory and copy, or the handler's ``collate``, on a CUDA stream of its own) then
+``infer`` (the forward on the compute stream): a caller that prepares the next
+batch from another thread while one is inferring overlaps the two on the GPU.
+
+With ``buckets``, a batch is padded up to the next bucket size and the padding
+stripped from the outputs, so a compiled model sees a few fixed shapes, each
+compiled during ``warm_up`` rather than by the first request of that size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from workers.handlers import Handler
+from workers.handlers import Collating, Handler
+
+DEFAULT_SMALLEST_BUCKET = 8
+"""On a GPU a batch of 8 costs about what a batch of 1 does, and every bucket is one
+more compilation at start-up; padding small batches up to 8 is the better trade."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -46,21 +59,60 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``max_batch_size``, then ``max_batch_size``:
+    e.g. 8, 16, 32, 64, 128, 256 for 256, and 8, 16, 32, 64, 100 for 100."""
+    if max_batch_size < 1 or smallest < 1:
+        raise ValueError(f"batch sizes must be at least 1, got {max_batch_size} and {smallest}")
+    sizes = {max_batch_size}
+    size = 1
+    while size < max_batch_size:
+        if size >= smallest:
+            sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBatch:
+    """A batch staged on the device by ``ModelRunner.prepare``, ready for ``infer``."""
+
+    tensor: torch.Tensor  # the model's input, padded up to its bucket
+    size: int  # the real items; rows past them are padding
+    ready: torch.cuda.Event | None  # recorded on the staging stream once the data is there
+
+
 class ModelRunner:
     """Runs one handler's model on one device, a batch at a time."""
 
     def __init__(
-        self, handler: Handler, device: str | torch.device = "auto", *, compile: bool = False
+        self,
+        handler: Handler,
+        device: str | torch.device = "auto",
+        *,
+        compile: bool = False,
+        buckets: Sequence[int] = (),
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
         the same way for both). ``compile`` wraps ``handler.forward`` in ``torch.compile``;
         the first batch of each new size then compiles, which ``warm_up`` moves to start-up.
+        ``buckets`` (e.g. ``batch_buckets(256)``) pads each batch to the next bucket size;
+        the handler's forward must treat batch rows independently (eval-mode models do).
         """
+        if any(size < 1 for size in buckets):
+            raise ValueError(f"bucket sizes must be at least 1, got {sorted(buckets)}")
         self.handler = handler
         self.device = resolve_device(device)
-        self._forward: Callable[[torch.Tensor], torch.Tensor] = (
-            torch.compile(handler.forward) if compile else handler.forward
-        )
+        self.buckets: tuple[int, ...] = tuple(sorted(set(buckets)))
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = handler.forward
+        if compile:
+            self._forward = compile_forward(handler.forward, self.buckets)
+        self._collate = handler.collate if isinstance(handler, Collating) else None
+        # Uploads (and device-side decoding) run on their own stream, so that when the
+        # next batch is prepared from another thread they overlap the running forward.
+        # torch.cuda.Stream and Event have no annotations in torch's sources.
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
 
     def run(
         self, tensors: Sequence[torch.Tensor], params: Sequence[Mapping[str, Any]]
@@ -68,42 +120,100 @@ class ModelRunner:
         """Outputs for a batch: ``result[i]`` answers ``tensors[i]`` with ``params[i]``.
 
         Exceptions from the model propagate (``torch.cuda.OutOfMemoryError`` included),
-        so the caller can split the batch and retry the halves.
+        so the caller can split the batch and retry the halves; so do ``ContractError``s
+        from a handler's ``collate`` that finds an item bad.
         """
         if len(tensors) != len(params):
             raise ValueError(f"{len(tensors)} tensors but {len(params)} params; need one each")
         if not tensors:
             return []
-        batch = self._stack(tensors).to(self.device, non_blocking=True)
+        return self.infer(self.prepare(tensors), params)
+
+    def prepare(self, tensors: Sequence[torch.Tensor]) -> DeviceBatch:
+        """Stage preprocessed items on the device: the handler's ``collate``, else a stack
+        through pinned memory; padded to the bucket. Safe to call from another thread
+        than ``infer``'s, one thread at a time. ``tensors`` must not be empty."""
+        if not tensors:
+            raise ValueError("cannot prepare an empty batch")
+        with torch.inference_mode(), self._staging():
+            batch = self._collate(tensors, self.device) if self._collate is not None else None
+            if batch is None:
+                batch = self._upload(tensors)
+            batch = self._pad(batch)
+            ready = None
+            if self._stream is not None:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(self._stream)
+        return DeviceBatch(batch, len(tensors), ready)
+
+    def infer(self, batch: DeviceBatch, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Run the model on a prepared batch; one result per real item, padding dropped."""
+        if batch.size != len(params):
+            raise ValueError(f"{batch.size} items but {len(params)} params; need one each")
+        if batch.ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(batch.ready)
+            # The batch was allocated on the staging stream: keep the allocator from
+            # handing its memory out again before the forward here has read it.
+            batch.tensor.record_stream(compute)
         with torch.inference_mode():
-            outputs = self._forward(batch)
-            # postprocess copies results to the host, which also waits for the
-            # non-blocking upload above to finish before its pinned buffer is freed.
-            results = self.handler.postprocess(outputs, params)
-        if len(results) != len(tensors):
+            outputs = self._forward(batch.tensor)
+            results = self.handler.postprocess(outputs[: batch.size], params)
+        if len(results) != batch.size:
             raise RuntimeError(
                 f"handler {self.handler.name} returned {len(results)} results "
-                f"for a batch of {len(tensors)}; postprocess must return one per item"
+                f"for a batch of {batch.size}; postprocess must return one per item"
             )
         return results
 
-    def warm_up(self, batch_sizes: Iterable[int]) -> None:
-        """Run a dummy batch of each size, so that allocator growth, cuDNN algorithm
-        choice and compilation happen before the first real request."""
+    def warm_up(self, batch_sizes: Iterable[int] = ()) -> None:
+        """Run a dummy batch of each size, and of every bucket, so that allocator growth,
+        cuDNN algorithm choice, nvJPEG start-up and compilation happen before the first
+        real request. Sizes that pad to the same bucket run once."""
         item = self.handler.example_item()
-        for size in sorted(set(batch_sizes)):
-            if size < 1:
-                raise ValueError(f"warm-up batch sizes must be at least 1, got {size}")
+        sizes = set(batch_sizes)
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"warm-up batch sizes must be at least 1, got {min(sizes)}")
+        for size in sorted({self._bucket(size) for size in sizes} | set(self.buckets)):
             self.run([item] * size, [{}] * size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _stack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _staging(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+
+    def _bucket(self, size: int) -> int:
+        """The smallest bucket that holds ``size`` items; ``size`` itself above them all."""
+        return next((bucket for bucket in self.buckets if bucket >= size), size)
+
+    def _pad(self, batch: torch.Tensor) -> torch.Tensor:
+        padding = self._bucket(len(batch)) - len(batch)
+        if padding == 0:
+            return batch
+        return torch.cat([batch, batch.new_zeros((padding, *batch.shape[1:]))])
+
+    def _upload(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.stack(list(tensors))
         # Stack straight into page-locked memory: the upload can then be asynchronous
-        # and skips the driver's staging copy. Torch caches pinned blocks, so this
-        # allocation is cheap after the first batches.
+        # and skips the driver's staging copy. Torch caches pinned blocks and keeps each
+        # one until the copies that read it are done, so dropping it here is safe.
         first = tensors[0]
-        out = torch.empty((len(tensors), *first.shape), dtype=first.dtype, pin_memory=True)
-        return torch.stack(list(tensors), out=out)
+        host = torch.empty((len(tensors), *first.shape), dtype=first.dtype, pin_memory=True)
+        torch.stack(list(tensors), out=host)
+        return host.to(self.device, non_blocking=True)
+
+
+def compile_forward(
+    forward: Callable[[torch.Tensor], torch.Tensor], buckets: Sequence[int]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``torch.compile(forward)``: one static graph per bucket size when there are
+    buckets, else torch's default (dynamic shapes after the second size seen)."""
+    if not buckets:
+        return torch.compile(forward)
+    # One static graph per bucket (dynamic=False): fixed shapes give the fastest
+    # kernels. Dynamo stops recompiling a function after recompile_limit shapes (8 by
+    # default) and silently runs it eagerly after that, so make room for every bucket.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
+    return torch.compile(forward, dynamic=False)

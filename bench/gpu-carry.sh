@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build .gpu/: what the GPU machine lacks (it has torch but no Java, Redis or our
+# pure-Python dependencies, and no network), small enough to carry (< 64 MiB).
+# Kafka's jars and a jlink'd Java runtime are repacked uncompressed and then xz'd:
+# xz on raw class files is about half the size of the jars' own deflate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.gpu
+rm -rf "$out" && mkdir -p "$out/wheels" "$out/debs"
+python3 -m pip download -q -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  aiokafka redis pydantic pydantic-settings orjson prometheus-client "setuptools>=77" wheel
+(cd "$out/debs" && apt-get download redis-server redis-tools libjemalloc2 liblzf1)
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# The broker alone (no tools), without zstd or snappy: Conveyor's records are uncompressed.
+mvn -B -q -f bench/kafka-broker-pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+  -DoutputDirectory="$work/jars"
+mkdir "$work/kafka0"
+for jar in "$work"/jars/*.jar; do
+  case $(basename "$jar") in zstd-jni-*|snappy-java-*) continue ;; esac
+  mkdir "$work/x" && (cd "$work/x" && unzip -q "$jar" && zip -q -0 -r -X "$work/kafka0/$(basename "$jar")" .) && rm -rf "$work/x"
+done
+tar -C "$work" -cf - kafka0 | xz -9 -T2 >"$out/kafka0.tar.xz"
+jlink --add-modules java.base,java.desktop,java.management,java.naming,java.security.jgss,java.security.sasl,java.sql,java.xml,jdk.unsupported,jdk.management,java.instrument,java.scripting,jdk.crypto.ec,java.logging,jdk.zipfs \
+  --strip-debug --no-header-files --no-man-pages --compress=0 --output "$work/jre0"
+tar -C "$work" -cf - jre0 | xz -9 -T2 >"$out/jre0.tar.xz"
+du -sh "$out"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root with .gpu/ carried (bench/gpu-carry.sh):
+# our dependencies from wheels beside the machine's torch, then Kafka and
+# Redis on loopback with the project's own scripts. Then runs "$@".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The machine's Python environment already has torch: add our dependencies to it
+# (the machine is a throwaway; a nested venv would not see its packages).
+if [ ! -f /tmp/conveyor-deps-installed ]; then
+  python3 -c "import torch, torchvision" || { echo "no torch on this machine's python3" >&2; exit 1; }
+  python3 -m pip install -q --no-index --find-links .gpu/wheels \
+    aiokafka redis pydantic pydantic-settings orjson prometheus-client "setuptools>=77" wheel
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+  touch /tmp/conveyor-deps-installed
+fi
+if [ ! -d /tmp/jre0 ]; then
+  tar -C /tmp -xJf .gpu/jre0.tar.xz
+  mkdir -p /tmp/redis && for deb in .gpu/debs/*.deb; do dpkg -x "$deb" /tmp/redis; done
+  version=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' compose/local/kafka-pom.xml)
+  mkdir -p ".cache/kafka-$version" && rm -rf ".cache/kafka-$version/libs"
+  tar -C /tmp -xJf .gpu/kafka0.tar.xz && mv /tmp/kafka0 ".cache/kafka-$version/libs"
+  touch ".cache/kafka-$version/libs/.complete"
+fi
+export PATH="/tmp/jre0/bin:/tmp/redis/usr/bin:$PATH"
+export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+compose/local/up.sh
+"$@"
