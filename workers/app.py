@@ -8,33 +8,62 @@ import os
 import signal
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 from schemas import consumer_group, topics_for
 from workers.consumer import Consumer
+from workers.health import Check, HealthServer
 from workers.loader import load_handler
+from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.publisher import Publisher
-from workers.runner import ModelRunner
+from workers.runner import ModelRunner, batch_buckets
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("conveyor.worker")
 
 
+@dataclass
+class _Parts:
+    """What readiness depends on, filled in as the worker starts."""
+
+    stop: asyncio.Event
+    runner: ModelRunner | None = None
+    publisher: Publisher | None = None
+    consumer: Consumer | None = None
+
+
 async def run_worker(settings: WorkerSettings) -> None:
     """Serve ``settings.model`` from its request topic until SIGTERM or SIGINT."""
     topics = topics_for(settings.served_name, settings.topic_prefix)
-    runner = await asyncio.to_thread(_load_model, settings)
-    stop = _stop_on_signals()
+    stop = _stop_on_signals()  # first, so a stop during start-up is a clean one too
+    metrics = Metrics(settings.served_name)
+    parts = _Parts(stop)
     async with AsyncExitStack() as stack:
-        publisher = await stack.enter_async_context(Publisher(settings, topics.results, topics.dlq))
-        consumer = await stack.enter_async_context(
+        # First in, so liveness answers while the model loads; last out, so probes
+        # read "not_draining: failed" during the drain rather than a closed port.
+        await stack.enter_async_context(
+            HealthServer(
+                metrics,
+                _readiness_checks(parts),
+                host=settings.metrics_host,
+                port=settings.metrics_port,
+            )
+        )
+        runner = parts.runner = await asyncio.to_thread(_load_model, settings)
+        if stop.is_set():
+            return
+        publisher = parts.publisher = await stack.enter_async_context(
+            Publisher(settings, topics.results, topics.dlq)
+        )
+        consumer = parts.consumer = await stack.enter_async_context(
             Consumer(
                 settings,
                 topics.requests,
                 consumer_group(settings.served_name, settings.topic_prefix),
             )
         )
-        pipeline = Pipeline(settings, consumer, publisher, runner, runner.handler, topics)
+        pipeline = Pipeline(settings, consumer, publisher, runner, runner.handler, topics, metrics)
         log.info(
             "worker %s ready: serving %s from %s",
             settings.worker_id,
@@ -50,6 +79,18 @@ async def run_worker(settings: WorkerSettings) -> None:
         )
 
 
+def _readiness_checks(parts: _Parts) -> dict[str, Check]:
+    async def redis_reachable() -> bool:
+        return parts.publisher is not None and await parts.publisher.ping()
+
+    return {
+        "model_loaded": lambda: parts.runner is not None,
+        "partitions_assigned": lambda: parts.consumer is not None and parts.consumer.assigned(),
+        "redis_reachable": redis_reachable,
+        "not_draining": lambda: not parts.stop.is_set(),
+    }
+
+
 def _load_model(settings: WorkerSettings) -> ModelRunner:
     started = time.monotonic()
     handler = load_handler(
@@ -59,8 +100,10 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         dtype=settings.dtype,
         channels_last=settings.channels_last,
         limits=settings.limits,
+        decode=settings.decode,
     )
-    runner = ModelRunner(handler, device=settings.device, compile=settings.compile)
+    buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
+    runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)
     sizes = sorted(
         {1, settings.max_batch_size}
         | {

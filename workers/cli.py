@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from typing import Any, get_args
 
 from pydantic import SecretStr, ValidationError
 
+from workers.logs import configure_logging
 from workers.settings import WorkerSettings
 
 _SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = f"CONVEYOR_{name.upper()}"
         help_text = f"{info.description or name.replace('_', ' ')} [env {env}]"
-        if info.annotation is bool:
+        if info.annotation in (bool, bool | None):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
@@ -65,13 +65,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"conveyor worker: {describe_error(exc)}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("aiokafka").setLevel(
-        max(logging.WARNING, logging.getLevelName(settings.log_level))
-    )
+    configure_logging(settings.log_level, settings.log_format)
 
     from workers.app import run_worker  # torch is imported only when a worker really starts
 

@@ -31,6 +31,7 @@ class Consumer:
     def __init__(self, settings: WorkerSettings, topic: str, group: str) -> None:
         self._topic = topic
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self._next_offset: dict[TopicPartition, int] = {}  # per partition, after the last fetched
         self._progress = asyncio.Condition()
         self._drain_timeout_s = settings.max_poll_interval_ms / 1000.0
         self._kafka = AIOKafkaConsumer(
@@ -72,11 +73,30 @@ class Consumer:
         for tp, recs in batches.items():
             for rec in recs:
                 self._tracker.track(tp, rec.offset)
+            if recs:
+                self._next_offset[tp] = recs[-1].offset + 1
             records.extend(recs)
         return records
 
     def in_flight(self) -> int:
         return self._tracker.in_flight()
+
+    def assigned(self) -> bool:
+        """Whether the group gave this worker at least one partition (readiness)."""
+        return bool(self._kafka.assignment())
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Per assigned partition, records not yet answered: not fetched, plus in flight.
+
+        Partitions not fetched from since their assignment are left out: their
+        position is unknown without a request, and a caught-up one adds 0 anyway.
+        """
+        lag: dict[tuple[str, int], int] = {}
+        for tp in self._kafka.assignment():
+            end, fetched = self._kafka.highwater(tp), self._next_offset.get(tp)
+            if end is not None and fetched is not None:
+                lag[(tp.topic, tp.partition)] = max(0, end - fetched) + self._tracker.in_flight(tp)
+        return lag
 
     def set_paused(self, paused: bool) -> None:
         """Pause or resume fetching from every assigned partition (backpressure)."""
@@ -133,6 +153,7 @@ class Consumer:
         await self.commit_finished()
         for tp in partitions:
             self._tracker.forget(tp)
+            self._next_offset.pop(tp, None)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

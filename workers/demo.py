@@ -207,6 +207,8 @@ def _worker_argv(settings: ClientSettings, model_name: str, device: str) -> list
         settings.redis_url.get_secret_value(),
         "--topic-prefix",
         settings.topic_prefix,
+        "--metrics-port",
+        "0",  # any free port: never collide with another worker on this host
     ]
 
 

@@ -28,8 +28,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from PIL import Image
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from schemas import DEFAULT_LIMITS, Limits
 from workers.handlers import ImageClassifier
@@ -171,6 +169,8 @@ def heldout_indices() -> npt.NDArray[np.intp]:
 
 
 def _digits() -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    from sklearn.datasets import load_digits  # lazily: it costs seconds at worker start-up
+
     data = load_digits()
     return data.images, data.target
 
@@ -178,6 +178,8 @@ def _digits() -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
 def _split() -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
     """Stratified 80/20 split of row indices, the same on every call and machine."""
     _, target = _digits()
+    from sklearn.model_selection import train_test_split
+
     train, heldout = train_test_split(
         np.arange(len(target)), test_size=_HELDOUT_SHARE, stratify=target, random_state=_SEED
     )

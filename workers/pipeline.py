@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from schemas import (
 from workers.batcher import Batch, Batcher
 from workers.consumer import Consumer, Record
 from workers.handlers import Handler
+from workers.metrics import Metrics
 from workers.publisher import DeadLetter, Outgoing, Publisher
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
@@ -95,8 +97,10 @@ class Pipeline:
         runner: ModelRunner,
         handler: Handler,
         topics: ModelTopics,
+        metrics: Metrics,
     ) -> None:
         self._s = settings
+        self._metrics = metrics
         self._consumer = consumer
         self._publisher = publisher
         self._runner = runner
@@ -142,6 +146,11 @@ class Pipeline:
                 )
                 await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 records = await fetch  # a fetch in progress still completes: its records count
+                self._metrics.set_in_flight(self._consumer.in_flight())
+                self._metrics.set_lag(self._consumer.lag())
+                if not records:
+                    # Idle: retry a commit that failed earlier (e.g. during a broker outage).
+                    await self._consumer.commit_finished()
                 for start in range(0, len(records), _DECODE_CHUNK):
                     chunk = records[start : start + _DECODE_CHUNK]
                     await self._decoding.put(
@@ -175,11 +184,22 @@ class Pipeline:
                     self._failure(record, ErrorCode.model_error, message, None, request_id, now_ms)
                 )
                 continue
-            deadline_at = None
-            if meta.deadline is not None:
-                deadline_at = now + (meta.deadline.timestamp() * 1000.0 - now_ms) / 1000.0
+            deadline_at = self._deadline(meta.deadline, record.timestamp, now, now_ms)
             out.append(Item(record, request, now_ms, now, deadline_at, tensor))
         return out
+
+    def _deadline(
+        self, deadline: datetime | None, produced_ms: int, now: float, now_ms: float
+    ) -> float | None:
+        """The request's deadline on the monotonic clock: ce_deadline or the max age, if set."""
+        limits_ms = []
+        if deadline is not None:
+            limits_ms.append(deadline.timestamp() * 1000.0)
+        if self._s.max_age_ms is not None:
+            limits_ms.append(produced_ms + self._s.max_age_ms)
+        if not limits_ms:
+            return None
+        return now + (min(limits_ms) - now_ms) / 1000.0
 
     async def _collect_loop(self) -> None:
         """Take decoded chunks in fetch order; items go to the batcher, failures to publish."""
@@ -204,6 +224,7 @@ class Pipeline:
                 if batch is None:
                     self._model_slots.release()
                     return
+                self._metrics.batch_closed(batch.reason)
                 if batch.expired:
                     await self._to_publish.put([self._expired(item) for item in batch.expired])
                 if not batch.items:
@@ -243,6 +264,8 @@ class Pipeline:
         outcomes = self._run_isolated(batch.items)
         inference_ms = (time.monotonic() - start) * 1000.0
         finished_ms = time.time() * 1000.0
+        queue_s = [start - item.received_at for item in batch.items]
+        self._metrics.observe_batch(len(batch.items), queue_s, inference_ms / 1000)
         answers = []
         for item, outcome in zip(batch.items, outcomes, strict=True):
             timings = Timings(
@@ -276,8 +299,12 @@ class Pipeline:
                 [i.tensor for i in items], [i.request.meta.params for i in items]
             )
         except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()  # give the halves the memory the failed batch held
             if len(items) == 1:
                 return [_Failure(ErrorCode.out_of_memory, f"out of memory even alone: {exc}")]
+        except ContractError as exc:  # e.g. a JPEG that only fails when decoded in batch
+            if len(items) == 1:
+                return [_Failure(exc.code, str(exc))]
         except Exception as exc:
             if len(items) == 1:
                 log.warning("model failed on request %s: %r", items[0].request.meta.id, exc)
@@ -376,6 +403,22 @@ class Pipeline:
 
     # -- publish and commit ---------------------------------------------------------------
 
+    def _encode(self, answer: Answer) -> bytes:
+        """The result document; outputs that JSON cannot carry become an ``internal`` error."""
+        assert answer.result is not None
+        try:
+            return encode_result(answer.result)
+        except ContractError as exc:
+            log.error("result for %s cannot be encoded: %s", answer.result.id, exc)
+            answer.result = self._result(
+                answer.result.id,
+                Status.error,
+                None,
+                (ErrorCode.internal, f"the model's output could not be encoded: {exc}"),
+                answer.result.timings,
+            )
+            return encode_result(answer.result)
+
     async def _publish_loop(self) -> None:
         while True:
             unit = await self._to_publish.get()
@@ -393,9 +436,10 @@ class Pipeline:
 
     async def _publish(self, answers: Sequence[Answer]) -> None:
         outgoing, dead = [], []
+        counts: dict[str, int] = {}
         for answer in answers:
             if answer.result is not None:
-                data = encode_result(answer.result)
+                data = self._encode(answer)
                 outgoing.append(
                     Outgoing(
                         answer.result.id,
@@ -405,10 +449,18 @@ class Pipeline:
                     )
                 )
                 status = answer.result.status.value
+                counts[status] = counts.get(status, 0) + 1
                 self.stats.by_status[status] = self.stats.by_status.get(status, 0) + 1
             if answer.dead is not None:
                 dead.append(answer.dead)
         report = await self._publisher.publish(outgoing, dead)
+        durable_ms = time.time() * 1000.0
+        self._metrics.observe_results(
+            counts,
+            [(durable_ms - a.record.timestamp) / 1000 for a in answers if a.result is not None],
+        )
+        self._metrics.dead_letters(len(dead))
+        self._metrics.duplicates(report.duplicates)
         self.stats.answered += len(answers)
         self.stats.duplicates += report.duplicates
         await self._consumer.finish([(_tp(a.record), a.record.offset) for a in answers])

@@ -75,7 +75,10 @@ class Publisher:
             bootstrap_servers=settings.kafka_bootstrap,
             client_id=settings.worker_id,
             acks="all",
-            enable_idempotence=True,
+            # Not idempotent on purpose: a retried send may duplicate a reply record,
+            # which is harmless (same bytes, same key), while an idempotent producer
+            # can end in a fatal sequence error after a broker restart.
+            enable_idempotence=False,
             linger_ms=1,
             max_request_size=max(1 << 20, settings.limits.max_payload_bytes + 65536),
         )
@@ -91,6 +94,10 @@ class Publisher:
             await self._producer.stop()
         finally:
             await self._redis.aclose()
+
+    async def ping(self) -> bool:
+        """Whether Redis answers now (readiness); raises on a connection error."""
+        return bool(await self._redis.ping())
 
     async def __aenter__(self) -> Publisher:
         await self.start()

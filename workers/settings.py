@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_LIMITS, Limits, topics_for
+from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -45,8 +46,15 @@ class WorkerSettings(BaseSettings):
         description="weights file for torchvision models, or 'random' (benchmarks only)",
     )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    channels_last: bool = False
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="auto: float16 for torchvision models on CUDA, else float32"
+    )
+    channels_last: bool | None = Field(
+        default=None, description="default: on for torchvision models on CUDA"
+    )
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto", description="where JPEGs are decoded; auto = nvJPEG on CUDA"
+    )
     compile: bool = Field(default=False, description="torch.compile the model")
 
     # Batching.
@@ -54,6 +62,11 @@ class WorkerSettings(BaseSettings):
     max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
+    )
+    max_age_ms: int | None = Field(
+        default=None,
+        ge=1,
+        description="answer 'expired' for requests older than this (record timestamp), if set",
     )
     decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
 
@@ -71,6 +84,18 @@ class WorkerSettings(BaseSettings):
     worker_id: str = Field(default_factory=_default_worker_id)
     limits: Limits = DEFAULT_LIMITS
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text for people, json (one object per line) for collectors"
+    )
+
+    # Operations: /metrics, /healthz and /readyz on one HTTP port.
+    metrics_host: str = Field(default=DEFAULT_HOST, description="address of the metrics port")
+    metrics_port: int = Field(
+        default=DEFAULT_PORT,
+        ge=0,
+        le=65535,
+        description="port of /metrics, /healthz and /readyz (0: any free port)",
+    )
 
     @field_validator("device")
     @classmethod

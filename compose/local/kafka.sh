@@ -55,7 +55,8 @@ start() {
   local cp="$KAFKA_LIBS/*"
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
     local cluster_id
-    cluster_id=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null)
+    cluster_id=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>"$KAFKA_DIR/logs/format.log") \
+      || { tail -n 20 "$KAFKA_DIR/logs/format.log" >&2; die "Kafka's StorageTool failed (java: $(command -v java)); log: $KAFKA_DIR/logs/format.log"; }
     java -cp "$cp" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
       -Dkafka.logs.dir="$KAFKA_DIR/logs" \
       kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" >"$KAFKA_DIR/logs/format.log" 2>&1 \

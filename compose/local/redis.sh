@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start or stop a Redis server on 127.0.0.1 with no persistence (test and demo use).
+# Start or stop a Redis server on 127.0.0.1 with no persistence (test and demo use);
+# REDIS_SAVE="3600 1" turns on snapshots, saved at shutdown and loaded at start.
 # Usage: redis.sh start|stop|status
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
@@ -20,7 +21,7 @@ start() {
   mkdir -p "$REDIS_DIR"
   log "starting Redis on $REDIS_HOST:$REDIS_PORT (log: $LOGFILE)"
   nohup redis-server --bind "$REDIS_HOST" --port "$REDIS_PORT" --dir "$REDIS_DIR" \
-    --save "" --appendonly no --logfile "$LOGFILE" --daemonize no \
+    --save "${REDIS_SAVE:-}" --appendonly no --logfile "$LOGFILE" --daemonize no \
     >/dev/null 2>&1 </dev/null &
   echo $! >"$PIDFILE"
   if ! python3 "$ROOT/compose/local/ready.py" redis "$REDIS_HOST" "$REDIS_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$PIDFILE")"; then

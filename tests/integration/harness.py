@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +79,26 @@ async def redis_results(redis_url: str, ids: Sequence[str]) -> dict[str, Result]
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
             values = await client.mget([result_key(i) for i in chunk])
-            found.update({i: decode_result(v) for i, v in zip(chunk, values, strict=True) if v})
+            found.update(
+                {
+                    i: decode_result(v)
+                    for i, v in zip(chunk, values, strict=True)
+                    if isinstance(v, bytes)
+                }
+            )
         return found
+    finally:
+        await client.aclose()
+
+
+async def count_results(redis_url: str, ids: Sequence[str]) -> int:
+    """How many of ``ids`` have a result in Redis now (cheap: no decoding)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for i in ids:
+            pipe.exists(result_key(i))
+        return sum(await pipe.execute())
     finally:
         await client.aclose()
 
@@ -87,14 +106,19 @@ async def redis_results(redis_url: str, ids: Sequence[str]) -> dict[str, Result]
 async def wait_for_results(
     redis_url: str, ids: Sequence[str], timeout: float, poll: float = 0.2
 ) -> dict[str, Result]:
-    """Poll Redis until every id has a result or the timeout passes; returns what is there."""
+    """Poll Redis until every id has a result or the timeout passes.
+
+    Returns what is there either way, so a test can show exactly what is missing.
+    (A monotonic deadline, not ``asyncio.timeout``: the Redis client may swallow
+    the cancellation that ``asyncio.timeout`` relies on.)
+    """
     found: dict[str, Result] = {}
-    async with asyncio.timeout(timeout):
-        while len(found) < len(ids):
-            missing = [i for i in ids if i not in found]
-            found.update(await redis_results(redis_url, missing))
-            if len(found) < len(ids):
-                await asyncio.sleep(poll)  # polling interval, not a wait for readiness
+    deadline = time.monotonic() + timeout
+    while len(found) < len(ids) and time.monotonic() < deadline:
+        missing = [i for i in ids if i not in found]
+        found.update(await redis_results(redis_url, missing))
+        if len(found) < len(ids):
+            await asyncio.sleep(poll)  # polling interval, not a wait for readiness
     return found
 
 
@@ -128,6 +152,7 @@ class WorkerProcess:
     redis_url: str
     log_path: Path
     extra: Sequence[str] = ()
+    spec: str = "digits"
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -138,7 +163,7 @@ class WorkerProcess:
             "producers.cli",
             "worker",
             "--model",
-            "digits",
+            self.spec,
             "--model-name",
             self.model,
             "--kafka-bootstrap",
@@ -151,6 +176,8 @@ class WorkerProcess:
             "2",
             "--session-timeout-ms",
             "6000",
+            "--metrics-port",
+            "0",  # several workers share this host
             *self.extra,
         ]
         with self.log_path.open("ab") as log:  # the child keeps its own copy of the fd

@@ -1,0 +1,64 @@
+"""A demo-model handler with faults on demand, served by fault-test workers.
+
+Loaded by the worker as ``--model tests.faults.faulty:FaultyDigits``:
+- an all-white image (pixel value 255, which no real digit has: they stop at
+  240) makes ``forward`` raise, wherever it sits in a batch;
+- with ``CONVEYOR_TEST_OOM_ABOVE=k``, any batch larger than k raises the
+  framework's out-of-memory error, as a GPU would.
+Warm-up batches (all equal to ``example_item``) never fail: start-up must succeed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from schemas import DEFAULT_LIMITS, ContentType, Limits
+from workers.demo_model import load_digits_handler
+
+
+class FaultyDigits:
+    def __init__(self, device: torch.device | str = "cpu", limits: Limits = DEFAULT_LIMITS) -> None:
+        self._inner = load_digits_handler(device=device, limits=limits)
+        self.name = "digits"
+        self.version = "digits-faulty"
+        oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")
+        self._oom_above = int(oom_above) if oom_above else None
+
+    def example_item(self) -> torch.Tensor:
+        return self._inner.example_item()
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        return self._inner.preprocess(payload, content_type, params)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self._is_warm_up(batch):  # faults are for requests; start-up must succeed
+            return self._inner.forward(batch)
+        if self._oom_above is not None and batch.shape[0] > self._oom_above:
+            raise torch.cuda.OutOfMemoryError(f"injected: batch of {batch.shape[0]}")
+        if bool((batch.flatten(1) == 255).all(dim=1).any()):
+            raise RuntimeError("injected: a poison item is in this batch")
+        return self._inner.forward(batch)
+
+    def _is_warm_up(self, batch: torch.Tensor) -> bool:
+        example = self._inner.example_item().to(batch.device)
+        return bool((batch == example).flatten(1).all(dim=1).all())
+
+    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return self._inner.postprocess(outputs, params)
+
+
+def poison_png() -> bytes:
+    """The image that makes FaultyDigits fail: a valid 8x8 PNG, all white."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (8, 8), 255).save(buf, format="PNG")
+    return buf.getvalue()
