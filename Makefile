@@ -16,6 +16,7 @@ help:
 	@echo "make down     stop what 'make up' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
 	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
+	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict"
 	@echo "make clean    remove the venv, caches and local service data"
@@ -55,6 +56,10 @@ demo: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m workers.demo_model
 	$(PY) -m workers.demo --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+
+bench: install
+	@$(MAKE) --no-print-directory up
+	$(PY) -m bench.cpu --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 clean: down
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

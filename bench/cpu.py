@@ -1,0 +1,671 @@
+"""CPU benchmarks of the worker against the local Kafka broker and Redis (``make bench``).
+
+``python -m bench.cpu [--quick] [--out DIR]`` runs four scenarios, each on a
+fresh model name (so fresh topics and consumer groups), each worker a real
+``conveyor worker`` process stopped with SIGTERM:
+
+1. transport: records/s of the worker's ``workers.consumer.Consumer`` fetch loop
+   (fetch, track, finish, commit every ``max_in_flight`` records; no decoding,
+   no model, no publishing) on 1 KB records, against Kafka's own
+   ``kafka-consumer-perf-test`` (``ConsumerPerformance``) reading the same topic.
+2. overhead: requests/s of one worker serving an identity model (small
+   payloads) from a backlog: Kafka in → Redis and reply topic out, counted from
+   the worker's first fetch to every result being in Redis; then a profiled run.
+3. latency: open-loop load at 25/50/75% of the digits CNN's peak (scenario 4's
+   micro-batched rate); end-to-end percentiles from each result's timings
+   (``finished_ms − produced_ms``: the record timestamp to the result being
+   ready to publish, so the final Redis/reply write of ~1 ms is not in it).
+4. batching: the digits CNN served one request at a time (``--max-batch-size 1``)
+   vs micro-batched (the defaults), both from a backlog as in 2.
+
+It prints a table last and writes ``cpu-bench.json`` and ``cpu-bench.png``
+into ``--out`` (default ``docs/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import itertools
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from bench.plot import Line, Panel, draw_panels
+from bench.services import (
+    Services,
+    create_topics,
+    delete_results,
+    delete_topics,
+    produce_at_rate,
+    produce_backlog,
+    read_results,
+    wait_for_results,
+)
+from bench.stats import (
+    backlog_rate,
+    batch_summary,
+    check_all_ok,
+    latency_summary,
+    profile_summary,
+)
+from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, encode_request
+from workers.consumer import Consumer
+from workers.demo import WorkerChild
+from workers.demo_model import build_digits_model, heldout_digits
+from workers.settings import WorkerSettings
+
+REPO = Path(__file__).resolve().parents[1]
+IDENTITY = "bench.identity:IdentityHandler"
+OVERHEAD_GOAL = 20_000.0  # requests/s per process (docs/PERF.md goal 5)
+TRANSPORT_GOAL = 0.8  # worker consumer / kafka-consumer-perf-test (goal 4)
+LOAD_FRACTIONS = (0.25, 0.5, 0.75)
+PARTITIONS = 3
+TRANSPORT_PAYLOAD = 1024
+SMALL_PAYLOAD = b"0123456789abcdef"
+OVERHEAD_BATCH = 256  # the identity model costs nothing: the largest batch amortises most
+DIGITS_DELAY_MS = 5.0  # the worker's default max_delay, stated so the latency goal can use it
+_WAIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much work each scenario does."""
+
+    transport_records: int
+    transport_repeats: int  # alternating kafka-perf / worker runs; the best of each counts
+    overhead_requests: int
+    profile_requests: int  # 0: profile the timed run itself (quick mode)
+    batching_requests: int
+    latency_seconds: float  # per load level
+
+
+FULL = Plan(200_000, 2, 30_000, 10_000, 6_000, 8.0)
+QUICK = Plan(300, 1, 300, 0, 300, 1.0)
+
+
+@dataclass
+class Bench:
+    """One benchmark run: where the services are, where logs go, and a run id for names."""
+
+    services: Services
+    plan: Plan
+    log_dir: Path
+    kafka_libs: Path
+    run_id: str
+    quick: bool  # tiny counts, scenarios side by side: the numbers mean nothing
+
+    def model(self, scenario: str) -> str:
+        return f"bench-{self.run_id}-{scenario}"
+
+    # -- workers -----------------------------------------------------------------------
+
+    def worker_argv(
+        self, spec: str, model: str, options: Sequence[str], profile: Path | None = None
+    ) -> list[str]:
+        entry = ["bench.profiled", str(profile)] if profile else ["producers.cli"]
+        return [
+            sys.executable,
+            "-m",
+            *entry,
+            "worker",
+            "--model",
+            spec,
+            "--model-name",
+            model,
+            "--kafka-bootstrap",
+            self.services.kafka_bootstrap,
+            "--redis-url",
+            self.services.redis_url,
+            "--device",
+            "cpu",
+            "--decode-threads",
+            "2",  # the box has 2 cores
+            "--result-ttl-s",
+            "3600",
+            "--metrics-port",
+            "0",  # several workers share this host
+            *options,
+        ]
+
+    async def serve_backlog(
+        self,
+        topics: ModelTopics,
+        model: str,
+        argv: list[str],
+        records: Sequence[OutgoingRecord],
+        ids: Sequence[str],
+    ) -> dict[str, Any]:
+        """Produce ``records``, then start a worker on them; rate and batches once all are in."""
+        await produce_backlog(self.services, topics.requests, records, PARTITIONS)
+        log_path = self.log_dir / f"{model}-{len(ids)}.log"
+        async with WorkerChild(argv, log_path) as worker:
+            seen_at = await worker.unless_it_dies(
+                wait_for_results(self.services, ids, ids[-PARTITIONS:], _WAIT_S)
+            )
+        results = await read_results(self.services, ids)
+        check_all_ok(results, len(ids), f"{model} (log {log_path})")
+        return {"requests": len(ids), "rate": backlog_rate(results, seen_at)} | batch_summary(
+            results
+        )
+
+    @asynccontextmanager
+    async def fresh_model(self, scenario: str) -> AsyncIterator[tuple[str, ModelTopics, list[str]]]:
+        """A model name with new topics; its topics and results are deleted afterwards.
+
+        Yields the name, its topics and a list the caller fills with the request ids it used.
+        """
+        model = self.model(scenario)
+        topics = await create_topics(self.services, model, PARTITIONS)
+        ids: list[str] = []
+        try:
+            yield model, topics, ids
+        finally:
+            await delete_results(self.services, ids)
+            await delete_topics(self.services, topics)
+
+
+# -- scenario 1: transport -------------------------------------------------------------------
+
+
+async def transport(bench: Bench) -> dict[str, Any]:
+    n = bench.plan.transport_records
+    async with bench.fresh_model("transport") as (model, topics, _ids):
+        payload = bytes(i % 251 for i in range(TRANSPORT_PAYLOAD))
+        records = _requests(model, payload, ContentType.TEXT, n)[0]
+        await produce_backlog(bench.services, topics.requests, records, PARTITIONS)
+        settings = WorkerSettings(
+            model=IDENTITY,
+            model_name=model,
+            kafka_bootstrap=bench.services.kafka_bootstrap,
+        )
+        kafka_runs, worker_runs = [], []
+        for repeat in range(bench.plan.transport_repeats):
+            group = f"{consumer_group(model)}.run{repeat}"
+            kafka_runs.append(
+                await _kafka_consumer_perf(bench, topics.requests, n, group + ".kperf")
+            )
+            worker_runs.append(await _consumer_fetch_loop(settings, topics.requests, n, group))
+    kafka_best = max(run["records_per_s"] for run in kafka_runs)
+    worker_best = max(run["records_per_s"] for run in worker_runs)
+    return {
+        "what": "workers.consumer.Consumer fetch loop (fetch, offset tracking, finish, commit "
+        "every max_in_flight records) vs kafka-consumer-perf-test fetch.nMsg.sec, same topic",
+        "records": n,
+        "payload_bytes": TRANSPORT_PAYLOAD,
+        "partitions": PARTITIONS,
+        "kafka_perf_runs": kafka_runs,
+        "worker_consumer_runs": worker_runs,
+        "kafka_perf_records_per_s": kafka_best,
+        "worker_consumer_records_per_s": worker_best,
+        "ratio": worker_best / kafka_best,
+        "goal": TRANSPORT_GOAL,
+        "met": worker_best / kafka_best >= TRANSPORT_GOAL,
+    }
+
+
+async def _consumer_fetch_loop(
+    settings: WorkerSettings, topic: str, n: int, group: str
+) -> dict[str, float]:
+    """Read ``n`` records the way the pipeline's fetch loop does; time from the first record.
+
+    The first fetch's records are not counted: the clock starts when they arrive
+    (group join and the first fetch's round trip stay out, as they do in
+    ``ConsumerPerformance``'s fetch time).
+    """
+    max_records = settings.max_batch_size * 4  # what workers.pipeline asks for per fetch
+    got = uncommitted = uncounted = 0
+    first_at = last_at = 0.0
+    async with Consumer(settings, topic, group) as consumer, asyncio.timeout(_WAIT_S):
+        while got < n:
+            records = await consumer.fetch(100, max_records)
+            if not records:
+                continue
+            last_at = time.perf_counter()
+            if not got:
+                first_at, uncounted = last_at, len(records)
+            got += len(records)
+            await consumer.finish(
+                [(TopicPartition(r.topic, r.partition), r.offset) for r in records]
+            )
+            uncommitted += len(records)
+            if uncommitted >= settings.max_in_flight:
+                await consumer.commit_finished()
+                uncommitted = 0
+    elapsed = last_at - first_at
+    return {"records": got, "seconds": elapsed, "records_per_s": (got - uncounted) / elapsed}
+
+
+async def _kafka_consumer_perf(bench: Bench, topic: str, n: int, group: str) -> dict[str, float]:
+    """Kafka's ``kafka-consumer-perf-test`` on ``topic``; its fetch-phase rate (join excluded)."""
+    argv = [
+        "java",
+        "-cp",
+        f"{bench.kafka_libs}/*",
+        "org.apache.kafka.tools.ConsumerPerformance",
+        "--bootstrap-server",
+        bench.services.kafka_bootstrap,
+        "--topic",
+        topic,
+        "--messages",
+        str(n),
+        "--group",
+        group,
+        "--timeout",
+        "60000",
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), _WAIT_S)
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"kafka-consumer-perf-test failed ({proc.returncode}):\n{text}")
+    stats = _parse_consumer_perf(text)
+    if stats["data.consumed.in.nMsg"] < n:
+        raise RuntimeError(f"kafka-consumer-perf-test read fewer than {n} records:\n{text}")
+    return {
+        "records": stats["data.consumed.in.nMsg"],
+        "seconds": stats["fetch.time.ms"] / 1000.0,
+        "records_per_s": stats["fetch.nMsg.sec"],
+        "records_per_s_with_join": stats["nMsg.sec"],
+    }
+
+
+def _parse_consumer_perf(text: str) -> dict[str, float]:
+    """The numeric columns of ConsumerPerformance's one-line CSV report, by header name."""
+    lines = [line for line in text.splitlines() if "," in line]
+    for header, values in itertools.pairwise(lines):
+        if header.startswith("start.time"):
+            pairs = zip(header.split(","), values.split(","), strict=True)
+            return {
+                name.strip(): float(value)
+                for name, value in pairs
+                if name.strip() not in ("start.time", "end.time")  # dates
+            }
+    raise RuntimeError(f"cannot read kafka-consumer-perf-test's report:\n{text}")
+
+
+# -- scenario 2: per-request overhead --------------------------------------------------------
+
+
+async def overhead(bench: Bench) -> dict[str, Any]:
+    plan = bench.plan
+    options = ["--max-batch-size", str(OVERHEAD_BATCH)]
+    profile_path = bench.log_dir / f"{bench.model('overhead')}.prof"
+    async with bench.fresh_model("overhead") as (model, topics, ids):
+        records, batch_ids = _requests(
+            model, SMALL_PAYLOAD, ContentType.TEXT, plan.overhead_requests
+        )
+        ids += batch_ids
+        quick = plan.profile_requests == 0
+        argv = bench.worker_argv(IDENTITY, model, options, profile_path if quick else None)
+        timed = await bench.serve_backlog(topics, model, argv, records, batch_ids)
+        profiled_requests = plan.overhead_requests
+        if not quick:
+            # Same topic and group: the profiled worker gets only these new records.
+            records, batch_ids = _requests(
+                model, SMALL_PAYLOAD, ContentType.TEXT, plan.profile_requests, "p"
+            )
+            ids += batch_ids
+            argv = bench.worker_argv(IDENTITY, model, options, profile_path)
+            profiled = await bench.serve_backlog(topics, model, argv, records, batch_ids)
+            profiled_requests = plan.profile_requests
+            timed["profiled_rate"] = profiled["rate"]
+    rate = float(timed["rate"])
+    return {
+        "what": "identity model, 16-byte payloads, backlog: first fetch → all results in Redis "
+        "(and acked on the reply topic)",
+        "worker_options": options,
+        **timed,
+        "goal": OVERHEAD_GOAL,
+        "ratio_to_goal": rate / OVERHEAD_GOAL,
+        "met": rate >= OVERHEAD_GOAL,
+        "profile": profile_summary(profile_path, profiled_requests)
+        | {"stats_file": str(profile_path)},
+    }
+
+
+# -- scenario 4: batching gain, and the peak that scenario 3 loads against -------------------
+
+
+async def batching(bench: Bench, digits: Sequence[tuple[bytes, int]]) -> dict[str, Any]:
+    variants: list[tuple[str, list[str]]] = [
+        ("batch_1", ["--max-batch-size", "1"]),
+        ("micro_batched", []),
+    ]
+    runs = [_batching_run(bench, digits, name, options) for name, options in variants]
+    if bench.quick:
+        done = await asyncio.gather(*runs)
+    else:
+        done = [await one for one in runs]
+    by_name = {name: result for (name, _options), result in zip(variants, done, strict=True)}
+    return {
+        "what": "demo digits CNN (8x8 PNGs), backlog: first fetch → all results in Redis",
+        **by_name,
+        "ratio": float(by_name["micro_batched"]["rate"]) / float(by_name["batch_1"]["rate"]),
+    }
+
+
+async def _batching_run(
+    bench: Bench, digits: Sequence[tuple[bytes, int]], name: str, options: list[str]
+) -> dict[str, Any]:
+    async with bench.fresh_model(f"batch-{name.replace('_', '-')}") as (model, topics, ids):
+        records, ids[:] = _digit_requests(model, digits, bench.plan.batching_requests)
+        argv = bench.worker_argv("digits", model, options)
+        result = await bench.serve_backlog(topics, model, argv, records, ids)
+    return result | {
+        "worker_options": options or ["(defaults: --max-batch-size 32 --max-delay-ms 5)"]
+    }
+
+
+# -- scenario 3: latency under open-loop load ------------------------------------------------
+
+
+async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float) -> dict[str, Any]:
+    levels = []
+    async with bench.fresh_model("latency") as (model, topics, ids):
+        argv = bench.worker_argv("digits", model, [])
+        async with WorkerChild(argv, bench.log_dir / f"{model}.log") as worker:
+            # The first answers say the worker is up and in its group.
+            warm, warm_ids = _digit_requests(model, digits, 50, "w")
+            ids += warm_ids
+            await produce_backlog(bench.services, topics.requests, warm, PARTITIONS)
+            await worker.unless_it_dies(
+                wait_for_results(bench.services, warm_ids, warm_ids, _WAIT_S)
+            )
+            for fraction in LOAD_FRACTIONS:
+                rate = fraction * peak
+                count = max(20, int(rate * bench.plan.latency_seconds))
+                records, level_ids = _digit_requests(
+                    model, digits, count, f"r{int(fraction * 100)}"
+                )
+                ids += level_ids
+                sent_rate = await produce_at_rate(bench.services, topics.requests, records, rate)
+                await worker.unless_it_dies(
+                    wait_for_results(bench.services, level_ids, level_ids[-5:], _WAIT_S)
+                )
+                results = await read_results(bench.services, level_ids)
+                check_all_ok(results, count, f"latency at {fraction:.0%}")
+                levels.append(
+                    {
+                        "load": fraction,
+                        "target_rate": rate,
+                        "sent_rate": sent_rate,
+                        "requests": count,
+                    }
+                    | latency_summary(results)
+                )
+    at_half = next(level for level in levels if level["load"] == 0.5)
+    bound = DIGITS_DELAY_MS + 2 * at_half["compute_p99_ms"]
+    return {
+        "what": "demo digits CNN, open-loop producer (record timestamp = due time); latency = "
+        "timings.finished_ms - timings.produced_ms; compute = timings.inference_ms per batch",
+        "peak_rate": peak,
+        "max_delay_ms": DIGITS_DELAY_MS,
+        "levels": levels,
+        "goal_p99_ms_at_half_load": bound,
+        "met": at_half["p99_ms"] <= bound,
+    }
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def _requests(
+    model: str, payload: bytes, content_type: ContentType, count: int, tag: str = ""
+) -> tuple[list[OutgoingRecord], list[str]]:
+    ids = [f"{model}-{tag}{n}" for n in range(count)]
+    records = [
+        encode_request(payload, request_id=i, content_type=content_type, source="bench")
+        for i in ids
+    ]
+    return records, ids
+
+
+def _digit_requests(
+    model: str, digits: Sequence[tuple[bytes, int]], count: int, tag: str = ""
+) -> tuple[list[OutgoingRecord], list[str]]:
+    ids = [f"{model}-{tag}{n}" for n in range(count)]
+    records = [
+        encode_request(
+            digits[n % len(digits)][0], request_id=i, content_type=ContentType.PNG, source="bench"
+        )
+        for n, i in enumerate(ids)
+    ]
+    return records, ids
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+async def run(bench: Bench) -> dict[str, Any]:
+    started = time.monotonic()
+    meta = _machine() | {"load_average_before": os.getloadavg()}
+    await asyncio.to_thread(build_digits_model)
+    digits = await asyncio.to_thread(heldout_digits)
+    report: dict[str, Any] = {"meta": meta}
+
+    async def digits_scenarios() -> None:
+        report["batching"] = await _timed(
+            "4/4 batching (its micro-batched rate is the peak that 3/4 loads against)",
+            batching(bench, digits),
+        )
+        peak = float(report["batching"]["micro_batched"]["rate"])
+        report["latency"] = await _timed(
+            "3/4 latency, open-loop load", latency(bench, digits, peak)
+        )
+
+    async def transport_scenario() -> None:
+        report["transport"] = await _timed("1/4 transport", transport(bench))
+
+    async def overhead_scenario() -> None:
+        report["overhead"] = await _timed("2/4 per-request overhead", overhead(bench))
+
+    scenarios = (transport_scenario, overhead_scenario, digits_scenarios)
+    if bench.quick:
+        # Only checks that everything runs: side by side, the workers start up together.
+        async with asyncio.TaskGroup() as group:
+            for scenario in scenarios:
+                group.create_task(scenario())
+    else:
+        for scenario in scenarios:
+            await scenario()
+    meta["load_average_after"] = os.getloadavg()
+    meta["seconds"] = time.monotonic() - started
+    meta["plan"] = asdict(bench.plan)
+    return {key: report[key] for key in ("meta", "transport", "overhead", "latency", "batching")}
+
+
+async def _timed(title: str, scenario: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    _say(title)
+    started = time.monotonic()
+    section = await scenario
+    section["seconds"] = time.monotonic() - started
+    _say(f"{title}: done in {section['seconds']:.0f} s")
+    return section
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    model_name = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        model_name = found.group(1) if found else ""
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.orig_argv),
+        "cpus": os.cpu_count(),
+        "cpu_model": model_name,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "note": "shared VM: other engineers' processes share these cores; numbers are noisy",
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    t, o, b, lat = report["transport"], report["overhead"], report["batching"], report["latency"]
+    rows = [
+        ("scenario", "measured", "baseline / goal", "ratio", "goal met"),
+        (
+            "1 transport, 1 KB",
+            f"{t['worker_consumer_records_per_s']:,.0f} rec/s",
+            f"{t['kafka_perf_records_per_s']:,.0f} rec/s kafka perf",
+            f"{t['ratio']:.2f}",
+            _verdict(t["met"], f">= {TRANSPORT_GOAL}"),
+        ),
+        (
+            "2 overhead, identity",
+            f"{o['rate']:,.0f} req/s",
+            f"{OVERHEAD_GOAL:,.0f} req/s goal",
+            f"{o['ratio_to_goal']:.2f}",
+            _verdict(o["met"], f">= {OVERHEAD_GOAL:,.0f}/s"),
+        ),
+    ]
+    for level in lat["levels"]:
+        goal = ""
+        if level["load"] == 0.5:
+            goal = _verdict(lat["met"], f"p99 <= {lat['goal_p99_ms_at_half_load']:.1f} ms")
+        rows.append(
+            (
+                f"3 latency @{level['load']:.0%} peak",
+                f"p50 {level['p50_ms']:.1f} p95 {level['p95_ms']:.1f} p99 {level['p99_ms']:.1f} ms",
+                f"{level['sent_rate']:,.0f} req/s, batch {level['mean_batch_size']:.1f}",
+                "",
+                goal,
+            )
+        )
+    rows.append(
+        (
+            "4 batching, digits",
+            f"{b['micro_batched']['rate']:,.0f} req/s batched",
+            f"{b['batch_1']['rate']:,.0f} req/s batch-1",
+            f"{b['ratio']:.2f}x",
+            "(no CPU goal)",
+        )
+    )
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _verdict(met: bool, goal: str) -> str:
+    return f"{'yes' if met else 'NO'} ({goal})"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    t, o, b, lat = report["transport"], report["overhead"], report["batching"], report["latency"]
+    levels = lat["levels"]
+    panels = [
+        Panel(
+            "1. Transport, 1 KB records",
+            "records/s",
+            ["kafka-consumer-perf-test", "worker Consumer"],
+            ["records/s"],
+            [[t["kafka_perf_records_per_s"]], [t["worker_consumer_records_per_s"]]],
+            [Line(TRANSPORT_GOAL * t["kafka_perf_records_per_s"], "goal 0.8 x kafka")],
+            f"ratio {t['ratio']:.2f} (goal >= {TRANSPORT_GOAL})",
+        ),
+        Panel(
+            "2. Per-request overhead, identity model",
+            "requests/s",
+            ["one worker process"],
+            ["requests/s"],
+            [[o["rate"]]],
+            [Line(OVERHEAD_GOAL, "goal 20,000/s")],
+            f"{o['rate']:,.0f} req/s end to end, {o['ratio_to_goal']:.2f} of the goal",
+        ),
+        Panel(
+            "3. Latency under open-loop load, digits CNN",
+            "ms",
+            [f"{level['load']:.0%} of peak" for level in levels],
+            ["p50", "p95", "p99"],
+            [[level["p50_ms"], level["p95_ms"], level["p99_ms"]] for level in levels],
+            [Line(lat["goal_p99_ms_at_half_load"], "goal p99 at 50%")],
+            f"peak {lat['peak_rate']:,.0f} req/s; max_delay {lat['max_delay_ms']:.0f} ms",
+        ),
+        Panel(
+            "4. Batching on the CPU, digits CNN",
+            "requests/s",
+            ["batch size 1", "micro-batched"],
+            ["requests/s"],
+            [[b["batch_1"]["rate"]], [b["micro_batched"]["rate"]]],
+            (),
+            f"gain {b['ratio']:.2f}x",
+        ),
+    ]
+    meta = report["meta"]
+    title = f"Conveyor CPU benchmarks, {meta['date'][:10]}, {meta['cpus']} shared vCPUs"
+    draw_panels(panels, path, title=title)
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", flush=True)
+
+
+def _default_kafka_libs() -> Path:
+    """The jars ``compose/local`` runs the broker from (the version its pom names)."""
+    pom = (REPO / "compose/local/kafka-pom.xml").read_text()
+    found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
+    version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
+    return REPO / ".cache" / f"kafka-{version}" / "libs"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cpu", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny counts: checks the script runs")
+    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where JSON and PNG go")
+    parser.add_argument("--log-dir", type=Path, default=REPO / ".run" / "bench")
+    parser.add_argument("--kafka-bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--kafka-libs", type=Path, help="Kafka's jars, for kafka-consumer-perf-test"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(
+        services=Services(args.kafka_bootstrap, args.redis_url),
+        plan=QUICK if args.quick else FULL,
+        log_dir=args.log_dir,
+        kafka_libs=args.kafka_libs or _default_kafka_libs(),
+        run_id=uuid.uuid4().hex[:8],
+        quick=args.quick,
+    )
+    # aiokafka logs retries it recovers from (e.g. leader elections on new topics).
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)
+    report = asyncio.run(run(bench))
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / "cpu-bench.json", args.out / "cpu-bench.png"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, png_path)
+    _say(f"wrote {json_path} and {png_path} in {report['meta']['seconds']:.0f} s")
+    print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

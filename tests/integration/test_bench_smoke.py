@@ -1,0 +1,35 @@
+"""``bench/cpu.py --quick`` runs end to end, so the benchmark cannot rot. Never checks speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SECTIONS = ("meta", "transport", "overhead", "latency", "batching")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_cpu_bench_writes_every_section(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "bench.cpu", "--quick", "--out", str(tmp_path)]
+    argv += ["--log-dir", str(tmp_path / "logs")]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "cpu-bench.json").read_text())
+    assert tuple(report) == SECTIONS
+    assert report["transport"]["worker_consumer_records_per_s"] > 0
+    assert report["transport"]["kafka_perf_records_per_s"] > 0
+    assert report["overhead"]["profile"]["top_functions"]
+    assert [level["load"] for level in report["latency"]["levels"]] == [0.25, 0.5, 0.75]
+    assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
+    assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
