@@ -97,7 +97,7 @@ class JsonFormatter(logging.Formatter):
         if request_id is not None:
             doc["request_id"] = request_id
         for key, value in record.__dict__.items():
-            if key not in _STANDARD and key not in doc:
+            if key not in _STANDARD and key not in doc and key != "request_id":
                 doc[key] = value
         if record.exc_info:
             doc["exception"] = redact(self.formatException(record.exc_info))

@@ -32,20 +32,16 @@ from schemas import (
     ErrorCode,
     ModelTopics,
     Request,
-    Result,
-    Status,
     Timings,
     decode_request,
-    dlq_headers,
-    encode_result,
     result_headers,
-    status_for,
 )
+from workers.answers import Answer, AnswerBuilder
 from workers.batcher import Batch, Batcher
 from workers.consumer import Consumer, Record
 from workers.handlers import Handler
 from workers.metrics import Metrics
-from workers.publisher import DeadLetter, Outgoing, Publisher
+from workers.publisher import Outgoing, Publisher
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
 
@@ -66,17 +62,6 @@ class Item:
     received_at: float  # monotonic seconds: for waiting and deadlines
     deadline_at: float | None  # monotonic seconds
     tensor: torch.Tensor
-
-
-@dataclass(slots=True)
-class Answer:
-    """The final word on one record: a result (if it had a usable id) and/or a dead letter."""
-
-    record: Record
-    result: Result | None
-    dead: DeadLetter | None = None
-    traceparent: str | None = None
-    reply_to: str | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +91,7 @@ class Pipeline:
         self._runner = runner
         self._handler = handler
         self._topics = topics
+        self._answers = AnswerBuilder(settings.served_name, handler.version, settings.worker_id)
         self._batcher: Batcher[Item] = Batcher(
             settings.max_batch_size, settings.max_delay_s, deadline_of=lambda item: item.deadline_at
         )
@@ -175,13 +161,38 @@ class Pipeline:
                 tensor = self._handler.preprocess(request.payload, meta.content_type, meta.params)
             except ContractError as exc:
                 request_id = exc.request_id or request_id
-                out.append(self._failure(record, exc.code, str(exc), exc.field, request_id, now_ms))
+                log.warning(
+                    "request %s failed: %s: %s",
+                    request_id,
+                    exc.code.value,
+                    exc,
+                    extra={"request_id": request_id},
+                )
+                out.append(
+                    self._answers.failure(
+                        record,
+                        exc.code,
+                        str(exc),
+                        field=exc.field,
+                        request_id=request_id,
+                        received_ms=now_ms,
+                    )
+                )
                 continue
             except Exception as exc:  # a handler bug fails this record, never the worker
-                log.exception("preprocess failed on record %s", request_id)
+                log.exception(
+                    "preprocess failed on record %s", request_id, extra={"request_id": request_id}
+                )
                 message = f"the model's preprocess failed on this input: {exc!r}"
                 out.append(
-                    self._failure(record, ErrorCode.model_error, message, None, request_id, now_ms)
+                    self._answers.failure(
+                        record,
+                        ErrorCode.model_error,
+                        message,
+                        field=None,
+                        request_id=request_id,
+                        received_ms=now_ms,
+                    )
                 )
                 continue
             deadline_at = self._deadline(meta.deadline, record.timestamp, now, now_ms)
@@ -226,7 +237,11 @@ class Pipeline:
                     return
                 self._metrics.batch_closed(batch.reason)
                 if batch.expired:
-                    await self._to_publish.put([self._expired(item) for item in batch.expired])
+                    expired = [
+                        self._answers.expired(i.record, i.request.meta, i.received_ms)
+                        for i in batch.expired
+                    ]
+                    await self._to_publish.put(expired)
                 if not batch.items:
                     self._model_slots.release()
                     continue
@@ -279,18 +294,18 @@ class Pipeline:
             )
             if isinstance(outcome, _Failure):
                 answers.append(
-                    self._failure(
+                    self._answers.failure(
                         item.record,
                         outcome.code,
                         outcome.message,
-                        None,
-                        item.request.meta.id,
-                        item.received_ms,
-                        timings,
+                        field=None,
+                        request_id=item.request.meta.id,
+                        received_ms=item.received_ms,
+                        timings=timings,
                     )
                 )
             else:
-                answers.append(self._answer(item, Status.ok, outcome, None, timings))
+                answers.append(self._answers.ok(item.record, item.request.meta, outcome, timings))
         return answers
 
     def _run_isolated(self, items: Sequence[Item]) -> list[Any]:
@@ -307,117 +322,18 @@ class Pipeline:
                 return [_Failure(exc.code, str(exc))]
         except Exception as exc:
             if len(items) == 1:
-                log.warning("model failed on request %s: %r", items[0].request.meta.id, exc)
+                request_id = items[0].request.meta.id
+                log.warning(
+                    "model failed on request %s: %r",
+                    request_id,
+                    exc,
+                    extra={"request_id": request_id},
+                )
                 return [_Failure(ErrorCode.model_error, f"model failed on this input: {exc!r}")]
         half = len(items) // 2
         return self._run_isolated(items[:half]) + self._run_isolated(items[half:])
 
-    # -- answers --------------------------------------------------------------------------
-
-    def _answer(
-        self,
-        item: Item,
-        status: Status,
-        outputs: Any,
-        error: tuple[ErrorCode, str] | None,
-        timings: Timings | None,
-    ) -> Answer:
-        meta = item.request.meta
-        result = self._result(meta.id, status, outputs, error, timings)
-        return Answer(item.record, result, None, meta.traceparent, meta.reply_to)
-
-    def _expired(self, item: Item) -> Answer:
-        now_ms = time.time() * 1000.0
-        timings = Timings(
-            produced_ms=item.record.timestamp,
-            received_ms=item.received_ms,
-            batch_start_ms=None,
-            finished_ms=now_ms,
-            queue_ms=now_ms - item.received_ms,
-            inference_ms=0.0,
-            batch_size=0,
-        )
-        deadline = item.request.meta.deadline
-        message = f"deadline {deadline.isoformat() if deadline else ''} passed before inference"
-        return self._answer(item, Status.expired, None, (ErrorCode.expired, message), timings)
-
-    def _failure(
-        self,
-        record: Record,
-        code: ErrorCode,
-        message: str,
-        field_name: str | None,
-        request_id: str | None,
-        received_ms: float,
-        timings: Timings | None = None,
-    ) -> Answer:
-        """An error result (when the record has a usable id) plus a dead-letter copy."""
-        headers = dlq_headers(
-            record.headers,
-            code=code,
-            message=message,
-            field=field_name,
-            source_topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            worker=self._s.worker_id,
-        )
-        dead = DeadLetter(record.key, record.value, headers)
-        if timings is None:
-            now_ms = time.time() * 1000.0
-            timings = Timings(
-                produced_ms=record.timestamp,
-                received_ms=received_ms,
-                batch_start_ms=None,
-                finished_ms=now_ms,
-                queue_ms=0.0,
-                inference_ms=0.0,
-                batch_size=0,
-            )
-        status = status_for(code)
-        result = None
-        if request_id is not None:
-            result = self._result(request_id, status, None, (code, message), timings)
-        return Answer(record, result, dead, _header(record, "traceparent"), None)
-
-    def _result(
-        self,
-        request_id: str,
-        status: Status,
-        outputs: Any,
-        error: tuple[ErrorCode, str] | None,
-        timings: Timings | None,
-    ) -> Result:
-        return Result.model_validate(
-            {
-                "id": request_id,
-                "status": status,
-                "model": self._s.served_name,
-                "model_version": self._handler.version,
-                "outputs": outputs,
-                "error": None if error is None else {"code": error[0], "message": error[1]},
-                "timings": timings,
-                "worker": self._s.worker_id,
-            }
-        )
-
     # -- publish and commit ---------------------------------------------------------------
-
-    def _encode(self, answer: Answer) -> bytes:
-        """The result document; outputs that JSON cannot carry become an ``internal`` error."""
-        assert answer.result is not None
-        try:
-            return encode_result(answer.result)
-        except ContractError as exc:
-            log.error("result for %s cannot be encoded: %s", answer.result.id, exc)
-            answer.result = self._result(
-                answer.result.id,
-                Status.error,
-                None,
-                (ErrorCode.internal, f"the model's output could not be encoded: {exc}"),
-                answer.result.timings,
-            )
-            return encode_result(answer.result)
 
     async def _publish_loop(self) -> None:
         while True:
@@ -439,7 +355,7 @@ class Pipeline:
         counts: dict[str, int] = {}
         for answer in answers:
             if answer.result is not None:
-                data = self._encode(answer)
+                data = self._answers.encode(answer)
                 outgoing.append(
                     Outgoing(
                         answer.result.id,
@@ -475,13 +391,3 @@ class _Failure:
 
 def _tp(record: Record) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
-
-
-def _header(record: Record, name: str) -> str | None:
-    for key, value in record.headers:
-        if key == name:
-            try:
-                return str(value.decode("utf-8"))
-            except (UnicodeDecodeError, AttributeError):
-                return None
-    return None
