@@ -550,7 +550,7 @@ async def _e2e_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dic
 
     backlog, ids = records(f"{run}-b", cfg.e2e_count)
     await produce_backlog(services, topics.requests, backlog, args.partitions)
-    worker = _start_worker(cfg, model, args)
+    workers = [_start_worker(cfg, model, args, k) for k in range(args.workers)]
     try:
         with UtilizationSampler() as gpu:
             last_ids = ids[-args.partitions :]
@@ -566,6 +566,8 @@ async def _e2e_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dic
                 "gpu_util_pct": gpu.mean_between(finished[0] / 1000, finished[-1] / 1000),
                 "mean_batch": _mean_batch(results),
                 "compiled": cfg.compile,
+                "workers": args.workers,
+                "gpus": args.gpus,
             }
             # Latency at about half the peak, open loop (each record stamped when due).
             paced_rate = min(rate / 2, args.paced_max_rate)
@@ -584,7 +586,8 @@ async def _e2e_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dic
                 }
             )
     finally:
-        _stop_worker(worker)
+        for worker in workers:
+            _stop_worker(worker)
         await delete_topics(services, topics)
     return row
 
@@ -594,16 +597,23 @@ def _mean_batch(results: Sequence[Any]) -> float:
     return len(results) / len(batches) if batches else math.nan
 
 
-def _start_worker(cfg: Config, model: str, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+def _start_worker(
+    cfg: Config, model: str, args: argparse.Namespace, index: int = 0
+) -> subprocess.Popen[bytes]:
+    """Worker ``index`` of ``args.workers``: spread over ``args.gpus`` cards, cores shared."""
     from workers.settings import WorkerSettings
 
+    device = cfg.device
+    if device.type == "cuda" and args.gpus > 1:
+        device = torch.device("cuda", index % args.gpus)
+    threads = max(1, cfg.threads // args.workers)
     command = [
         sys.executable, "-m", "producers.cli", "worker",
         "--model", cfg.model, "--model-name", model, "--weights", "random",
-        "--device", str(cfg.device), "--max-batch-size", str(cfg.max_batch),
+        "--device", str(device), "--max-batch-size", str(cfg.max_batch),
         "--kafka-bootstrap", args.kafka_bootstrap, "--redis-url", args.redis_url,
-        "--decode-threads", str(cfg.threads), "--max-in-flight", str(cfg.max_batch * 16),
-        "--dtype", "float16", "--channels-last",
+        "--decode-threads", str(threads), "--max-in-flight", str(cfg.max_batch * 16),
+        "--dtype", "float16", "--channels-last", "--metrics-port", "0",
     ]  # fmt: skip
     if "decode" in WorkerSettings.model_fields:  # the option exists once settings have it
         command += ["--decode", args.worker_decode]
@@ -765,6 +775,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kafka-bootstrap", help="broker for e2e; e2e is skipped without it")
     parser.add_argument("--redis-url", help="Redis for e2e; e2e is skipped without it")
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="e2e: worker processes in one consumer group"
+    )
+    parser.add_argument("--gpus", type=int, default=1, help="e2e: cards the workers spread over")
     parser.add_argument("--worker-decode", default="auto", choices=("auto", "cpu", "gpu"))
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
     parser.add_argument("--paced-s", type=float, default=4.0, help="seconds of paced load")
