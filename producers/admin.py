@@ -12,9 +12,10 @@ import asyncio
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from producers.errors import ClientError, InvalidInput, ServiceUnavailable
+from producers.security import kafka_failure_cause, kafka_options
 from producers.settings import ClientSettings
 from schemas import topics_for
 
@@ -50,6 +51,7 @@ async def create_model_topics(
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka_bootstrap,
         request_timeout_ms=int(settings.connect_timeout_s * 1000),
+        **kafka_options(settings),
     )
     try:
         async with asyncio.timeout(settings.connect_timeout_s * 3):
@@ -59,16 +61,27 @@ async def create_model_topics(
             )
             created = _check_created(response.topic_errors)
             described = await admin.describe_topics(list(wanted))
+    except KafkaConnectionError:
+        # aiokafka's error only says it could not bootstrap; find out why.
+        why = await kafka_failure_cause(
+            settings.kafka_bootstrap, settings, settings.connect_timeout_s
+        )
+        raise _unavailable(settings, why) from None
     except (KafkaError, OSError, TimeoutError) as exc:
-        raise ServiceUnavailable(
-            f"cannot create topics on Kafka at {settings.kafka_bootstrap} "
-            f"({exc or 'no answer in time'}): is the broker running (`make up`)? "
-            "Point at it with --kafka-bootstrap or CONVEYOR_KAFKA_BOOTSTRAP"
-        ) from None
+        raise _unavailable(settings, str(exc) or "no answer in time") from None
     finally:
         await admin.close()
     counts = {topic["topic"]: len(topic["partitions"]) for topic in described}
     return [TopicState(name, counts.get(name, 0), name in created) for name in wanted]
+
+
+def _unavailable(settings: ClientSettings, why: str) -> ServiceUnavailable:
+    return ServiceUnavailable(
+        f"cannot create topics on Kafka at {settings.kafka_bootstrap} "
+        f"({settings.kafka_description}: {why}): is the broker "
+        "running (`make up`)? Are the CONVEYOR_KAFKA_* security settings right? "
+        "Point at it with --kafka-bootstrap or CONVEYOR_KAFKA_BOOTSTRAP"
+    )
 
 
 def _check_created(topic_errors: list[tuple[str, int, str | None]]) -> set[str]:

@@ -29,6 +29,7 @@ from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producers.errors import ResultTimeout, ServiceUnavailable
+from producers.security import redis_options
 from producers.settings import ClientSettings
 from schemas import Result, decode_result, result_key
 
@@ -49,6 +50,7 @@ class ResultReader:
             socket_connect_timeout=settings.connect_timeout_s,
             socket_timeout=settings.connect_timeout_s,
             client_name=settings.redis_client_name,
+            **redis_options(settings),
         )
         # Pub/sub connections of waits in progress, closed by close() if still open.
         self._subscriptions: set[PubSub] = set()
@@ -181,8 +183,8 @@ class ResultReader:
     def _unavailable(self, why: str) -> ServiceUnavailable:
         return ServiceUnavailable(
             f"cannot reach Redis at {self._settings.redis_location} ({why}): "
-            "is it running (`make up`)? "
-            "Point the client at it with --redis-url or CONVEYOR_REDIS_URL"
+            "is it running (`make up`)? Point the client at it with --redis-url or "
+            "CONVEYOR_REDIS_URL, and check the CONVEYOR_REDIS_* security settings"
         )
 
 

@@ -14,6 +14,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from producers.errors import ServiceUnavailable, UnknownModel
+from producers.security import kafka_failure_cause, kafka_options
 from producers.settings import ClientSettings
 from schemas import OutgoingRecord
 
@@ -69,13 +70,20 @@ class RequestSender:
                     linger_ms=_LINGER_MS,
                     max_request_size=self._settings.limits.max_payload_bytes + 1024 * 1024,
                     request_timeout_ms=int(self._settings.send_timeout_s * 1000),
+                    **kafka_options(self._settings),
                 )
                 try:
                     async with asyncio.timeout(self._settings.connect_timeout_s):
                         await producer.start()
-                except (KafkaError, OSError, TimeoutError) as exc:
+                except (KafkaError, OSError, TimeoutError):
                     await producer.stop()
-                    raise self._unavailable(str(exc) or "no answer in time") from None
+                    # aiokafka's error only says it could not bootstrap; find out why.
+                    cause = await kafka_failure_cause(
+                        self._settings.kafka_bootstrap,
+                        self._settings,
+                        self._settings.connect_timeout_s,
+                    )
+                    raise self._unavailable(cause) from None
                 self._producer = producer
             return self._producer
 
@@ -97,7 +105,8 @@ class RequestSender:
 
     def _unavailable(self, why: str) -> ServiceUnavailable:
         return ServiceUnavailable(
-            f"cannot reach Kafka at {self._settings.kafka_bootstrap} ({why}): is the broker "
-            "running (`make up`)? Point the client at it with --kafka-bootstrap or "
-            "CONVEYOR_KAFKA_BOOTSTRAP"
+            f"cannot reach Kafka at {self._settings.kafka_bootstrap} "
+            f"({self._settings.kafka_description}: {why}): is the broker running (`make up`)? "
+            "Point the client at it with --kafka-bootstrap or CONVEYOR_KAFKA_BOOTSTRAP, and "
+            "check the CONVEYOR_KAFKA_* security settings"
         )

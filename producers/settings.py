@@ -1,22 +1,24 @@
 """Where a client connects: one frozen settings object, parsed at the edge.
 
-``ClientSettings()`` reads ``CONVEYOR_KAFKA_BOOTSTRAP``, ``CONVEYOR_REDIS_URL``
-and ``CONVEYOR_TOPIC_PREFIX`` (the variables a worker reads too) and falls back
-to the loopback services that ``make up`` starts. Keyword arguments win over
-the environment. Build it once, in ``main`` or the CLI, and pass it down.
+``ClientSettings()`` reads ``CONVEYOR_KAFKA_BOOTSTRAP``, ``CONVEYOR_REDIS_URL``,
+``CONVEYOR_TOPIC_PREFIX`` and the credentials and TLS files of
+``producers.security.ConnectionSecurity`` (the variables a worker reads too) and
+falls back to the loopback services that ``make up`` starts. Keyword arguments
+win over the environment. Build it once, in ``main`` or the CLI, and pass it down.
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producers.security import ConnectionSecurity, redis_location
 from schemas import DEFAULT_LIMITS, Limits, topics_for
 
 
-class ClientSettings(BaseSettings):
+class ClientSettings(BaseSettings, ConnectionSecurity):
     """Connection settings of a ``Client`` or ``AsyncClient``."""
 
     # extra="ignore": the worker's CONVEYOR_* variables may share this environment.
@@ -55,10 +57,12 @@ class ClientSettings(BaseSettings):
             raise ValueError(f"must be a redis://, rediss:// or unix:// URL, not {scheme!r}://")
         return value
 
+    @model_validator(mode="after")
+    def _check_redis_tls(self) -> ClientSettings:
+        self.check_redis_url(self.redis_url)
+        return self
+
     @property
     def redis_location(self) -> str:
         """The Redis URL without its password, fit for error messages and logs."""
-        parts = urlsplit(self.redis_url.get_secret_value())
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        return redis_location(self.redis_url)

@@ -42,6 +42,7 @@ from aiokafka.errors import KafkaError
 from producers.commands import EXIT_NOT_OK, EXIT_OK, _runner
 from producers.errors import InvalidInput, ResultTimeout, ServiceUnavailable, UnknownModel
 from producers.progress import ProgressBar
+from producers.security import kafka_options
 from producers.sender import RequestSender
 from producers.settings import ClientSettings
 from schemas import (
@@ -488,6 +489,7 @@ class AsyncStreamReader:
             bootstrap_servers=self._settings.kafka_bootstrap,
             group_id=None,  # a private reader: it must not take partitions from anyone
             enable_auto_commit=False,
+            **kafka_options(self._settings),
         )
         try:
             async with asyncio.timeout(self._settings.connect_timeout_s):

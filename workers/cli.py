@@ -14,9 +14,11 @@ from typing import Any, get_args
 
 from pydantic import SecretStr, ValidationError
 
+from producers.security import ConnectFailed
 from workers.logs import configure_logging
 from workers.settings import WorkerSettings
 
+_EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 _SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
 
 
@@ -74,4 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return 2
+    except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
+        print(f"conveyor worker: {exc}", file=sys.stderr)
+        return _EXIT_UNREACHABLE
     return 0

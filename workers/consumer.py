@@ -17,6 +17,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
+from producers.security import kafka_connect_failed, kafka_options
 from workers.offsets import OffsetTracker
 from workers.settings import WorkerSettings
 
@@ -34,6 +35,7 @@ class Consumer:
         self._next_offset: dict[TopicPartition, int] = {}  # per partition, after the last fetched
         self._progress = asyncio.Condition()
         self._drain_timeout_s = settings.max_poll_interval_ms / 1000.0
+        self._settings = settings
         self._kafka = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=group,
@@ -45,12 +47,20 @@ class Consumer:
             max_poll_interval_ms=settings.max_poll_interval_ms,
             max_partition_fetch_bytes=max(1 << 20, settings.limits.max_payload_bytes + 65536),
             fetch_max_bytes=max(50 << 20, settings.limits.max_payload_bytes + 65536),
+            **kafka_options(settings),
         )
         self.paused = False
 
     async def start(self) -> None:
+        """Join the group; raises ``ConnectFailed`` naming the cause if Kafka refuses us."""
         self._kafka.subscribe([self._topic], listener=_Rebalance(self))
-        await self._kafka.start()
+        try:
+            await self._kafka.start()
+        except KafkaError as exc:
+            await self._kafka.stop()
+            raise await kafka_connect_failed(
+                self._settings.kafka_bootstrap, self._settings, exc
+            ) from None
 
     async def stop(self) -> None:
         """Commit what is finished and leave the group."""

@@ -24,6 +24,12 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from producers.security import (
+    kafka_connect_failed,
+    kafka_options,
+    redis_connect_failed,
+    redis_options,
+)
 from schemas import result_key
 from workers.settings import WorkerSettings
 
@@ -68,8 +74,12 @@ class Publisher:
         self._ttl_s = settings.result_ttl_s
         self._results_topic = results_topic
         self._dlq_topic = dlq_topic
+        self._settings = settings
         self._redis = aioredis.Redis.from_url(
-            settings.redis_url.get_secret_value(), socket_timeout=10, socket_connect_timeout=5
+            settings.redis_url.get_secret_value(),
+            socket_timeout=10,
+            socket_connect_timeout=5,
+            **redis_options(settings),
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
@@ -81,13 +91,25 @@ class Publisher:
             enable_idempotence=False,
             linger_ms=1,
             max_request_size=max(1 << 20, settings.limits.max_payload_bytes + 65536),
+            **kafka_options(settings),
         )
         self._known_topics: set[str] = {results_topic, dlq_topic}
         self._unknown_topics: dict[str, float] = {}
 
     async def start(self) -> None:
-        await self._redis.ping()
-        await self._producer.start()
+        """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
+        try:
+            await self._redis.ping()
+        except (RedisError, OSError) as exc:
+            await self._redis.aclose()
+            raise redis_connect_failed(self._settings.redis_url, exc) from None
+        try:
+            await self._producer.start()
+        except KafkaError as exc:
+            await self._producer.stop()
+            await self._redis.aclose()
+            bootstrap = self._settings.kafka_bootstrap
+            raise await kafka_connect_failed(bootstrap, self._settings, exc) from None
 
     async def stop(self) -> None:
         try:

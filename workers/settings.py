@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producers.security import ConnectionSecurity
 from schemas import DEFAULT_LIMITS, Limits, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
@@ -26,7 +27,7 @@ def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(BaseSettings, ConnectionSecurity):
     """Everything a worker process needs to know, validated once at start."""
 
     model_config = SettingsConfigDict(
@@ -107,6 +108,7 @@ class WorkerSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_names(self) -> WorkerSettings:
         topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
+        self.check_redis_url(self.redis_url)
         return self
 
     @property

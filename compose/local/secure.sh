@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# Start or stop a secured Kafka broker and Redis server on 127.0.0.1, beside the
+# plain ones (other ports, other run folders), to try and test authenticated,
+# encrypted connections:
+#   Kafka  SASL_SSL with SCRAM-SHA-512 on SECURE_KAFKA_PORT (default 9192)
+#   Redis  TLS only, ACL user and no default user, on SECURE_REDIS_PORT (default 6380)
+# Both accept the user SECURE_USER (default conveyor) with SECURE_PASSWORD (required).
+# A throw-away CA and server certificate (SAN 127.0.0.1 and localhost) are made at the
+# first start in the run folder; clients trust it through its ca.pem.
+# Usage: SECURE_PASSWORD=... secure.sh start|stop|status
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+
+SECURE_KAFKA_PORT=${SECURE_KAFKA_PORT:-9192}
+# The controller and the broker's own (inter-broker) listener stay PLAINTEXT, on
+# loopback only: no client is told about them, and they spare this single node
+# a SASL client configuration of its own.
+SECURE_CONTROLLER_PORT=${SECURE_CONTROLLER_PORT:-$((SECURE_KAFKA_PORT + 1))}
+SECURE_INTERNAL_PORT=${SECURE_INTERNAL_PORT:-$((SECURE_KAFKA_PORT + 2))}
+SECURE_REDIS_PORT=${SECURE_REDIS_PORT:-6380}
+SECURE_USER=${SECURE_USER:-conveyor}
+DIR=$RUN_DIR/secure-$SECURE_KAFKA_PORT-$SECURE_REDIS_PORT
+TLS=$DIR/tls
+KAFKA_CONFIG=$DIR/kafka/server.properties
+KAFKA_PIDFILE=$DIR/kafka/kafka.pid
+KAFKA_LOG=$DIR/kafka/logs/server.log
+KAFKA_PATTERN="kafka.Kafka $KAFKA_CONFIG"
+REDIS_PIDFILE=$DIR/redis/redis.pid
+REDIS_LOG=$DIR/redis/redis.log
+REDIS_PATTERN="redis-server $REDIS_HOST:$SECURE_REDIS_PORT"
+
+make_certificates() {
+  [ -f "$TLS/server.p12" ] && return 0
+  command -v openssl >/dev/null || die "openssl is not on PATH; it makes the local CA"
+  mkdir -p "$TLS"
+  chmod 700 "$TLS"
+  log "making a local CA and a server certificate in $TLS"
+  {
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=conveyor local CA" \
+      -keyout "$TLS/ca.key" -out "$TLS/ca.pem"
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
+      -keyout "$TLS/server.key" -out "$TLS/server.csr"
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' >"$TLS/san.ext"
+    openssl x509 -req -days 30 -in "$TLS/server.csr" -CA "$TLS/ca.pem" -CAkey "$TLS/ca.key" \
+      -CAcreateserial -extfile "$TLS/san.ext" -out "$TLS/server.pem"
+    # The broker reads a PKCS12 keystore; its password only guards the local file.
+    openssl pkcs12 -export -in "$TLS/server.pem" -inkey "$TLS/server.key" -certfile "$TLS/ca.pem" \
+      -name broker -passout pass:conveyor-keystore -out "$TLS/server.p12"
+  } >"$TLS/openssl.log" 2>&1 || die "openssl failed making certificates (log: $TLS/openssl.log)"
+}
+
+write_kafka_config() {
+  mkdir -p "$DIR/kafka/data" "$DIR/kafka/logs"
+  cat >"$KAFKA_CONFIG" <<CFG
+# Written by compose/local/secure.sh; edits are overwritten on the next start.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$KAFKA_HOST:$SECURE_CONTROLLER_PORT
+listeners=SASL_SSL://$KAFKA_HOST:$SECURE_KAFKA_PORT,INTERNAL://$KAFKA_HOST:$SECURE_INTERNAL_PORT,CONTROLLER://$KAFKA_HOST:$SECURE_CONTROLLER_PORT
+advertised.listeners=SASL_SSL://$KAFKA_HOST:$SECURE_KAFKA_PORT,INTERNAL://$KAFKA_HOST:$SECURE_INTERNAL_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=INTERNAL
+listener.security.protocol.map=SASL_SSL:SASL_SSL,INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT
+sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$TLS/server.p12
+ssl.keystore.password=conveyor-keystore
+ssl.key.password=conveyor-keystore
+log.dirs=$DIR/kafka/data
+num.partitions=3
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=3
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+group.consumer.min.session.timeout.ms=1000
+group.classic.min.session.timeout.ms=1000
+message.max.bytes=20971520
+CFG
+}
+
+start_kafka() {
+  if pid_alive "$KAFKA_PIDFILE" "$KAFKA_PATTERN"; then
+    log "secured Kafka already running (pid $(cat "$KAFKA_PIDFILE")) on $KAFKA_HOST:$SECURE_KAFKA_PORT"
+    return 0
+  fi
+  for port in "$SECURE_KAFKA_PORT" "$SECURE_CONTROLLER_PORT" "$SECURE_INTERNAL_PORT"; do
+    port_in_use "$port" && die "cannot start secured Kafka: port $port on 127.0.0.1 is in use. Choose others with SECURE_KAFKA_PORT=<port> (it uses the next two as well)"
+  done
+  "$ROOT/compose/local/fetch-kafka.sh"
+  write_kafka_config
+  local cp="$KAFKA_LIBS/*"
+  if [ ! -f "$DIR/kafka/data/meta.properties" ]; then
+    local cluster_id
+    cluster_id=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>"$DIR/kafka/logs/format.log") \
+      || die "Kafka's StorageTool failed (log: $DIR/kafka/logs/format.log)"
+    # SCRAM credentials are stored in the cluster metadata written here, so the
+    # user exists before the broker accepts its first connection.
+    java -cp "$cp" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+      -Dkafka.logs.dir="$DIR/kafka/logs" \
+      kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_CONFIG" \
+      --add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]" \
+      >"$DIR/kafka/logs/format.log" 2>&1 \
+      || { tail -n 20 "$DIR/kafka/logs/format.log" >&2; die "formatting secured Kafka storage failed (log: $DIR/kafka/logs/format.log)"; }
+  fi
+  log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512) on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
+  # shellcheck disable=SC2086
+  nohup java $KAFKA_HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+    -Dkafka.logs.dir="$DIR/kafka/logs" \
+    -cp "$cp" kafka.Kafka "$KAFKA_CONFIG" >"$DIR/kafka/logs/stdout.log" 2>&1 </dev/null &
+  echo $! >"$KAFKA_PIDFILE"
+  # Ready once the broker answers on its loopback listener; all listeners open together.
+  if ! python3 "$ROOT/compose/local/ready.py" kafka "$KAFKA_HOST" "$SECURE_INTERNAL_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$KAFKA_PIDFILE")"; then
+    cat "$DIR/kafka/logs/stdout.log" >>"$KAFKA_LOG" 2>/dev/null || true
+    stop_pid "$KAFKA_PIDFILE" "$KAFKA_PATTERN" "secured Kafka"
+    fail_start "secured Kafka" "$SECURE_KAFKA_PORT" "$KAFKA_LOG" SECURE_KAFKA_PORT
+  fi
+  log "secured Kafka ready on $KAFKA_HOST:$SECURE_KAFKA_PORT"
+}
+
+start_redis() {
+  if pid_alive "$REDIS_PIDFILE" "$REDIS_PATTERN"; then
+    log "secured Redis already running (pid $(cat "$REDIS_PIDFILE")) on $REDIS_HOST:$SECURE_REDIS_PORT"
+    return 0
+  fi
+  port_in_use "$SECURE_REDIS_PORT" && die "cannot start secured Redis: port $SECURE_REDIS_PORT on 127.0.0.1 is in use. Choose another with SECURE_REDIS_PORT=<port>"
+  apt_install redis-server redis-server
+  mkdir -p "$DIR/redis"
+  log "starting secured Redis (TLS, ACL user $SECURE_USER) on $REDIS_HOST:$SECURE_REDIS_PORT (log: $REDIS_LOG)"
+  # The configuration comes on stdin, not the command line, so the password does
+  # not show in the process list. Clients need no certificate of their own.
+  nohup redis-server - >/dev/null 2>&1 <<CFG &
+bind $REDIS_HOST
+port 0
+tls-port $SECURE_REDIS_PORT
+tls-cert-file $TLS/server.pem
+tls-key-file $TLS/server.key
+tls-ca-cert-file $TLS/ca.pem
+tls-auth-clients optional
+dir $DIR/redis
+save ""
+appendonly no
+logfile $REDIS_LOG
+daemonize no
+user default off
+user $SECURE_USER on >$SECURE_PASSWORD ~* &* +@all
+CFG
+  echo $! >"$REDIS_PIDFILE"
+  local deadline=$((SECONDS + READY_TIMEOUT))
+  until REDISCLI_AUTH="$SECURE_PASSWORD" redis-cli --tls --cacert "$TLS/ca.pem" -h "$REDIS_HOST" \
+      -p "$SECURE_REDIS_PORT" --user "$SECURE_USER" ping 2>/dev/null | grep -q PONG; do
+    if ! running "$(cat "$REDIS_PIDFILE")" || [ "$SECONDS" -ge "$deadline" ]; then
+      stop_pid "$REDIS_PIDFILE" "$REDIS_PATTERN" "secured Redis"
+      fail_start "secured Redis" "$SECURE_REDIS_PORT" "$REDIS_LOG" SECURE_REDIS_PORT
+    fi
+    sleep 0.2  # poll interval between real PINGs, not a wait for readiness
+  done
+  log "secured Redis ready on $REDIS_HOST:$SECURE_REDIS_PORT"
+}
+
+start() {
+  [ -n "${SECURE_PASSWORD:-}" ] || die "set SECURE_PASSWORD: the password of user $SECURE_USER on both services"
+  make_certificates
+  start_redis
+  start_kafka
+  log "connect with: CONVEYOR_KAFKA_BOOTSTRAP=$KAFKA_HOST:$SECURE_KAFKA_PORT" \
+    "CONVEYOR_KAFKA_SECURITY_PROTOCOL=SASL_SSL CONVEYOR_KAFKA_SASL_MECHANISM=SCRAM-SHA-512" \
+    "CONVEYOR_KAFKA_USERNAME=$SECURE_USER CONVEYOR_KAFKA_PASSWORD=... CONVEYOR_KAFKA_CA_FILE=$TLS/ca.pem" \
+    "CONVEYOR_REDIS_URL=rediss://$REDIS_HOST:$SECURE_REDIS_PORT/0 CONVEYOR_REDIS_USERNAME=$SECURE_USER" \
+    "CONVEYOR_REDIS_PASSWORD=... CONVEYOR_REDIS_CA_FILE=$TLS/ca.pem"
+}
+
+stop() {
+  stop_pid "$KAFKA_PIDFILE" "$KAFKA_PATTERN" "secured Kafka"
+  stop_pid "$REDIS_PIDFILE" "$REDIS_PATTERN" "secured Redis"
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status)
+    pid_alive "$KAFKA_PIDFILE" "$KAFKA_PATTERN" && echo "secured kafka running pid $(cat "$KAFKA_PIDFILE")" || echo "secured kafka stopped"
+    pid_alive "$REDIS_PIDFILE" "$REDIS_PATTERN" && echo "secured redis running pid $(cat "$REDIS_PIDFILE")" || echo "secured redis stopped"
+    ;;
+  *) die "usage: SECURE_PASSWORD=... secure.sh start|stop|status" ;;
+esac
