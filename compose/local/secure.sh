@@ -31,7 +31,7 @@ REDIS_PATTERN="redis-server $REDIS_HOST:$SECURE_REDIS_PORT"
 
 make_certificates() {
   [ -f "$TLS/server.p12" ] && return 0
-  command -v openssl >/dev/null || die "openssl is not on PATH; it makes the local CA"
+  apt_install openssl openssl  # it makes the local CA
   mkdir -p "$TLS"
   chmod 700 "$TLS"
   log "making a local CA and a server certificate in $TLS"
