@@ -101,6 +101,7 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         channels_last=settings.channels_last,
         limits=settings.limits,
         decode=settings.decode,
+        allow_pickle=settings.allow_pickle_models,
     )
     buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
     runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)

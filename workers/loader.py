@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -42,6 +43,8 @@ from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
 from workers.preprocess import ImageSpec
 from workers.runner import resolve_device
+
+log = logging.getLogger(__name__)
 
 RANDOM_WEIGHTS = "random"
 AUTO = "auto"
@@ -78,8 +81,12 @@ def load_handler(
     channels_last: bool | None,
     limits: Limits,
     decode: DecodeOption = "auto",
+    allow_pickle: bool = False,
 ) -> Handler:
     """Build the handler a model spec names, its model on ``device`` (``auto`` allowed).
+
+    ``allow_pickle`` must be set to load a ``torch.export`` archive: ``torch.export.load``
+    unpickles parts of the file, which can run code from it.
 
     ``dtype`` is a name in ``DTYPES`` or ``auto``; ``channels_last=None`` is automatic
     (see the module doc); ``decode`` is passed to image classifiers (the demo model's
@@ -111,6 +118,8 @@ def load_handler(
         return _torchvision(rest, weights, dev, torch_dtype, channels_last, limits, decode)
     if kind in ("torchscript", "export") and rest:
         _no_weights(spec, weights)
+        if kind == "export":
+            _check_pickle_allowed(spec, allow_pickle)
         load = _torchscript if kind == "torchscript" else _exported
         return load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode)
     if _is_import_path(kind) and rest.isidentifier():
@@ -124,6 +133,16 @@ def load_handler(
         }
         return _user_class(spec, options)
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")
+
+
+def _check_pickle_allowed(spec: str, allow_pickle: bool) -> None:
+    if not allow_pickle:
+        raise ModelLoadError(
+            f"{spec}: torch.export archives are unpickled when loaded, which can run code "
+            "stored in the file; serve only archives you trust, and say so with "
+            "--allow-pickle-models (CONVEYOR_ALLOW_PICKLE_MODELS=true)"
+        )
+    log.warning("%s: loading a pickle-based archive (allowed by --allow-pickle-models)", spec)
 
 
 def _is_import_path(name: str) -> bool:

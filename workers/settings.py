@@ -57,6 +57,10 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         default="auto", description="where JPEGs are decoded; auto = nvJPEG on CUDA"
     )
     compile: bool = Field(default=False, description="torch.compile the model")
+    allow_pickle_models: bool = Field(
+        default=False,
+        description="allow model files that are unpickled on load (torch.export archives)",
+    )
 
     # Batching.
     max_batch_size: int = Field(default=32, ge=1, le=4096)

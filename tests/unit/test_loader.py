@@ -172,7 +172,7 @@ def export(path: Path, height: int, *, dynamic_batch: bool = True) -> Path:
 def test_export_archive_with_numeric_labels(tmp_path: Path) -> None:
     path = export(tmp_path / "tiny.pt2", 224)
 
-    handler = load(f"export:{path}")
+    handler = load(f"export:{path}", allow_pickle=True)
 
     assert isinstance(handler, ImageClassifier)
     assert handler.labels == ("0", "1", "2")
@@ -186,6 +186,12 @@ def test_export_archive_that_cannot_take_the_batches_is_refused_at_load(
 ) -> None:
     path = export(tmp_path / "fixed.pt2", height, dynamic_batch=dynamic_batch)
     with pytest.raises(ModelLoadError, match="must take a normalized float NCHW batch of any size"):
+        load(f"export:{path}", allow_pickle=True)
+
+
+def test_export_archive_needs_the_pickle_opt_in(tmp_path: Path) -> None:
+    path = export(tmp_path / "tiny.pt2", 224)
+    with pytest.raises(ModelLoadError, match="--allow-pickle-models"):
         load(f"export:{path}")
 
 
@@ -207,7 +213,7 @@ def test_user_class_that_is_not_a_handler_is_refused() -> None:
         ("resnet50", None, "is not one of: digits, torchvision:ARCH"),
         ("torchvision:", None, "is not one of"),
         ("torchscript:/no/such/model.pt", None, "does not exist"),
-        ("export:/no/such/model.pt2", None, "does not exist"),
+        ("export:/no/such/model.pt2", None, "--allow-pickle-models"),
         ("torchscript:/no/such/model.pt", "w.pt", "does not apply"),
         ("no_such_module_anywhere:Handler", None, "cannot import module"),
         (f"{__name__}:Missing", None, "has no class 'Missing'"),
