@@ -67,8 +67,8 @@ async def tally(
     documents: dict[str, set[bytes]] = defaultdict(set)
     copies: dict[str, int] = defaultdict(int)
     for record in replies:
-        key = record.key.decode()  # type: ignore[attr-defined]
-        documents[key].add(record.value)  # type: ignore[attr-defined]
+        key = record.key.decode()
+        documents[key].add(record.value)
         copies[key] += 1
     answered = [i for i in ids if i in in_redis and i in documents]
     row = Row(

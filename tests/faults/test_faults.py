@@ -270,7 +270,7 @@ async def test_one_poison_item_fails_alone(
     assert error.code == "model_error"
     assert max(r.timings.batch_size for r in results.values() if r.timings) > 1  # it was batched
     dead = await read_topic(kafka_bootstrap, topics_for(model_name).dlq, expect=1, timeout=30)
-    assert [r.key for r in dead] == [poison.key]  # type: ignore[attr-defined]
+    assert [r.key for r in dead] == [poison.key]
 
 
 def _bomb_png(width: int = 100_000, height: int = 100_000) -> bytes:
@@ -370,7 +370,7 @@ async def test_every_poison_kind(
     dead = await read_topic(
         kafka_bootstrap, topics_for(model_name).dlq, expect=poison_count, timeout=30
     )
-    codes = sorted(dict(r.headers)["conveyor_error_code"].decode() for r in dead)  # type: ignore[attr-defined]
+    codes = sorted(dict(r.headers)["conveyor_error_code"].decode() for r in dead)
     expected = sorted([c for _, s, c in with_id.values() if c != "expired"] + ["bad_request"] * 2)
     assert codes == expected
 

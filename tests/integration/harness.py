@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -122,22 +123,35 @@ async def wait_for_results(
     return found
 
 
-async def read_topic(bootstrap: str, topic: str, expect: int, timeout: float) -> list[object]:
-    """Read a topic from the beginning until ``expect`` records came (or timeout)."""
+async def read_topic(bootstrap: str, topic: str, expect: int, timeout: float) -> list[Any]:
+    """Every record of ``topic`` from the beginning: at least ``expect`` of them (or as
+    many as came before ``timeout``), then on to the end offsets as they stand then,
+    so a duplicate never hides a record that is there."""
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
     )
     await consumer.start()
-    records: list[object] = []
+    records: list[Any] = []
+    deadline = time.monotonic() + timeout
     try:
-        async with asyncio.timeout(timeout):
-            while len(records) < expect:
-                batches = await consumer.getmany(timeout_ms=500)
-                for recs in batches.values():
-                    records.extend(recs)
-        # Anything beyond what we expected shows up within a short extra read.
-        for recs in (await consumer.getmany(timeout_ms=1000)).values():
-            records.extend(recs)
+
+        async def read_more() -> None:
+            for recs in (await consumer.getmany(timeout_ms=500)).values():
+                records.extend(recs)
+
+        while len(records) < expect and time.monotonic() < deadline:
+            await read_more()
+        tps = list(consumer.assignment())  # every partition: no group, so all are ours
+        ends = await consumer.end_offsets(tps)
+
+        async def behind() -> bool:
+            for tp in tps:
+                if await consumer.position(tp) < ends[tp]:
+                    return True
+            return False
+
+        while time.monotonic() < deadline and await behind():
+            await read_more()
     finally:
         await consumer.stop()
     return records

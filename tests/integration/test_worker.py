@@ -71,7 +71,7 @@ async def test_thousand_requests_batched_and_matching_direct_runs(
     replies = await read_topic(kafka_bootstrap, topics.results, expect=1000, timeout=60)
 
     assert set(results) == set(ids), worker.log()
-    reply_ids = [r.key.decode() for r in replies]  # type: ignore[attr-defined]
+    reply_ids = [r.key.decode() for r in replies]
     assert sorted(reply_ids) == sorted(ids)  # exactly one reply each, ids matching
     for (record, _digit), request_id in zip(requests, ids, strict=True):
         result = results[request_id]
@@ -187,10 +187,7 @@ async def test_bad_inputs_get_error_results_and_dead_letters(
     assert all(results[r.key.decode()].status is Status.ok for r in good)
 
     dead = await read_topic(kafka_bootstrap, topics.dlq, expect=len(bad), timeout=30)
-    dead_codes = {
-        r.key.decode(): dict(r.headers)["conveyor_error_code"].decode()  # type: ignore[attr-defined]
-        for r in dead
-    }
+    dead_codes = {r.key.decode(): dict(r.headers)["conveyor_error_code"].decode() for r in dead}
     assert dead_codes == {rid: code for rid, (_p, _c, code) in bad.items()}
 
 
