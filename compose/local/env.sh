@@ -18,6 +18,25 @@ READY_TIMEOUT=${READY_TIMEOUT:-90}
 log() { printf '[conveyor] %s\n' "$*" >&2; }
 die() { printf '[conveyor] ERROR: %s\n' "$*" >&2; exit 1; }
 
+# Broker settings shared by kafka.sh and secure.sh: one node, topics created
+# explicitly (a typo in a model name is an error, not a new topic), fast group
+# joins for tests, and room for the contract's largest payload (16 MiB) plus headers.
+kafka_single_node_config() {
+  cat <<CFG
+num.partitions=3
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+group.consumer.min.session.timeout.ms=1000
+group.classic.min.session.timeout.ms=1000
+message.max.bytes=20971520
+CFG
+}
+
 # pid_alive PIDFILE PATTERN: true when the pid file names a live process whose
 # command line contains PATTERN (so a recycled pid is never mistaken for ours).
 pid_alive() {

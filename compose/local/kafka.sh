@@ -22,20 +22,9 @@ controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$KAFKA_DIR/data
-num.partitions=3
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
+$(kafka_single_node_config)
 offsets.topic.num.partitions=10
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.min.session.timeout.ms=1000
-group.classic.min.session.timeout.ms=1000
 log.retention.hours=24
-# Room for the contract's largest payload (16 MiB by default) plus headers.
-message.max.bytes=20971520
 log.segment.bytes=104857600
 CFG
 }

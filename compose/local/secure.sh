@@ -68,18 +68,8 @@ ssl.keystore.location=$TLS/server.p12
 ssl.keystore.password=conveyor-keystore
 ssl.key.password=conveyor-keystore
 log.dirs=$DIR/kafka/data
-num.partitions=3
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
+$(kafka_single_node_config)
 offsets.topic.num.partitions=3
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.min.session.timeout.ms=1000
-group.classic.min.session.timeout.ms=1000
-message.max.bytes=20971520
 CFG
 }
 
