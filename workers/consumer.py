@@ -34,7 +34,7 @@ class Consumer:
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._next_offset: dict[TopicPartition, int] = {}  # per partition, after the last fetched
         self._progress = asyncio.Condition()
-        self._drain_timeout_s = settings.max_poll_interval_ms / 1000.0
+        self._drain_timeout_s = settings.max_drain_ms / 1000.0
         self._settings = settings
         self._kafka = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
@@ -45,6 +45,8 @@ class Consumer:
             session_timeout_ms=settings.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.session_timeout_ms // 3),
             max_poll_interval_ms=settings.max_poll_interval_ms,
+            rebalance_timeout_ms=settings.rebalance_timeout_ms,
+            group_instance_id=settings.group_instance_id,
             max_partition_fetch_bytes=max(1 << 20, settings.limits.max_payload_bytes + 65536),
             fetch_max_bytes=max(50 << 20, settings.limits.max_payload_bytes + 65536),
             **kafka_options(settings),

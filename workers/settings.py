@@ -21,6 +21,7 @@ from schemas import DEFAULT_LIMITS, Limits, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
 
 
 def _default_worker_id() -> str:
@@ -83,8 +84,31 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     # A slow batch must not get the worker thrown out of its group: aiokafka sends
     # heartbeats from a background task, and max.poll.interval bounds the time
     # between two fetches, which backpressure keeps short.
-    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    session_timeout_ms: int = Field(
+        default=10_000,
+        ge=1_000,
+        description="the group evicts a worker whose heartbeats stop for this long",
+    )
     max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+    # On a rebalance, every member drains and commits its revoked partitions before it
+    # rejoins; the broker waits rebalance_timeout_ms for that, so the drain is bounded
+    # well inside it (max_drain_ms) and evicted members never turn a join into a storm.
+    rebalance_timeout_ms: int = Field(
+        default=60_000,
+        ge=1_000,
+        description="how long the group waits for members to drain and rejoin on a rebalance",
+    )
+    max_drain_ms: int = Field(
+        default=20_000,
+        ge=100,
+        description="longest wait for a revoked partition's in-flight work before handing "
+        "it back uncommitted (must leave rebalance-timeout room to commit)",
+    )
+    group_instance_id: str | None = Field(
+        default=None,
+        description="static group membership (e.g. the pod name): a restart within the "
+        "session timeout takes its partitions back without a rebalance",
+    )
 
     worker_id: str = Field(default_factory=_default_worker_id)
     limits: Limits = DEFAULT_LIMITS
@@ -113,6 +137,16 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     def _check_names(self) -> WorkerSettings:
         topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
         self.check_redis_url(self.redis_url)
+        return self
+
+    @model_validator(mode="after")
+    def _check_drain(self) -> WorkerSettings:
+        if self.max_drain_ms + _COMMIT_ROOM_MS > self.rebalance_timeout_ms:
+            raise ValueError(
+                f"max_drain_ms ({self.max_drain_ms}) must be at least {_COMMIT_ROOM_MS} ms "
+                f"below rebalance_timeout_ms ({self.rebalance_timeout_ms}), so a drained "
+                "partition is committed before the group gives up on this worker"
+            )
         return self
 
     @property
