@@ -22,9 +22,14 @@ The split of work:
 The output is uint8 like the CPU path's, so the handler's normalization (and a
 compiled forward) sees the same input whichever path decoded it: within one grey
 level of Pillow's where both decoders agree (nvJPEG's IDCT differs by a level or
-two). Where the CPU path shrinks by 2x or more it decodes at reduced DCT scale
-(``draft``) and Pillow pre-reduces by whole factors; the device path resamples the
-full image, so large photos differ by a few levels more.
+two). Both fits of ``ImageSpec`` are done this way (``reference``: the resize
+matrices of the whole image, cut to the centre crop's rows and columns). Where the
+``fast`` CPU path shrinks by 2x or more it decodes at reduced DCT scale (``draft``)
+and Pillow pre-reduces by whole factors; the device path resamples the full image,
+so large photos differ by a few levels more.
+
+Models that resize inside (detection, segmentation) take ``ImageListDecoder``: the
+same batched nvJPEG decode, each image kept at its own size, handed on as a list.
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ import torch
 from PIL import Image
 
 from schemas import ContentType
-from workers.preprocess import ImageSpec, check_pixels, crop_box, decode_image
+from workers.preprocess import (
+    ImageSpec,
+    check_pixels,
+    crop_box,
+    decode_full,
+    decode_image,
+    reference_crop,
+    reference_size,
+)
 
 DecodeOption = Literal["auto", "cpu", "gpu"]
 """Where images are decoded: ``cpu`` (Pillow, in the decode threads), ``gpu`` (nvJPEG on
@@ -143,18 +156,14 @@ class BatchDecoder:
         self._max_pixels = max_pixels
         self._mode = READ_MODES[spec.mode]
         self._filter = _FILTERS[spec.resample]
-        self._matrices: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._matrices: dict[
+            tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor] | None
+        ] = {}
 
     def encoded(self, payload: bytes) -> torch.Tensor | None:
         """The payload as a 1-D uint8 tensor for ``collate``, or ``None`` when it must be
         decoded on the CPU. Raises ``ContractError(image_too_large)`` from the header alone."""
-        header = read_jpeg_header(payload)
-        if header is None or not header.device_decodable:
-            return None
-        check_pixels(header.width, header.height, self._max_pixels)
-        # One copy: the record value is immutable bytes, and torch warns on wrapping
-        # read-only memory. A memcpy of ~150 KB is microseconds, far below a decode.
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return encoded_jpeg(payload, self._max_pixels)
 
     def example(self) -> torch.Tensor:
         """An encoded JPEG larger than the target, so warm-up runs decode and resize."""
@@ -178,7 +187,7 @@ class BatchDecoder:
         out = torch.empty(
             (len(items), spec.channels, spec.height, spec.width), dtype=torch.uint8, device=device
         )
-        pixels = self._decode([items[n] for n in encoded], device)
+        pixels = _decode_each([items[n] for n in encoded], self._mode, device)
         on_host = [(n, item) for n, item in enumerate(items) if item.ndim != 1]
         by_size: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = defaultdict(list)
         for n, image in zip(encoded, pixels, strict=True):
@@ -201,25 +210,6 @@ class BatchDecoder:
             out.index_copy_(0, _indices(on_host, device), host.to(device))
         return out
 
-    def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-        """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
-        try:
-            return list(decode_jpegs(data, self._mode, device))
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            pass
-        # The batched call fails as a whole, without saying which image: find them.
-        decoded: list[torch.Tensor | None] = []
-        for one in data:
-            try:
-                decoded.append(decode_jpegs([one], self._mode, device)[0])
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                decoded.append(None)
-        return decoded
-
     def _fit(self, batch: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """Center-crop and resize a uint8 (N, C, height, width) batch to the target size.
 
@@ -229,33 +219,142 @@ class BatchDecoder:
         This keeps Pillow's fractional crop box and its filter widening on downscale,
         which ``interpolate`` (whole-image mapping only) cannot.
         """
-        spec = self.spec
-        left, top, right, bottom = crop_box(width, height, spec)
-        if (width, height) == (spec.width, spec.height) and (left, top) == (0.0, 0.0):
+        weights = self._weights(batch.device, width, height)
+        if weights is None:
             return batch
-        rows, cols = self._weights(batch.device, width, height, (left, top, right, bottom))
+        rows, cols = weights
         # Columns first: the product with the wider source axis then runs on fewer rows.
         resized = rows @ (batch.float() @ cols.T)
         return resized.round_().clamp_(0, 255).to(torch.uint8)
 
     def _weights(
-        self,
-        device: torch.device,
-        width: int,
-        height: int,
-        box: tuple[float, float, float, float],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, device: torch.device, width: int, height: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(target height, height) and (target width, width) resampling matrices, cached
-        per source size: frames of a stream, or a corpus of one camera, share them."""
+        per source size (frames of a stream, or a corpus of one camera, share them);
+        ``None`` when the image is already what the fit makes of it."""
         key = (device, width, height)
         if key not in self._matrices:
-            left, top, right, bottom = box
-            kind = self._filter
-            self._matrices[key] = (
-                _resample_matrix(height, top, bottom, self.spec.height, kind).to(device),
-                _resample_matrix(width, left, right, self.spec.width, kind).to(device),
-            )
+            self._matrices[key] = self._build_weights(width, height, device)
         return self._matrices[key]
+
+    def _build_weights(
+        self, width: int, height: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        spec, kind = self.spec, self._filter
+        if spec.fit == "reference":
+            new_width, new_height = reference_size(width, height, spec.resize_size)
+            left, top = (
+                reference_crop(new_width, spec.width),
+                reference_crop(new_height, spec.height),
+            )
+            if (new_width, new_height, left, top) == (width, height, 0, 0) and (width, height) == (
+                spec.width,
+                spec.height,
+            ):
+                return None
+            rows = _cut(_resample_matrix(height, 0.0, height, new_height, kind), top, spec.height)
+            cols = _cut(_resample_matrix(width, 0.0, width, new_width, kind), left, spec.width)
+        else:
+            left_f, top_f, right_f, bottom_f = crop_box(width, height, spec)
+            if (width, height) == (spec.width, spec.height) and (left_f, top_f) == (0.0, 0.0):
+                return None
+            rows = _resample_matrix(height, top_f, bottom_f, spec.height, kind)
+            cols = _resample_matrix(width, left_f, right_f, spec.width, kind)
+        return rows.to(device), cols.to(device)
+
+
+class ImageListDecoder:
+    """Decodes a batch's JPEGs on a device, each at its own size, for models that take a
+    list of images and resize them inside (detection, segmentation).
+
+    ``encoded`` (decode threads) and ``collate`` (where the batch is built) split the work
+    as ``BatchDecoder``'s do; ``collate`` returns the list of uint8 (C, H, W) images on the
+    device in item order, items already decoded on the CPU copied over as they are.
+    """
+
+    def __init__(self, mode: Literal["RGB", "L"], *, max_pixels: int) -> None:
+        """``mode`` is ``RGB`` or ``L``. Raises ``ValueError`` where torchvision has no
+        JPEG decoding operators."""
+        if not _image_ops():
+            raise ValueError(
+                "decode='gpu' is not available: torchvision is not installed, or this build "
+                "has no JPEG decoding operators; use decode='cpu'"
+            )
+        self.mode = mode
+        self._read_mode = READ_MODES[mode]
+        self._max_pixels = max_pixels
+
+    def encoded(self, payload: bytes) -> torch.Tensor | None:
+        """As ``BatchDecoder.encoded``."""
+        return encoded_jpeg(payload, self._max_pixels)
+
+    def example(self, width: int, height: int) -> torch.Tensor:
+        """An encoded grey JPEG of this size, for warm-up."""
+        buffer = io.BytesIO()
+        Image.new(self.mode, (width, height), 128).save(buffer, format="JPEG", quality=90)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The images on ``device``, in item order. Raises ``ContractError(decode_failed)``
+        for a JPEG that neither nvJPEG nor Pillow can decode."""
+        encoded = [n for n, item in enumerate(items) if item.ndim == 1]
+        out = [item if item.ndim == 1 else item.to(device, non_blocking=True) for item in items]
+        decoded = _decode_each([items[n] for n in encoded], self._read_mode, device)
+        for n, image in zip(encoded, decoded, strict=True):
+            if image is None:  # refused by the device decoder: Pillow decides
+                payload = items[n].numpy().tobytes()
+                image = decode_full(
+                    payload, ContentType.JPEG, self.mode, max_pixels=self._max_pixels
+                ).to(device)
+            out[n] = image
+        return out
+
+
+def encoded_jpeg(payload: bytes, max_pixels: int) -> torch.Tensor | None:
+    """A JPEG payload as a 1-D uint8 tensor for a device decoder, or ``None`` when it must
+    be decoded on the CPU. Raises ``ContractError(image_too_large)`` from the header alone."""
+    header = read_jpeg_header(payload)
+    if header is None or not header.device_decodable:
+        return None
+    check_pixels(header.width, header.height, max_pixels)
+    # One copy: the record value is immutable bytes, and torch warns on wrapping
+    # read-only memory. A memcpy of ~150 KB is microseconds, far below a decode.
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _decode_each(
+    data: list[torch.Tensor], mode: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
+    if not data:
+        return []
+    try:
+        return list(decode_jpegs(data, mode, device))
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        pass
+    # The batched call fails as a whole, without saying which image: find them.
+    decoded: list[torch.Tensor | None] = []
+    for one in data:
+        try:
+            decoded.append(decode_jpegs([one], mode, device)[0])
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            decoded.append(None)
+    return decoded
+
+
+def _cut(weights: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows ``start .. start + length`` of a resampling matrix; rows outside it are zero
+    (black, as torchvision pads a centre crop larger than the image)."""
+    out = torch.zeros((length, weights.shape[1]), dtype=weights.dtype)
+    first, last = max(start, 0), min(start + length, weights.shape[0])
+    if first < last:
+        out[first - start : last - start] = weights[first:last]
+    return out
 
 
 def _resample_matrix(

@@ -1,4 +1,5 @@
-"""Payload decoding: image and NumPy bytes to a uint8 CHW tensor of the model's input size.
+"""Payload decoding: image and NumPy bytes to a uint8 CHW tensor of the model's input size
+(``decode``), or of the image's own size for models that resize inside (``decode_full``).
 
 Pure functions with no shared state, so the worker can run them in a thread pool
 (Pillow and NumPy release the GIL while they decode and resize). Every failure
@@ -8,6 +9,12 @@ pixel buffer is allocated.
 
 The output is uint8, not float: it is four times smaller to stack, pin and copy
 to the GPU, and the handler normalizes it there.
+
+Two ways to fit an image to a fixed input size (``ImageSpec.fit``, docs/models.md):
+``reference`` is torchvision's evaluation transform for pretrained weights (resize
+the shorter side, then crop the centre, on a full decode: the same Pillow calls, so
+the same pixels); ``fast`` crops and resizes in one pass and lets large JPEGs decode
+at a reduced scale, several times cheaper on big photos, a grey level or two away.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +42,10 @@ a payload declared ``image/png`` is only ever parsed by the PNG decoder)."""
 _VALUE = "value"  # the record field every payload error points at
 _NPY_CHANNELS = (1, 3)
 
+Fit = Literal["fast", "reference"]
+"""How an image is fitted to a model's input size; see the module doc."""
+FITS: tuple[str, ...] = get_args(Fit)
+
 
 @dataclass(frozen=True)
 class ImageSpec:
@@ -48,16 +59,27 @@ class ImageSpec:
     """Share of the shorter side kept by the center crop: 1.0 keeps the largest centered
     region of the target's aspect ratio; 0.875 is torchvision's resize-256, crop-224."""
     resample: Image.Resampling = Image.Resampling.BILINEAR
+    fit: Fit = "fast"
+    """``fast``: one crop-and-resize pass, JPEGs decoded at reduced scale when much larger;
+    ``reference``: resize the shorter side to ``resize_size``, then crop the centre."""
 
     def __post_init__(self) -> None:
         if self.height < 1 or self.width < 1:
             raise ValueError(f"image size must be positive, not {self.height}x{self.width}")
         if not 0.0 < self.crop_ratio <= 1.0:
             raise ValueError(f"crop_ratio must be in (0, 1], not {self.crop_ratio}")
+        if self.fit not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)}, not {self.fit!r}")
 
     @property
     def channels(self) -> int:
         return 3 if self.mode == "RGB" else 1
+
+    @property
+    def resize_size(self) -> int:
+        """The shorter side's length before the centre crop (``reference``): 256 for
+        torchvision's 224-pixel crop with ``crop_ratio`` 0.875."""
+        return round(min(self.height, self.width) / self.crop_ratio)
 
 
 def decode(
@@ -71,8 +93,12 @@ def decode(
         return decode_image(payload, content_type, spec, max_pixels=max_pixels)
     if content_type == ContentType.NPY:
         return decode_npy(payload, spec, max_pixels=max_pixels)
+    raise _unsupported(content_type)
+
+
+def _unsupported(content_type: ContentType) -> ContractError:
     accepted = ", ".join([*IMAGE_TYPES, ContentType.NPY])
-    raise ContractError(
+    return ContractError(
         ErrorCode.unsupported_media_type,
         "content-type",
         f"this model takes images; send one of {accepted}",
@@ -86,22 +112,45 @@ def decode_image(
     """Decode a JPEG, PNG or WebP payload to a uint8 (C, H, W) tensor fitted to ``spec``.
 
     The declared size is checked against ``max_pixels`` from the header alone, before
-    any pixel is decoded; JPEGs are decoded at a reduced scale when the target is smaller.
+    any pixel is decoded; with the ``fast`` fit, JPEGs are decoded at a reduced scale
+    when the target is much smaller.
     """
-    with _load_image(payload, IMAGE_TYPES[content_type], spec, max_pixels) as img:
+    draft = spec if spec.fit == "fast" else None
+    with _load_image(payload, IMAGE_TYPES[content_type], draft, max_pixels) as img:
         return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
 
 
-def _load_image(payload: bytes, fmt: str, spec: ImageSpec, max_pixels: int) -> Image.Image:
-    """Open, check the declared size, and decode the pixels; codec failures become errors."""
+def decode_full(
+    payload: bytes, content_type: ContentType, mode: Literal["RGB", "L"], *, max_pixels: int
+) -> torch.Tensor:
+    """Decode an image or ``.npy`` payload to a uint8 (C, H, W) tensor of its own size,
+    converted to ``mode``: for models that resize inside and answer in image pixels.
+
+    Raises ``ContractError`` as ``decode`` does.
+    """
+    if content_type in IMAGE_TYPES:
+        with _load_image(payload, IMAGE_TYPES[content_type], None, max_pixels) as img:
+            return _to_tensor(np.asarray(img.convert(mode)))
+    if content_type == ContentType.NPY:
+        pixels = _npy_pixels(payload, max_pixels)
+        if (pixels.ndim == 3) == (mode == "RGB"):
+            return _to_tensor(pixels)
+        return _to_tensor(np.asarray(Image.fromarray(np.ascontiguousarray(pixels)).convert(mode)))
+    raise _unsupported(content_type)
+
+
+def _load_image(payload: bytes, fmt: str, draft: ImageSpec | None, max_pixels: int) -> Image.Image:
+    """Open, check the declared size, and decode the pixels; codec failures become errors.
+
+    With ``draft``, a JPEG much larger than that target decodes at a reduced scale."""
     try:
         img = Image.open(io.BytesIO(payload), formats=[fmt])
         check_pixels(img.width, img.height, max_pixels)
-        if img.format == "JPEG":
+        if img.format == "JPEG" and draft is not None:
             # Let libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is that much
             # smaller: most of the decode cost of a large photo never happens.
-            scale = _scale(img.width, img.height, spec)
-            img.draft(spec.mode, (math.ceil(img.width * scale), math.ceil(img.height * scale)))
+            scale = _scale(img.width, img.height, draft)
+            img.draft(draft.mode, (math.ceil(img.width * scale), math.ceil(img.height * scale)))
         img.load()
     except ContractError:
         raise
@@ -134,6 +183,17 @@ def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Ten
     The array must be (H, W) or (H, W, C) with C in {1, 3}, like an image read with
     Pillow or OpenCV (channels in RGB order). It is fitted to ``spec`` like an image.
     """
+    pixels = _npy_pixels(payload, max_pixels)
+    height, width = pixels.shape[:2]
+    channels = 1 if pixels.ndim == 2 else 3
+    if spec.fit == "fast" and (height, width, channels) == (spec.height, spec.width, spec.channels):
+        return _to_tensor(pixels)
+    img = Image.fromarray(np.ascontiguousarray(pixels))  # 2-D gives "L", 3 channels "RGB"
+    return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
+
+
+def _npy_pixels(payload: bytes, max_pixels: int) -> npt.NDArray[np.uint8]:
+    """The uint8 (H, W) or (H, W, 3) pixels of a ``.npy`` payload, size checked."""
     pixels = _read_npy(payload)
     if pixels.dtype != np.uint8:
         raise ContractError(
@@ -151,11 +211,7 @@ def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Ten
         )
     height, width = pixels.shape[:2]
     check_pixels(width, height, max_pixels)
-    channels = 1 if pixels.ndim == 2 else 3
-    if (height, width, channels) == (spec.height, spec.width, spec.channels):
-        return _to_tensor(pixels)
-    img = Image.fromarray(np.ascontiguousarray(pixels))  # 2-D gives "L", 3 channels "RGB"
-    return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
+    return pixels
 
 
 def _read_npy(payload: bytes) -> npt.NDArray[Any]:
@@ -222,7 +278,44 @@ def crop_box(width: int, height: int, spec: ImageSpec) -> tuple[float, float, fl
     return (max(left, 0.0), max(top, 0.0), min(left + box_w, width), min(top + box_h, height))
 
 
+def reference_size(width: int, height: int, short: int) -> tuple[int, int]:
+    """(width, height) after resizing the shorter side to ``short``, the longer one in
+    proportion and truncated, as torchvision's ``resize(img, [short])`` computes it."""
+    if width <= height:
+        return short, int(short * height / width)
+    return int(short * width / height), short
+
+
+def reference_crop(size: int, crop: int) -> int:
+    """Where torchvision's ``center_crop`` starts a ``crop``-long cut along a ``size``-long
+    side: negative when it pads (with black) because the side is shorter than the crop."""
+    if crop > size:
+        return -((crop - size) // 2)
+    return round((size - crop) / 2.0)
+
+
 def _fit(img: Image.Image, spec: ImageSpec) -> Image.Image:
+    """Fit ``img`` to the target as ``spec.fit`` says."""
+    if spec.fit == "reference":
+        return _fit_reference(img, spec)
+    return _fit_fast(img, spec)
+
+
+def _fit_reference(img: Image.Image, spec: ImageSpec) -> Image.Image:
+    """torchvision's ``Resize(resize_size)`` then ``CenterCrop``, with the same Pillow
+    calls it makes on a PIL image (a crop box outside the image fills with black, as
+    torchvision's padding does)."""
+    width, height = reference_size(img.width, img.height, spec.resize_size)
+    if (width, height) != img.size:
+        img = img.resize((width, height), spec.resample)
+    left = reference_crop(width, spec.width)
+    top = reference_crop(height, spec.height)
+    if (left, top, width, height) == (0, 0, spec.width, spec.height):
+        return img
+    return img.crop((left, top, left + spec.width, top + spec.height))
+
+
+def _fit_fast(img: Image.Image, spec: ImageSpec) -> Image.Image:
     """Center-crop and resize to the target in one resampling pass (``resize`` with a box)."""
     box = crop_box(img.width, img.height, spec)
     if img.size == (spec.width, spec.height) and box == (0, 0, img.width, img.height):

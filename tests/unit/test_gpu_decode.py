@@ -50,7 +50,9 @@ def photo(width: int, height: int, seed: int, fmt: str = "JPEG", **options: Any)
     return buffer.getvalue()
 
 
-def classifier(decode: str = "gpu", **options: Any) -> ImageClassifier:
+def classifier(
+    decode: str = "gpu", image: ImageSpec = IMAGENET_IMAGE, **options: Any
+) -> ImageClassifier:
     torch.manual_seed(0)
     module = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 8, stride=8), torch.nn.AdaptiveAvgPool2d(1),
@@ -61,7 +63,7 @@ def classifier(decode: str = "gpu", **options: Any) -> ImageClassifier:
         name="tiny",
         version="tiny-v1",
         labels=["a", "b", "c"],
-        image=IMAGENET_IMAGE,
+        image=image,
         mean=IMAGENET_MEAN,
         std=IMAGENET_STD,
         decode=decode,  # type: ignore[arg-type]
@@ -315,3 +317,44 @@ def test_runner_builds_batches_with_the_handlers_collate() -> None:
 
     assert prepared.tensor.shape == (3, 3, 224, 224)
     assert results == runner.run(items, [{"top_k": 1}] * 3)
+
+
+# -- the reference fit, and images kept at their own size ----------------------------------
+
+
+def test_the_reference_fit_is_batched_within_tolerance_of_the_cpu_path() -> None:
+    from dataclasses import replace
+
+    reference = replace(IMAGENET_IMAGE, fit="reference")
+    gpu, cpu = classifier("gpu", image=reference), classifier("cpu", image=reference)
+    payloads = [photo(640, 480, 1), photo(224, 224, 2), photo(300, 500, 4), photo(256, 300, 5)]
+
+    batch = gpu.collate([gpu.preprocess(p, ContentType.JPEG, {}) for p in payloads], CPU)
+    expected = torch.stack([cpu.preprocess(p, ContentType.JPEG, {}) for p in payloads])
+
+    assert batch is not None
+    assert batch.shape == expected.shape
+    diff = (batch.int() - expected.int()).abs()
+    assert int(diff.max()) <= MAX_LEVELS
+    assert float(diff.float().mean()) <= MEAN_LEVELS
+
+
+def test_image_lists_are_decoded_at_their_own_size_in_order() -> None:
+    from workers.gpu_decode import ImageListDecoder
+    from workers.preprocess import decode_full
+
+    decoder = ImageListDecoder("RGB", max_pixels=Limits().max_pixels)
+    payloads = [photo(64, 48, 1), photo(30, 70, 2, fmt="PNG"), photo(50, 50, 3)]
+    items = [
+        decoder.encoded(p) if n != 1 else decode_full(p, ContentType.PNG, "RGB", max_pixels=10**6)
+        for n, p in enumerate(payloads)
+    ]
+    assert [item.ndim for item in items if item is not None] == [1, 3, 1]
+
+    images = decoder.collate([item for item in items if item is not None], CPU)
+
+    assert [tuple(image.shape) for image in images] == [(3, 48, 64), (3, 70, 30), (3, 50, 50)]
+    for image, payload, content_type in zip(
+        images, payloads, [ContentType.JPEG, ContentType.PNG, ContentType.JPEG], strict=True
+    ):
+        assert torch.equal(image, decode_full(payload, content_type, "RGB", max_pixels=10**6))

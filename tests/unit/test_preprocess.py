@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageFilter
 
 from schemas import ContentType, ContractError, ErrorCode
 from workers.preprocess import ImageSpec, decode, decode_image, decode_npy
@@ -305,3 +305,105 @@ def _npy_with_shape(shape: str) -> bytes:
 @pytest.mark.parametrize("payload", [b"", b"not numpy at all", b"\x93NUMPY\x09\x00garbage"])
 def test_bytes_that_are_not_npy_fail_to_decode(payload: bytes) -> None:
     assert decode_error(payload, ContentType.NPY).code == ErrorCode.decode_failed
+
+
+# -- the reference fit: torchvision's evaluation transform ----------------------------------
+
+
+def _photo(width: int, height: int, seed: int) -> Image.Image:
+    """A gradient with a bright block and noise: sharp edges and fine detail to resample."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([40 + 180 * x / width, 220 - 160 * y / height, 60 + 0 * x], axis=-1)
+    base[height // 5 : height // 2, width // 4 : width // 2] = rng.uniform(0, 255, 3)
+    return Image.fromarray(np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    width=st.integers(1, 700),
+    height=st.integers(1, 700),
+    arch=st.sampled_from(["resnet50", "inception_v3", "efficientnet_b1", "vit_b_16"]),
+)
+def test_reference_fit_equals_torchvision_weights_transforms_on_png(
+    width: int, height: int, arch: str
+) -> None:
+    """Within 1 grey level, as the contract for ``reference`` says (in fact exactly)."""
+    import torchvision
+
+    reference = torchvision.models.get_model_weights(arch).DEFAULT.transforms()
+    crop, resize = reference.crop_size[0], reference.resize_size[0]
+    spec = ImageSpec(
+        height=crop,
+        width=crop,
+        mode="RGB",
+        crop_ratio=crop / resize,
+        resample=Image.Resampling[reference.interpolation.name],
+        fit="reference",
+    )
+    image = _photo(width, height, seed=width * 1000 + height)
+    payload = encode(image, "PNG")
+
+    ours = decode(payload, ContentType.PNG, spec, max_pixels=MAX_PIXELS)
+    theirs = reference(Image.open(io.BytesIO(payload)).convert("RGB"))
+    mean = torch.tensor(reference.mean).view(3, 1, 1)
+    std = torch.tensor(reference.std).view(3, 1, 1)
+    levels = (theirs * std + mean) * 255  # undo the normalization: back to grey levels
+
+    assert ours.shape == theirs.shape
+    assert float((ours.float() - levels).abs().max()) <= 1.0
+
+
+def test_reference_fit_resizes_the_shorter_side_then_crops_the_centre() -> None:
+    spec = ImageSpec(height=4, width=4, mode="L", crop_ratio=0.5, fit="reference")  # resize to 8
+    stripes = np.tile(np.arange(16, dtype=np.uint8)[None, :] * 16, (8, 1))  # 16 wide, 8 high
+
+    out = decode_npy(npy(stripes), spec, max_pixels=MAX_PIXELS)
+
+    # 16x8 -> 16x8 (already 8 high), then columns 6..9 and rows 2..5 of it.
+    assert out[0].tolist() == [[96, 112, 128, 144]] * 4
+
+
+def test_reference_fit_resizes_even_an_image_of_the_model_size() -> None:
+    spec = ImageSpec(height=8, width=8, mode="L", crop_ratio=0.5, fit="reference")
+    pixels = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+
+    out = decode_npy(npy(pixels), spec, max_pixels=MAX_PIXELS)
+
+    # resized to 16x16 and the middle 8x8 kept: a zoom, not the input passed through
+    assert out.shape == (1, 8, 8)
+    assert not torch.equal(out[0], torch.from_numpy(pixels))
+
+
+def test_fast_fit_stays_within_a_few_levels_of_the_reference_on_smooth_images() -> None:
+    fast = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=0.875)
+    reference = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=0.875, fit="reference")
+    payload = encode(_photo(640, 480, seed=1).filter(ImageFilter.GaussianBlur(2)), "PNG")
+
+    a = decode(payload, ContentType.PNG, fast, max_pixels=MAX_PIXELS).int()
+    b = decode(payload, ContentType.PNG, reference, max_pixels=MAX_PIXELS).int()
+
+    diff = (a - b).abs().float()
+    assert float(diff.mean()) < 3.0  # docs/models.md gives the measured deviation on photos
+    assert float(diff.mean()) > 0.0  # and they do differ: two ways of resampling
+
+
+def test_an_unknown_fit_is_refused() -> None:
+    with pytest.raises(ValueError, match="fit must be one of fast, reference"):
+        ImageSpec(height=4, width=4, mode="L", fit="exact")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_decode_full_keeps_the_submitted_size(mode: str) -> None:
+    from workers.preprocess import decode_full
+
+    image = _photo(37, 23, seed=3)
+    out = decode_full(encode(image, "PNG"), ContentType.PNG, mode, max_pixels=MAX_PIXELS)  # type: ignore[arg-type]
+    assert out.shape == (3 if mode == "RGB" else 1, 23, 37)
+    if mode == "RGB":
+        assert torch.equal(out, torch.from_numpy(np.array(image)).permute(2, 0, 1))
+    grey = decode_full(npy(np.asarray(image)), ContentType.NPY, mode, max_pixels=MAX_PIXELS)  # type: ignore[arg-type]
+    assert grey.shape == out.shape
+    with pytest.raises(ContractError) as caught:
+        decode_full(encode(image, "PNG"), ContentType.PNG, mode, max_pixels=100)  # type: ignore[arg-type]
+    assert caught.value.code is ErrorCode.image_too_large
