@@ -3,9 +3,12 @@
 A handler turns one payload into one tensor (``preprocess``, thread pool), a
 stacked batch into outputs (``forward``, the model thread, on the device) and
 outputs into one JSON-able result per item (``postprocess``). A handler may also
-build the device batch itself (``Collating``), e.g. to decode JPEGs there.
-``ImageClassifier`` is the built-in handler behind every image model spec;
-``workers.loader`` builds handlers from specs.
+build the device batch itself (``Collating``), e.g. to decode JPEGs there, or to
+hand a model that takes a list of images of different sizes (a detector) that list.
+``ImageClassifier`` is the built-in handler behind classification specs, and
+``ImageModel`` its fixed-size image input, shared with ``workers.tasks.embedding``;
+the other tasks live in ``workers.tasks``. ``workers.loader`` builds handlers from
+specs, and docs/models.md describes the protocol with a complete example.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from workers.gpu_decode import BatchDecoder, DecodeOption, device_decode_support
 from workers.preprocess import ImageSpec, decode
 
 DEFAULT_TOP_K = 5
+
+DeviceInput = torch.Tensor | list[torch.Tensor]
+"""What ``Collating.collate`` may build: a stacked batch, or a list of per-item tensors
+(for models that take images of different sizes)."""
 
 
 @runtime_checkable
@@ -49,14 +56,19 @@ class Handler(Protocol):
         ``params`` here fails only that request, never the batch it would join.
         """
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """Run the model on a stacked batch already on the model's device.
+    def forward(self, batch: Any) -> Any:
+        """Run the model on a batch already on the model's device: the stacked items,
+        or what the handler's ``collate`` built (``DeviceInput``).
 
         Called from a single thread under ``torch.inference_mode()``.
         """
 
-    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """One JSON-able result per item, in batch order; ``params[i]`` belongs to item i."""
+    def postprocess(self, outputs: Any, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """One JSON-able result per item, in batch order; ``params[i]`` belongs to item i.
+
+        ``outputs`` is what ``forward`` returned, cut to the real items when the runner
+        padded the batch (so it must be sliceable: a tensor or a list).
+        """
 
 
 @runtime_checkable
@@ -68,9 +80,10 @@ class Collating(Protocol):
     say) and the expensive part happens once per batch, on the device.
     """
 
-    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> DeviceInput | None:
         """The batch for ``forward`` on ``device``, items in order; ``None`` to let the
-        runner stack ``items`` as usual (e.g. when none of them needs the hook).
+        runner stack ``items`` as usual (e.g. when none of them needs the hook). A list
+        is passed to ``forward`` as it is: the runner neither stacks nor pads it.
 
         Called on the runner's staging stream, from one thread at a time. May raise
         ``ContractError`` for an item that turns out to be bad.
@@ -91,14 +104,13 @@ def top_k_param(params: Mapping[str, Any], default: int = DEFAULT_TOP_K) -> int:
     return value
 
 
-class ImageClassifier:
-    """An image classification ``torch.nn.Module`` served as a handler.
+class ImageModel:
+    """A ``torch.nn.Module`` that takes fixed-size images, minus the ``postprocess``.
 
-    Items travel as uint8 (C, H, W) tensors; ``forward`` converts them to
-    ``dtype``, normalizes them with ``mean``/``std`` on the device, and runs the
-    module. Results are the ``top_k`` classes (request parameter, default
-    ``default_top_k``, capped at the number of labels) as
-    ``{"label", "index", "score"}`` with softmax scores, best first.
+    Items travel as uint8 (C, H, W) tensors fitted to ``image`` (``ImageSpec``: the
+    ``fast`` or the ``reference`` preprocessing, docs/models.md); ``forward`` converts
+    them to ``dtype``, normalizes them with ``mean``/``std`` on the device, and runs the
+    module. Subclasses turn the module's outputs into results.
 
     With ``decode="gpu"`` (the ``auto`` choice on CUDA), a JPEG item travels as its
     encoded bytes (a 1-D uint8 tensor, its declared size already checked) and
@@ -112,7 +124,6 @@ class ImageClassifier:
         *,
         name: str,
         version: str,
-        labels: Sequence[str],
         image: ImageSpec,
         mean: Sequence[float],
         std: Sequence[float],
@@ -120,7 +131,6 @@ class ImageClassifier:
         dtype: torch.dtype = torch.float32,
         channels_last: bool = False,
         limits: Limits = DEFAULT_LIMITS,
-        default_top_k: int = DEFAULT_TOP_K,
         set_eval: bool = True,
         decode: DecodeOption = "auto",
     ) -> None:
@@ -138,16 +148,12 @@ class ImageClassifier:
                 f"mean and std need {image.channels} values for {image.mode} input, "
                 f"got {len(mean)} and {len(std)}"
             )
-        if not labels:
-            raise ValueError("an image classifier needs at least one label")
         self.name = name
         self.version = version
-        self.labels: tuple[str, ...] = tuple(labels)
         self.image = image
         self.device = torch.device(device)
         self.dtype = dtype
         self._limits = limits
-        self._default_top_k = default_top_k
         self._channels_last = channels_last
         module = module.to(device=self.device, dtype=dtype)
         if channels_last:
@@ -171,10 +177,13 @@ class ImageClassifier:
             (self.image.channels, self.image.height, self.image.width), dtype=torch.uint8
         )
 
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        """Raise ``ContractError(bad_request)`` for request parameters this model refuses."""
+
     def preprocess(
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
-        top_k_param(params, self._default_top_k)
+        self.check_params(params)
         if self.batch_decoder is not None and content_type == ContentType.JPEG:
             encoded = self.batch_decoder.encoded(payload)
             if encoded is not None:
@@ -195,8 +204,58 @@ class ImageClassifier:
         return x
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.module(self.normalize(batch))
-        return logits
+        outputs: torch.Tensor = self.module(self.normalize(batch))
+        return outputs
+
+
+class ImageClassifier(ImageModel):
+    """An image classification ``torch.nn.Module`` served as a handler.
+
+    Results are the ``top_k`` classes (request parameter, default ``default_top_k``,
+    capped at the number of labels) as ``{"label", "index", "score"}`` with softmax
+    scores, best first. See ``ImageModel`` for the input side.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        name: str,
+        version: str,
+        labels: Sequence[str],
+        image: ImageSpec,
+        mean: Sequence[float],
+        std: Sequence[float],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        default_top_k: int = DEFAULT_TOP_K,
+        set_eval: bool = True,
+        decode: DecodeOption = "auto",
+    ) -> None:
+        """See ``ImageModel``; ``labels`` names the module's output classes, in order."""
+        if not labels:
+            raise ValueError("an image classifier needs at least one label")
+        super().__init__(
+            module,
+            name=name,
+            version=version,
+            image=image,
+            mean=mean,
+            std=std,
+            device=device,
+            dtype=dtype,
+            channels_last=channels_last,
+            limits=limits,
+            set_eval=set_eval,
+            decode=decode,
+        )
+        self.labels: tuple[str, ...] = tuple(labels)
+        self._default_top_k = default_top_k
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        top_k_param(params, self._default_top_k)
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
         if outputs.ndim != 2 or outputs.shape[1] != len(self.labels):

@@ -10,6 +10,10 @@ batch from another thread while one is inferring overlaps the two on the GPU.
 With ``buckets``, a batch is padded up to the next bucket size and the padding
 stripped from the outputs, so a compiled model sees a few fixed shapes, each
 compiled during ``warm_up`` rather than by the first request of that size.
+
+A handler's ``collate`` may build a list of per-item tensors instead of one stacked
+batch (detectors take images of different sizes): the list goes to ``forward`` as
+it is, never padded.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from workers.handlers import Collating, Handler
+from workers.handlers import Collating, DeviceInput, Handler
 
 DEFAULT_SMALLEST_BUCKET = 8
 """On a GPU a batch of 8 costs about what a batch of 1 does, and every bucket is one
@@ -77,7 +81,7 @@ def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) 
 class DeviceBatch:
     """A batch staged on the device by ``ModelRunner.prepare``, ready for ``infer``."""
 
-    tensor: torch.Tensor  # the model's input, padded up to its bucket
+    tensor: DeviceInput  # the model's input: stacked and padded up to its bucket, or a list
     size: int  # the real items; rows past them are padding
     ready: torch.cuda.Event | None  # recorded on the staging stream once the data is there
 
@@ -104,7 +108,7 @@ class ModelRunner:
         self.handler = handler
         self.device = resolve_device(device)
         self.buckets: tuple[int, ...] = tuple(sorted(set(buckets)))
-        self._forward: Callable[[torch.Tensor], torch.Tensor] = handler.forward
+        self._forward: Callable[[Any], Any] = handler.forward
         if compile:
             self._forward = compile_forward(handler.forward, self.buckets)
         self._collate = handler.collate if isinstance(handler, Collating) else None
@@ -139,7 +143,8 @@ class ModelRunner:
             batch = self._collate(tensors, self.device) if self._collate is not None else None
             if batch is None:
                 batch = self._upload(tensors)
-            batch = self._pad(batch)
+            if isinstance(batch, torch.Tensor):
+                batch = self._pad(batch)
             ready = None
             if self._stream is not None:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -155,7 +160,8 @@ class ModelRunner:
             compute.wait_event(batch.ready)
             # The batch was allocated on the staging stream: keep the allocator from
             # handing its memory out again before the forward here has read it.
-            batch.tensor.record_stream(compute)
+            for tensor in batch.tensor if isinstance(batch.tensor, list) else [batch.tensor]:
+                tensor.record_stream(compute)
         with torch.inference_mode():
             outputs = self._forward(batch.tensor)
             results = self.handler.postprocess(outputs[: batch.size], params)

@@ -141,3 +141,32 @@ def test_forward_runs_in_inference_mode() -> None:
 
     ModelRunner(Probe(), "cpu").run([torch.zeros(3, dtype=torch.int64)], [{}])
     assert seen == [True]
+
+
+class Sizes(Echo):
+    """A handler whose items differ in size: ``collate`` hands ``forward`` a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        return [item.to(device) for item in items]
+
+    def forward(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[override]
+        self.seen.append([len(item) for item in batch])
+        return [item.sum() for item in batch]
+
+    def postprocess(
+        self, outputs: list[torch.Tensor], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:  # type: ignore[override]
+        return [int(total) for total in outputs]
+
+
+def test_a_list_built_by_collate_reaches_forward_as_it_is_never_padded() -> None:
+    handler = Sizes()
+    runner = ModelRunner(handler, "cpu", buckets=(8,))
+    items = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 4)]
+
+    assert runner.run(items, [{}] * 3) == [3, 0, 6]
+    assert handler.seen == [[3, 1, 4]]  # three items, not padded to the bucket of 8
