@@ -102,6 +102,8 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         limits=settings.limits,
         decode=settings.decode,
         allow_pickle=settings.allow_pickle_models,
+        preprocess=settings.preprocess,
+        options=settings.model_options,
     )
     buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
     runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)

@@ -4,9 +4,14 @@ Spec forms (the worker's ``--model``):
 
 - ``digits`` (or ``demo``): the demo digits CNN, built on first use; ``weights`` is
   its artifact path.
-- ``torchvision:ARCH``, e.g. ``torchvision:resnet50``: weights from ``weights`` (a
-  ``state_dict`` file), else the torchvision cache; ``weights="random"`` for
-  benchmarks only (the version then says ``random-weights``). Nothing is downloaded.
+- ``torchvision:ARCH``, e.g. ``torchvision:resnet50``, ``torchvision:fasterrcnn_resnet50_fpn``,
+  ``torchvision:deeplabv3_resnet50``: a classification, detection (boxes, masks or
+  keypoints) or semantic segmentation model (``workers.torchvision_models``), weights
+  from ``weights`` (a ``state_dict`` file), else the torchvision cache;
+  ``weights="random"`` for benchmarks only (the version then says ``random-weights``).
+  Nothing is downloaded. ``options`` go to torchvision's model builder.
+- ``embedding:ARCH``, e.g. ``embedding:resnet50``: that classification model without
+  its head, answering with one vector per image; weights as for ``torchvision:ARCH``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.Handler``.
@@ -17,36 +22,45 @@ from a JSON list in ``PATH.labels.json`` next to the file, else they are ``"0"``
 ``"1"``, ....
 
 ``dtype="auto"`` and ``channels_last=None`` choose per model and device: torchvision
-models on CUDA run in float16, channels-last (about twice the throughput of float32
-on tensor-core GPUs, the same top-1 on all but borderline inputs; ``bench.gpu``
-measures the agreement); everything else, and everything on the CPU, in float32 as
-loaded. ``decode="auto"`` decodes JPEGs on the GPU when the model is on CUDA.
+models on CUDA run in float16 (about twice the throughput of float32 on tensor-core
+GPUs, the same top-1 on all but borderline inputs; ``bench.gpu`` measures the
+agreement), classifiers and embedding models channels-last too, detectors and
+segmenters under autocast; everything else, and everything on the CPU, in float32
+as loaded. ``decode="auto"`` decodes JPEGs on the GPU when the model is on CUDA.
+``preprocess="auto"`` fits images as torchvision's reference transform does for
+``torchvision:`` and ``embedding:`` classifiers, and the ``fast`` way for
+TorchScript and export files (``workers.preprocess``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import inspect
-import json
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
-from PIL import Image
 
 from schemas import Limits
 from workers.demo_model import load_digits_handler
 from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
+from workers.model_files import (
+    RANDOM_WEIGHTS,
+    ModelLoadError,
+    require_file,
+    sha256,
+    sidecar_labels,
+)
 from workers.preprocess import ImageSpec
 from workers.runner import resolve_device
+from workers.torchvision_models import Preprocess, Serving, load_torchvision
 
 log = logging.getLogger(__name__)
 
-RANDOM_WEIGHTS = "random"
 AUTO = "auto"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -63,13 +77,13 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # torchvision's classic evaluation transform: resize the short side to 256, crop 224.
 IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 256)
 
-_SPEC_FORMS = "digits, torchvision:ARCH, torchscript:PATH, export:PATH or package.module:ClassName"
+_SPEC_FORMS = (
+    "digits, torchvision:ARCH, embedding:ARCH, torchscript:PATH, export:PATH or "
+    "package.module:ClassName"
+)
 _HANDLER_MEMBERS = ("name", "version", "example_item", "preprocess", "forward", "postprocess")
 
-
-class ModelLoadError(ValueError):
-    """A model spec, weights file or handler class that cannot be served; the message
-    names the spec and what to change. Retrying does not help."""
+__all__ = ["DTYPES", "IMAGENET_IMAGE", "ModelLoadError", "load_handler"]
 
 
 def load_handler(
@@ -82,6 +96,8 @@ def load_handler(
     limits: Limits,
     decode: DecodeOption = "auto",
     allow_pickle: bool = False,
+    preprocess: Preprocess = "auto",
+    options: Mapping[str, Any] | None = None,
 ) -> Handler:
     """Build the handler a model spec names, its model on ``device`` (``auto`` allowed).
 
@@ -89,21 +105,49 @@ def load_handler(
     unpickles parts of the file, which can run code from it.
 
     ``dtype`` is a name in ``DTYPES`` or ``auto``; ``channels_last=None`` is automatic
-    (see the module doc); ``decode`` is passed to image classifiers (the demo model's
-    PNGs are always decoded on the CPU).
+    (see the module doc); ``decode`` is passed to image models (the demo model's
+    PNGs are always decoded on the CPU); ``preprocess`` is ``auto``, ``reference`` or
+    ``fast`` for models of a fixed input size; ``options`` are model options for
+    ``torchvision:`` and ``embedding:`` specs (``workers.torchvision_models``) and are
+    passed to a class of yours as ``model_options`` if it takes them.
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
-    file, or a class that is not a handler; ``ValueError`` for a device that does not exist.
+    file, options the model does not take, or a class that is not a handler;
+    ``ValueError`` for a device that does not exist.
     """
     if dtype != AUTO and dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {AUTO}, {', '.join(DTYPES)}")
+    if preprocess not in (AUTO, "reference", "fast"):
+        raise ModelLoadError(f"preprocess {preprocess!r} is not one of auto, reference, fast")
+    options = dict(options or {})
     dev = resolve_device(device)
     kind, _, rest = spec.partition(":")
     # Reduced precision and channels-last pay off for convolution-heavy models on
     # tensor cores; other models may not tolerate them, so auto leaves them in float32.
-    fast = kind == "torchvision" and dev.type == "cuda"
+    fast = kind in ("torchvision", "embedding") and dev.type == "cuda"
     torch_dtype = DTYPES[dtype] if dtype != AUTO else (torch.float16 if fast else torch.float32)
-    channels_last = fast if channels_last is None else channels_last
+    if kind in ("torchvision", "embedding") and rest:
+        serving = Serving(dev, torch_dtype, channels_last, limits, decode, preprocess, options)
+        return load_torchvision(
+            rest, embedding=kind == "embedding", weights=weights, serving=serving
+        )
+    if _is_import_path(kind) and rest.isidentifier():
+        given = {
+            "device": dev,
+            "weights": weights,
+            "dtype": torch_dtype,
+            "channels_last": bool(channels_last),
+            "limits": limits,
+            "decode": decode,
+            "model_options": options,
+        }
+        return _user_class(spec, given)
+    if options:
+        raise ModelLoadError(
+            f"{spec}: model options {options} apply to torchvision:, embedding: and your own "
+            "handler classes only; leave them unset"
+        )
+    channels_last = bool(channels_last)
     if spec in ("digits", "demo"):
         if weights == RANDOM_WEIGHTS:
             raise ModelLoadError(
@@ -114,24 +158,13 @@ def load_handler(
         return load_digits_handler(
             path, device=dev, dtype=torch_dtype, channels_last=channels_last, limits=limits
         )
-    if kind == "torchvision" and rest:
-        return _torchvision(rest, weights, dev, torch_dtype, channels_last, limits, decode)
     if kind in ("torchscript", "export") and rest:
         _no_weights(spec, weights)
         if kind == "export":
             _check_pickle_allowed(spec, allow_pickle)
         load = _torchscript if kind == "torchscript" else _exported
-        return load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode)
-    if _is_import_path(kind) and rest.isidentifier():
-        options = {
-            "device": dev,
-            "weights": weights,
-            "dtype": torch_dtype,
-            "channels_last": channels_last,
-            "limits": limits,
-            "decode": decode,
-        }
-        return _user_class(spec, options)
+        image = replace(IMAGENET_IMAGE, fit="reference" if preprocess == "reference" else "fast")
+        return load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode, image)
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")
 
 
@@ -157,94 +190,6 @@ def _no_weights(spec: str, weights: str | None) -> None:
         )
 
 
-def _torchvision(
-    arch: str,
-    weights: str | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    channels_last: bool,
-    limits: Limits,
-    decode: DecodeOption,
-) -> ImageClassifier:
-    import torchvision  # only the torchvision spec pays for this import
-
-    spec = f"torchvision:{arch}"
-    known = torchvision.models.list_models(module=torchvision.models)
-    if arch not in known:
-        raise ModelLoadError(
-            f"{spec}: no torchvision classification model is called {arch!r}; "
-            f"known ones include {', '.join(sorted(known)[:12])}, ..."
-        )
-    # Architectures with published weights carry their labels and input transform
-    # as metadata inside torchvision; reading it downloads nothing.
-    published = torchvision.models.get_model_weights(arch).DEFAULT
-    transform = published.transforms()
-    crop, resize = transform.crop_size[0], transform.resize_size[0]
-    image = ImageSpec(
-        height=crop,
-        width=crop,
-        mode="RGB",
-        crop_ratio=crop / resize,
-        resample=Image.Resampling[transform.interpolation.name],
-    )
-    labels: list[str] = list(published.meta["categories"])
-    file: Path | None = None
-    if weights is None:
-        file = _torchvision_cached(spec, published.url)
-        version = f"{arch}:{published.name}"
-    elif weights == RANDOM_WEIGHTS:
-        version = f"{arch}:random-weights"
-    else:
-        file = Path(weights)
-        _require_file(spec, file)
-        # A fine-tuned model names its own classes; the architecture is sized to them.
-        labels = _sidecar_labels(file) or labels
-        version = f"{arch}:sha256-{_sha256(file)[:12]}"
-    module = torchvision.models.get_model(arch, weights=None, num_classes=len(labels))
-    if file is not None:
-        _load_state_dict(spec, module, file)
-    return ImageClassifier(
-        module,
-        name=arch,
-        version=version,
-        labels=labels,
-        image=image,
-        mean=transform.mean,
-        std=transform.std,
-        device=device,
-        dtype=dtype,
-        channels_last=channels_last,
-        limits=limits,
-        decode=decode,
-    )
-
-
-def _torchvision_cached(spec: str, url: str) -> Path:
-    # Where torchvision's own download would have put the file.
-    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(url).path).name
-    if not file.is_file():
-        raise ModelLoadError(
-            f"{spec}: no weights given and {file} is not in the torchvision cache; "
-            "nothing can be downloaded here. Copy that file there, pass weights=PATH "
-            "(a state_dict saved with torch.save), or weights='random' for a benchmark "
-            "whose outputs mean nothing"
-        )
-    return file
-
-
-def _load_state_dict(spec: str, module: torch.nn.Module, file: Path) -> None:
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]  # a training checkpoint around the weights
-        module.load_state_dict(state)
-    except Exception as exc:
-        raise ModelLoadError(
-            f"{spec}: cannot load weights from {file}: {exc}. It must be the model's "
-            "state_dict saved with torch.save (plain tensors, loadable with weights_only=True)"
-        ) from exc
-
-
 def _torchscript(
     path: Path,
     spec: str,
@@ -253,15 +198,16 @@ def _torchscript(
     channels_last: bool,
     limits: Limits,
     decode: DecodeOption,
+    image: ImageSpec,
 ) -> ImageClassifier:
-    _require_file(spec, path)
+    require_file(spec, path)
     try:
         # torch.jit.load has no annotations in torch's sources.
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as exc:
         raise ModelLoadError(f"{spec}: not a TorchScript file (torch.jit.save): {exc}") from exc
     return _file_classifier(
-        path, module, device, dtype, channels_last, limits, decode, set_eval=True
+        path, module, device, dtype, channels_last, limits, decode, image, set_eval=True
     )
 
 
@@ -273,10 +219,11 @@ def _exported(
     channels_last: bool,
     limits: Limits,
     decode: DecodeOption,
+    image: ImageSpec,
 ) -> ImageClassifier:
     from torch.export.passes import move_to_device_pass
 
-    _require_file(spec, path)
+    require_file(spec, path)
     try:
         program = torch.export.load(path)
     except Exception as exc:
@@ -287,7 +234,7 @@ def _exported(
     # rewrites those too, where a plain .to() would only move the weights.
     module = move_to_device_pass(program, device).module()
     return _file_classifier(
-        path, module, device, dtype, channels_last, limits, decode, set_eval=False
+        path, module, device, dtype, channels_last, limits, decode, image, set_eval=False
     )
 
 
@@ -299,11 +246,12 @@ def _file_classifier(
     channels_last: bool,
     limits: Limits,
     decode: DecodeOption,
+    image: ImageSpec,
     *,
     set_eval: bool,
 ) -> ImageClassifier:
     classes = _count_classes(path, module, device, dtype)
-    labels = _sidecar_labels(path) or [str(i) for i in range(classes)]
+    labels = sidecar_labels(path) or [str(i) for i in range(classes)]
     if len(labels) != classes:
         raise ModelLoadError(
             f"{path}.labels.json lists {len(labels)} labels, but the model scores {classes} classes"
@@ -311,9 +259,9 @@ def _file_classifier(
     return ImageClassifier(
         module,
         name=path.stem,
-        version=f"{path.name}:sha256-{_sha256(path)[:12]}",
+        version=f"{path.name}:sha256-{sha256(path)[:12]}",
         labels=labels,
-        image=IMAGENET_IMAGE,
+        image=image,
         mean=IMAGENET_MEAN,
         std=IMAGENET_STD,
         device=device,
@@ -350,20 +298,6 @@ def _count_classes(
     return classes
 
 
-def _sidecar_labels(path: Path) -> list[str] | None:
-    """Labels from ``PATH.labels.json`` (a JSON list of strings), if that file exists."""
-    sidecar = path.with_name(f"{path.name}.labels.json")
-    if not sidecar.is_file():
-        return None
-    try:
-        labels = json.loads(sidecar.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{sidecar}: cannot read labels: {exc}") from exc
-    if not (isinstance(labels, list) and labels and all(isinstance(s, str) for s in labels)):
-        raise ModelLoadError(f"{sidecar}: must hold a non-empty JSON list of label strings")
-    return labels
-
-
 def _user_class(spec: str, options: dict[str, Any]) -> Handler:
     module_name, _, class_name = spec.partition(":")
     try:
@@ -396,16 +330,3 @@ def _accepted_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
         return options
     names = {p.name for p in parameters}
     return {key: value for key, value in options.items() if key in names}
-
-
-def _require_file(spec: str, path: Path) -> None:
-    if not path.is_file():
-        raise ModelLoadError(f"{spec}: {path} does not exist or is not a file")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -8,10 +8,11 @@ starts, so a bad setting fails fast with a message naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,8 +38,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
 
     # What to serve.
     model: str = Field(
-        description="model spec: digits | torchvision:ARCH | torchscript:PATH | "
-        "export:PATH | module.path:Class"
+        description="model spec: digits | torchvision:ARCH | embedding:ARCH | torchscript:PATH | "
+        "export:PATH | module.path:Class (docs/models.md)"
     )
     model_name: str | None = Field(
         default=None, description="name used in topic names (default: derived from --model)"
@@ -53,6 +54,16 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     )
     channels_last: bool | None = Field(
         default=None, description="default: on for torchvision models on CUDA"
+    )
+    model_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="JSON object of model options, e.g. '{\"min_size\": 640}': keyword "
+        "arguments of torchvision's model builder, or of your handler class",
+    )
+    preprocess: Literal["auto", "reference", "fast"] = Field(
+        default="auto",
+        description="how fixed-size image models fit images: reference = torchvision's "
+        "transform (auto for torchvision: and embedding:), fast = one resampling pass",
     )
     decode: Literal["auto", "cpu", "gpu"] = Field(
         default="auto", description="where JPEGs are decoded; auto = nvJPEG on CUDA"
@@ -125,6 +136,19 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         le=65535,
         description="port of /metrics, /healthz and /readyz (0: any free port)",
     )
+
+    @field_validator("model_options", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"must be a JSON object: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"must be a JSON object, not {type(parsed).__name__}")
+        return parsed
 
     @field_validator("device")
     @classmethod

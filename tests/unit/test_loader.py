@@ -127,7 +127,7 @@ def test_torchvision_weights_that_do_not_fit_are_refused(tmp_path: Path) -> None
 
 
 def test_unknown_torchvision_architecture_is_named() -> None:
-    with pytest.raises(ModelLoadError, match="no torchvision classification model is called"):
+    with pytest.raises(ModelLoadError, match="no torchvision classification, detection or"):
         load("torchvision:resnet5000", weights="random")
 
 
@@ -210,7 +210,7 @@ def test_user_class_that_is_not_a_handler_is_refused() -> None:
 @pytest.mark.parametrize(
     ("spec", "weights", "words"),
     [
-        ("resnet50", None, "is not one of: digits, torchvision:ARCH"),
+        ("resnet50", None, "is not one of: digits, torchvision:ARCH, embedding:ARCH"),
         ("torchvision:", None, "is not one of"),
         ("torchscript:/no/such/model.pt", None, "does not exist"),
         ("export:/no/such/model.pt2", None, "--allow-pickle-models"),
@@ -236,3 +236,118 @@ def test_half_precision_and_channels_last_reach_the_model() -> None:
     assert isinstance(handler, ImageClassifier)
     assert next(handler.module.parameters()).dtype == torch.bfloat16
     assert len(ModelRunner(handler, "cpu").run([handler.example_item()], [{}])[0]) == 5
+
+
+# -- detection, segmentation and embedding specs ---------------------------------------------
+
+SMALL_DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"
+
+
+@pytest.mark.parametrize(
+    ("arch", "task", "labels"),
+    [
+        ("fasterrcnn_mobilenet_v3_large_320_fpn", "detection", 91),
+        ("ssdlite320_mobilenet_v3_large", "detection", 91),
+        ("maskrcnn_resnet50_fpn", "instance_segmentation", 91),
+        ("keypointrcnn_resnet50_fpn", "keypoints", 2),
+    ],
+)
+def test_detection_specs_pick_their_task_and_labels(arch: str, task: str, labels: int) -> None:
+    from workers.tasks.detection import Detector
+
+    handler = load(f"torchvision:{arch}", weights="random")
+
+    assert isinstance(handler, Detector)
+    assert (handler.task, len(handler.labels)) == (task, labels)
+    assert handler.version == f"{arch}:random-weights"
+    assert handler.labels[:2] == (
+        ("__background__", "person") if labels == 91 else ("no person", "person")
+    )
+    assert len(handler.keypoint_names) == (17 if task == "keypoints" else 0)
+
+
+def test_model_options_reach_the_builder_and_the_handler() -> None:
+    from workers.tasks.detection import Detector
+
+    handler = load(
+        "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn",
+        weights="random",
+        options={"min_size": 128, "box_detections_per_img": 7, "score_threshold": 0.25},
+    )
+
+    assert isinstance(handler, Detector)
+    assert handler.module.transform.min_size == (128,)
+    assert (handler.max_detections, handler.score_threshold) == (7, 0.25)
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "words"),
+    [
+        (f"torchvision:{SMALL_DETECTOR}", {"min_sise": 64}, "no model option min_sise"),
+        ("torchvision:deeplabv3_mobilenet_v3_large", {"min_size": 64}, "no model option min_size"),
+        ("torchvision:resnet18", {"depth": 3}, "refused the model options"),
+        (f"torchvision:{SMALL_DETECTOR}", {"score_threshold": 2}, "from 0 to 1"),
+        ("torchvision:lraspp_mobilenet_v3_large", {"resize_size": 0}, "positive integer"),
+        ("digits", {"min_size": 64}, "apply to torchvision:, embedding:"),
+    ],
+)  # fmt: skip
+def test_bad_model_options_are_refused_naming_them(
+    spec: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=words):
+        load(spec, weights="random" if spec != "digits" else None, options=options)
+
+
+def test_detectors_and_segmenters_refuse_the_fast_preprocessing() -> None:
+    with pytest.raises(ModelLoadError, match="resizes images itself"):
+        load("torchvision:lraspp_mobilenet_v3_large", weights="random", preprocess="fast")
+
+
+def test_classifiers_take_the_reference_fit_unless_told_otherwise() -> None:
+    auto = load("torchvision:mobilenet_v3_small", weights="random")
+    fast = load("torchvision:mobilenet_v3_small", weights="random", preprocess="fast")
+    assert isinstance(auto, ImageClassifier)
+    assert isinstance(fast, ImageClassifier)
+    assert (auto.image.fit, fast.image.fit) == ("reference", "fast")
+    assert auto.image.resize_size == 256
+
+
+def test_segmentation_spec_with_published_style_weights(tmp_path: Path) -> None:
+    """Published DeepLabV3 weights carry an auxiliary classifier: it loads, then is dropped."""
+    import torchvision
+
+    from workers.tasks.segmentation import SemanticSegmenter
+
+    weights = tmp_path / "deeplab.pt"
+    model = torchvision.models.get_model(
+        "deeplabv3_mobilenet_v3_large", weights=None, weights_backbone=None, aux_loss=True
+    )
+    torch.save(model.state_dict(), weights)
+
+    handler = load("torchvision:deeplabv3_mobilenet_v3_large", weights=str(weights))
+
+    assert isinstance(handler, SemanticSegmenter)
+    assert handler.module.aux_classifier is None
+    assert (len(handler.labels), handler.labels[15], handler.resize_size) == (21, "person", 520)
+
+
+def test_embedding_spec_answers_with_the_backbones_features() -> None:
+    from workers.tasks.embedding import ImageEmbedder
+
+    handler = load("embedding:resnet18", weights="random")
+    assert isinstance(handler, ImageEmbedder)
+    assert handler.version == "resnet18-embedding:random-weights"
+    (answer,) = ModelRunner(handler, "cpu").run([handler.example_item()], [{}])
+    assert answer["shape"] == [512]
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("embedding:squeezenet1_0", "no linear layer with 1000 outputs"),
+        ("embedding:fasterrcnn_resnet50_fpn", "come from classification architectures"),
+    ],
+)
+def test_embedding_specs_that_cannot_work_say_why(spec: str, words: str) -> None:
+    with pytest.raises(ModelLoadError, match=words):
+        load(spec, weights="random")

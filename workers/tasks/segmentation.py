@@ -1,0 +1,195 @@
+"""Semantic segmentation: a class for every pixel, torchvision's segmentation models.
+
+``SemanticSegmenter`` serves a module that maps a normalized float (N, C, H, W) batch
+to per-class scores at the input's resolution (a tensor, or a dict whose ``out`` is
+one: torchvision's DeepLabV3, FCN and LR-ASPP). Each image is prepared on the device
+exactly as the weights' reference transform prepares a tensor image (torchvision's
+``resize`` of the shorter side with antialiasing, then scaling and ``normalize``: the
+same function calls), images that come out the same shape run as one batch
+(``workers.tasks.groups``), and each image's scores are resized back to its submitted
+size (bilinear) before the per-pixel argmax: the label map has the submitted image's
+pixels. Results are ``conveyor.semantic_segmentation.v1`` documents.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from PIL import Image
+
+from schemas import DEFAULT_LIMITS, ContentType, Limits
+from schemas.outputs import SEMANTIC_SEGMENTATION_V1
+from workers.gpu_decode import DecodeOption, ImageListDecoder
+from workers.handlers import DeviceInput
+from workers.preprocess import decode_full
+from workers.tasks.groups import group_indices
+from workers.tasks.params import SegmentationParams
+from workers.tasks.rle import encode_columns
+
+EXAMPLE_SIZE = (320, 240)  # width, height of the warm-up image
+_PNG_LEVEL = 1  # label maps are runs of a few values: fast compression is nearly as small
+
+
+class SemanticSegmenter:
+    """A segmentation module served as a handler (see the module doc)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        name: str,
+        version: str,
+        labels: Sequence[str],
+        mean: Sequence[float],
+        std: Sequence[float],
+        resize_size: int | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        decode: DecodeOption = "auto",
+        mode: Literal["RGB", "L"] = "RGB",
+    ) -> None:
+        """Wrap ``module`` (moved to ``device``, in eval mode).
+
+        ``labels`` names the module's classes in output order; ``resize_size`` is the
+        shorter side's length the model takes (torchvision's weights: 520), ``None`` to
+        take images as submitted; ``mean``/``std`` normalize the scaled pixels.
+        ``dtype`` other than float32 runs the forward under autocast.
+        """
+        if not labels:
+            raise ValueError("a segmentation model needs at least one label")
+        if decode not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"decode must be auto, cpu or gpu, not {decode!r}")
+        self.name = name
+        self.version = version
+        self.labels: tuple[str, ...] = tuple(labels)
+        self.resize_size = resize_size
+        self.mean = list(mean)
+        self.std = list(std)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.mode: Literal["RGB", "L"] = mode
+        self._limits = limits
+        self._channels_last = channels_last
+        module = module.to(self.device).eval()
+        if channels_last:
+            module = module.to(memory_format=torch.channels_last)
+        self.module = module
+        gpu = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
+        self.batch_decoder = ImageListDecoder(mode, max_pixels=limits.max_pixels) if gpu else None
+
+    def example_item(self) -> torch.Tensor:
+        width, height = EXAMPLE_SIZE
+        if self.batch_decoder is not None:
+            return self.batch_decoder.example(width, height)
+        return torch.full((3 if self.mode == "RGB" else 1, height, width), 128, dtype=torch.uint8)
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        SegmentationParams.parse(params, self.labels)
+        if self.batch_decoder is not None and content_type == ContentType.JPEG:
+            encoded = self.batch_decoder.encoded(payload)
+            if encoded is not None:
+                return encoded
+        return decode_full(payload, content_type, self.mode, max_pixels=self._limits.max_pixels)
+
+    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if self.batch_decoder is not None:
+            return self.batch_decoder.collate(items, device)
+        return [item.to(device, non_blocking=True) for item in items]
+
+    def prepare(self, image: torch.Tensor) -> torch.Tensor:
+        """One uint8 (C, H, W) image as the module's float input: the weights' transform."""
+        from torchvision.transforms import functional
+
+        if self.resize_size is not None:
+            image = functional.resize(image, [self.resize_size], antialias=True)
+        scaled = functional.convert_image_dtype(image, torch.float32)
+        normalized: torch.Tensor = functional.normalize(scaled, mean=self.mean, std=self.std)
+        return normalized
+
+    def forward(self, batch: DeviceInput) -> list[torch.Tensor]:
+        """Each image's label map: a (H, W) tensor of class indices at its submitted size."""
+        images = list(batch)
+        inputs = [self.prepare(image) for image in images]
+        maps: list[torch.Tensor] = [images[0]] * len(images)  # every entry is replaced
+        for group in group_indices([tuple(x.shape) for x in inputs]):
+            stacked = torch.stack([inputs[i] for i in group])
+            if self._channels_last:
+                stacked = stacked.contiguous(memory_format=torch.channels_last)
+            with self._precision():
+                scores = self.module(stacked)
+            if isinstance(scores, Mapping):
+                scores = scores["out"]
+            for row, i in enumerate(group):
+                full = torch.nn.functional.interpolate(
+                    scores[row : row + 1].float(),
+                    size=images[i].shape[-2:],
+                    mode="bilinear",
+                    align_corners=False,
+                )
+                maps[i] = full[0].argmax(dim=0)
+        return maps
+
+    def postprocess(
+        self, outputs: Sequence[torch.Tensor], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        return [
+            self._document(label_map, SegmentationParams.parse(p, self.labels))
+            for label_map, p in zip(outputs, params, strict=True)
+        ]
+
+    def _precision(self) -> AbstractContextManager[Any]:
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _document(self, label_map: torch.Tensor, params: SegmentationParams) -> dict[str, Any]:
+        small = len(self.labels) <= 256
+        pixels = label_map.to(torch.uint8 if small else torch.int32).cpu().numpy()
+        height, width = pixels.shape
+        counts = np.bincount(pixels.reshape(-1), minlength=len(self.labels))
+        present = [
+            int(index)
+            for index in np.argsort(-counts, kind="stable")
+            if counts[index] and (params.classes is None or index in params.classes)
+        ]
+        classes: list[dict[str, Any]] = [
+            {"index": index, "label": self._label(index), "pixels": int(counts[index])}
+            for index in present
+        ]
+        document: dict[str, Any] = {
+            "type": SEMANTIC_SEGMENTATION_V1,
+            "width": width,
+            "height": height,
+            "map": None,
+            "classes": classes,
+        }
+        if params.format == "png":
+            document["map"] = {"encoding": "png", "data": _png(pixels, small)}
+        else:
+            columns = pixels.T  # the encoding's order: column by column
+            for segment in classes:
+                counts_text = encode_columns(columns == segment["index"], 0, width)
+                segment["mask"] = {"size": [height, width], "counts": counts_text}
+        return document
+
+    def _label(self, index: int) -> str:
+        return self.labels[index] if index < len(self.labels) else str(index)
+
+
+def _png(pixels: npt.NDArray[Any], small: bool) -> str:
+    """A grayscale PNG of class indices, base64: 8-bit, or 16-bit past 256 classes."""
+    image = Image.fromarray(pixels if small else pixels.astype(np.uint16))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=_PNG_LEVEL)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
