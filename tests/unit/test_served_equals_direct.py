@@ -1,0 +1,432 @@
+"""Served == direct: every task's answers through the worker's batching path equal the
+model run directly on one image at a time.
+
+"Served" is the handler's ``preprocess`` of the encoded image, then ``ModelRunner.run``
+on batches of 32 images of mixed sizes (so detectors and segmenters split each batch
+into same-shape groups). "Direct" is the torchvision model called the way its
+documentation shows, one image at a time, on the image Pillow decodes (through the
+weights' reference transform for classifiers and segmenters). The tolerances are
+the ones docs/models.md states and explains: the same classes and float32 rounding
+for classification and embeddings; for detectors the same detections (class and
+score within 1e-3), all but a few in a thousand also within 0.01 pixel and 1e-4 of
+score (the rest: a near-tie between two overlapping region proposals let the other
+one through), and for those IoU >= 0.99 for masks and keypoints within 0.01 pixel;
+for segmentation all but a few pixels at near-tied class boundaries.
+
+Models have random weights (nothing can be downloaded), made to behave like trained
+ones where it matters here: their batch-norm statistics are measured on the test
+images (a random network's activations otherwise fade to constants, and every
+detection ties with the others) and their class scores are drawn at a larger scale,
+so scores spread out instead of tying at 1/classes. The serving path is the same
+whatever the weights. Mask and Keypoint R-CNN are built with torchvision's classes
+on its MobileNetV3 FPN backbone with slim heads, for time; ``torchvision:maskrcnn_*``
+and ``keypointrcnn_*`` differ only in backbone and head widths.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+import torchvision
+from PIL import Image, ImageDraw, ImageFilter
+from torchvision.models.detection import KeypointRCNN, MaskRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import mobilenet_backbone
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.keypoint_rcnn import KeypointRCNNHeads, KeypointRCNNPredictor
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.transforms.functional import pil_to_tensor, to_tensor
+
+from schemas import DEFAULT_LIMITS, ContentType
+from schemas.outputs import Rle, parse_outputs
+from workers.handlers import Handler
+from workers.loader import load_handler
+from workers.runner import ModelRunner
+from workers.tasks.detection import Detector
+
+IMAGES = 200
+BATCH = 32
+BOX_TOLERANCE_PX = 0.01
+SCORE_TOLERANCE = 1e-4
+NEAR_TIE_SCORE = 1e-3
+MIN_STRICT_SHARE = 0.995
+MASK_MIN_IOU = 0.99
+KEYPOINT_TOLERANCE_PX = 0.01
+MIN_KEYPOINT_SHARE = 0.99
+MIN_PIXEL_AGREEMENT = 0.9999
+CLASS_SCORE_TOLERANCE = 1e-5
+EMBEDDING_TOLERANCE = 1e-5
+# A few image sizes recur (as frames of a few cameras would), the rest are all different.
+_SIZES = ((48, 64), (64, 48), (56, 56), (40, 72), (72, 40), (64, 64))
+
+
+def photo_like(seed: int) -> bytes:
+    """A PNG of blurred coloured shapes on a gradient, of a size the seed picks."""
+    rng = np.random.default_rng(seed)
+    if seed % 3:
+        width, height = _SIZES[seed % len(_SIZES)]
+    else:
+        width, height = (int(v) for v in rng.integers(32, 97, 2))
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    ramps = rng.uniform(-60, 200, (3, 3))
+    base = np.stack([a + b * x / width + c * y / height for a, b, c in ramps], axis=-1)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(5):
+        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
+        side = rng.uniform(0.15, 0.5) * width
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        draw.ellipse((x0, y0, x0 + side, y0 + side * rng.uniform(0.5, 1.5)), fill=colour)
+    buffer = io.BytesIO()
+    image.filter(ImageFilter.GaussianBlur(1.0)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [photo_like(seed) for seed in range(IMAGES)]
+
+
+def pil(payload: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(payload)).convert("RGB")
+
+
+def load(spec: str, **options: Any) -> Handler:
+    torch.manual_seed(0)
+    return load_handler(
+        spec,
+        device="cpu",
+        weights="random",
+        dtype="float32",
+        channels_last=None,
+        limits=DEFAULT_LIMITS,
+        options=options,
+    )
+
+
+def calibrate(module: torch.nn.Module, run: Callable[[], object]) -> None:
+    """Set ``module``'s batch-norm statistics from what ``run`` feeds it, as training
+    would have (see the module doc); ``module`` is in eval mode afterwards."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a plain average over the calibration batch
+        norm.train()
+    with torch.no_grad():
+        run()
+    for norm in norms:
+        norm.eval()
+
+
+def calibrate_detector(module: Any, payloads: Sequence[bytes]) -> None:
+    """Calibrate an R-CNN's backbone and spread its objectness and class scores."""
+
+    def run() -> None:
+        batch, _ = module.transform([to_tensor(pil(p)) for p in payloads])
+        module.backbone(batch.tensors)
+
+    calibrate(module, run)
+    sharpen(module.rpn.head.cls_logits, 0.5)
+    sharpen(module.roi_heads.box_predictor.cls_score, 0.5)
+
+
+def sharpen(layer: torch.nn.Module, std: float) -> None:
+    """Redraw a scoring layer's weights at a larger scale (see the module doc)."""
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    with torch.no_grad():
+        weight.normal_(0.0, std, generator=torch.Generator().manual_seed(1))
+
+
+def served(
+    handler: Handler, payloads: Sequence[bytes], params: Mapping[str, Any] | None = None
+) -> list[Any]:
+    """Answers through preprocess and the runner, ``BATCH`` requests at a time."""
+    runner = ModelRunner(handler, "cpu")
+    items = [handler.preprocess(p, ContentType.PNG, params or {}) for p in payloads]
+    answers: list[Any] = []
+    for start in range(0, len(items), BATCH):
+        chunk = items[start : start + BATCH]
+        answers += runner.run(chunk, [params or {}] * len(chunk))
+    for answer in answers:
+        parse_outputs(answer)  # every answer is a valid document of its task
+    return answers
+
+
+# -- detection, instance segmentation, keypoints ---------------------------------------------
+
+
+@dataclass
+class Agreement:
+    """How served detections compare with direct ones, over many images."""
+
+    pairs: int = 0
+    strict: list[tuple[dict[str, Any], int, Mapping[str, torch.Tensor]]] = field(
+        default_factory=list
+    )  # pairs within BOX_TOLERANCE_PX and SCORE_TOLERANCE: served detection, index in the
+    # direct output, that output
+
+    def add(
+        self, answer: Mapping[str, Any], direct: Mapping[str, torch.Tensor], floor: float
+    ) -> None:
+        """Pair every served detection of one image with a direct one: the same label,
+        scores within NEAR_TIE_SCORE, the closest box. A detection left over on either
+        side must score within SCORE_TOLERANCE of the model's score floor."""
+        boxes, scores = direct["boxes"].numpy(), direct["scores"].numpy()
+        labels = direct["labels"].numpy()
+        free = set(range(len(boxes)))
+        for detection in sorted(answer["detections"], key=lambda d: -d["score"]):
+            box = np.array(detection["box"])
+            gaps = {
+                j: (float(np.abs(boxes[j] - box).max()), abs(float(scores[j]) - detection["score"]))
+                for j in free
+                if labels[j] == detection["index"]
+            }
+            near = [j for j, (_, score_gap) in gaps.items() if score_gap <= NEAR_TIE_SCORE]
+            if not near:
+                assert detection["score"] - floor <= SCORE_TOLERANCE, f"{detection} not direct"
+                continue
+            j = min(near, key=lambda k: gaps[k])
+            free.remove(j)
+            self.pairs += 1
+            box_gap, score_gap = gaps[j]
+            if box_gap <= BOX_TOLERANCE_PX and score_gap <= SCORE_TOLERANCE:
+                self.strict.append((detection, j, direct))
+        left = [float(scores[j]) for j in free]
+        assert all(s - floor <= SCORE_TOLERANCE for s in left), f"direct scores {left} not served"
+
+    def check(self, at_least: int) -> None:
+        assert self.pairs >= at_least, "too few detections for the comparison to count"
+        assert len(self.strict) / self.pairs >= MIN_STRICT_SHARE, (len(self.strict), self.pairs)
+
+
+def compare_detections(handler: Detector, payloads: Sequence[bytes], floor: float) -> Agreement:
+    answers = served(handler, payloads)
+    agreement = Agreement()
+    with torch.inference_mode():
+        for payload, answer in zip(payloads, answers, strict=True):
+            image = pil(payload)
+            assert (answer["width"], answer["height"]) == image.size
+            agreement.add(answer, handler.module([to_tensor(image)])[0], floor)
+    return agreement
+
+
+def slim_rcnn(kind: type[MaskRCNN] | type[KeypointRCNN], **heads: Any) -> Any:
+    """An R-CNN on torchvision's MobileNetV3 FPN backbone (random weights, seeded
+    before the caller built ``heads``)."""
+    backbone = mobilenet_backbone(
+        backbone_name="mobilenet_v3_large", weights=None, fpn=True,
+        norm_layer=torch.nn.BatchNorm2d, trainable_layers=6,
+    )  # fmt: skip
+    return kind(
+        backbone,
+        min_size=64,
+        max_size=96,
+        rpn_anchor_generator=AnchorGenerator(((32, 64, 128, 256, 512),) * 3, ((0.5, 1, 2),) * 3),
+        rpn_post_nms_top_n_test=30,
+        box_score_thresh=0.5,
+        box_detections_per_img=1000,  # every candidate: no cut among near-equal scores
+        **heads,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_detection_served_equals_direct(images: list[bytes]) -> None:
+    handler = load(
+        "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn",
+        min_size=64,
+        max_size=96,
+        num_classes=5,
+        rpn_post_nms_top_n_test=30,
+        box_detections_per_img=1000,  # every candidate: no cut among near-equal scores
+        box_score_thresh=0.3,
+        score_threshold=0.0,
+    )
+    assert isinstance(handler, Detector)
+    calibrate_detector(handler.module, images[:16])
+
+    compare_detections(handler, images, floor=0.3).check(at_least=2 * IMAGES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_instance_segmentation_served_equals_direct(images: list[bytes]) -> None:
+    torch.manual_seed(0)
+    module = slim_rcnn(
+        MaskRCNN,
+        box_predictor=FastRCNNPredictor(1024, 5),  # the box head's width; 5 classes
+        mask_head=MaskRCNNHeads(256, (32, 32), 1),
+        mask_predictor=MaskRCNNPredictor(32, 32, 5),
+    )
+    calibrate_detector(module, images[:16])
+    sharpen(module.roi_heads.mask_predictor.mask_fcn_logits, 0.5)
+    labels = [f"class-{n}" for n in range(5)]
+    handler = Detector(
+        module, name="masks", version="v", labels=labels, task="instance_segmentation",
+        decode="cpu", score_threshold=0.0,
+    )  # fmt: skip
+
+    agreement = compare_detections(handler, images, floor=0.5)
+
+    agreement.check(at_least=2 * IMAGES)
+    ious = []
+    for detection, j, direct in agreement.strict:
+        mask = Rle.model_validate(detection["mask"])
+        served_mask = np.frombuffer(mask.to_bytes(), np.uint8).reshape(mask.size).astype(bool)
+        direct_mask: npt.NDArray[np.bool_] = (direct["masks"][j, 0] > 0.5).numpy()
+        ious.append(mask_iou(served_mask, direct_mask))
+    assert min(ious) >= MASK_MIN_IOU, min(ious)
+
+
+def mask_iou(a: npt.NDArray[np.bool_], b: npt.NDArray[np.bool_]) -> float:
+    union = np.logical_or(a, b).sum()
+    return 1.0 if union == 0 else float(np.logical_and(a, b).sum() / union)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_keypoints_served_equal_direct(images: list[bytes]) -> None:
+    weights = torchvision.models.get_model_weights("keypointrcnn_resnet50_fpn").DEFAULT
+    names = list(weights.meta["keypoint_names"])
+    torch.manual_seed(0)
+    module = slim_rcnn(
+        KeypointRCNN,
+        num_classes=2,
+        keypoint_head=KeypointRCNNHeads(256, (32, 32)),
+        keypoint_predictor=KeypointRCNNPredictor(32, len(names)),
+    )
+    calibrate_detector(module, images[:16])
+    handler = Detector(
+        module, name="poses", version="v", labels=["no person", "person"], task="keypoints",
+        keypoint_names=names, decode="cpu", score_threshold=0.0,
+    )  # fmt: skip
+
+    agreement = compare_detections(handler, images, floor=0.5)
+
+    agreement.check(at_least=2 * IMAGES)
+    close = total = 0
+    for detection, j, direct in agreement.strict:
+        points = np.array(detection["keypoints"])
+        expected = np.concatenate(
+            [direct["keypoints"][j, :, :2].numpy(), direct["keypoints_scores"][j, :, None].numpy()],
+            axis=1,
+        )
+        gaps = np.abs(points - expected)
+        close += int((gaps[:, :2].max(axis=1) <= KEYPOINT_TOLERANCE_PX).sum())
+        total += len(points)
+    assert close / total >= MIN_KEYPOINT_SHARE, (close, total)
+
+
+# -- semantic segmentation --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_semantic_segmentation_served_equals_direct(images: list[bytes]) -> None:
+    handler = load("torchvision:lraspp_mobilenet_v3_large", resize_size=64)
+    module = handler.module  # type: ignore[attr-defined]
+    weights = torchvision.models.get_model_weights("lraspp_mobilenet_v3_large").DEFAULT
+    reference = weights.transforms(resize_size=64)
+    # Calibration needs one batch: the first images, prepared and brought to one size.
+    prepared = [reference(pil_to_tensor(pil(p)))[None] for p in images[:16]]
+    batch = torch.cat([torch.nn.functional.interpolate(x, size=(64, 64)) for x in prepared])
+    calibrate(module, lambda: module(batch))
+
+    answers = served(handler, images)
+
+    agree = total = 0
+    with torch.inference_mode():
+        for payload, answer in zip(images, answers, strict=True):
+            image = pil_to_tensor(pil(payload))
+            scores = module(reference(image)[None])["out"]
+            full = torch.nn.functional.interpolate(
+                scores, size=image.shape[-2:], mode="bilinear", align_corners=False
+            )
+            direct = full[0].argmax(dim=0).numpy()
+            label_map = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["map"]["data"]))))
+            agree += int((label_map == direct).sum())
+            total += direct.size
+    assert agree / total >= MIN_PIXEL_AGREEMENT, (agree, total)
+
+
+# -- classification and embeddings ------------------------------------------------------------
+
+
+def classifier_inputs(payloads: Sequence[bytes], arch: str) -> torch.Tensor:
+    transform = torchvision.models.get_model_weights(arch).DEFAULT.transforms()
+    return torch.stack([transform(pil(p)) for p in payloads])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_classification_served_equals_direct(images: list[bytes]) -> None:
+    handler = load("torchvision:mobilenet_v3_small")
+    module = handler.module  # type: ignore[attr-defined]
+    calibrate(module, lambda: module(classifier_inputs(images[:32], "mobilenet_v3_small")))
+    sharpen(module.classifier[-1], 0.5)
+
+    answers = served(handler, images)
+
+    with torch.inference_mode():
+        for payload, answer in zip(images, answers, strict=True):
+            logits = module(classifier_inputs([payload], "mobilenet_v3_small"))
+            scores, indices = logits.softmax(dim=1).topk(5)
+            assert [a["index"] for a in answer] == indices[0].tolist()
+            assert np.allclose(
+                [a["score"] for a in answer], scores[0].numpy(), atol=CLASS_SCORE_TOLERANCE, rtol=0
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_embeddings_served_equal_direct(images: list[bytes]) -> None:
+    handler = load("embedding:mobilenet_v3_small")
+    module = handler.module  # type: ignore[attr-defined]
+    calibrate(module, lambda: module(classifier_inputs(images[:32], "mobilenet_v3_small")))
+
+    answers = served(handler, images)
+
+    with torch.inference_mode():
+        for payload, answer in zip(images, answers, strict=True):
+            vector = module(classifier_inputs([payload], "mobilenet_v3_small"))[0]
+            direct = (vector / vector.norm()).numpy()
+            values = np.frombuffer(base64.b64decode(answer["data"]), "<f4")
+            assert np.abs(values - direct).max() <= EMBEDDING_TOLERANCE
+
+
+# -- the negative control -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_padding_mixed_sizes_together_would_break_the_tolerance(images: list[bytes]) -> None:
+    """What the same-shape groups prevent: torchvision's own batching of mixed sizes
+    (one batch padded to the largest image) moves boxes far past the tolerance."""
+    handler = load(
+        "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn", min_size=64, max_size=96,
+        num_classes=5, rpn_post_nms_top_n_test=30, box_detections_per_img=1000,
+        box_score_thresh=0.3,
+    )  # fmt: skip
+    assert isinstance(handler, Detector)
+    module = handler.module
+    calibrate_detector(module, images[:16])
+    mixed = images[:BATCH]
+    with torch.inference_mode():
+        padded = module([to_tensor(pil(p)) for p in mixed])
+        alone = [module([to_tensor(pil(p))])[0] for p in mixed]
+    moved = 0
+    for together, single in zip(padded, alone, strict=True):
+        if len(together["boxes"]) != len(single["boxes"]):
+            moved += 1
+        elif len(single["boxes"]):
+            moved += (together["boxes"] - single["boxes"]).abs().max().item() > 1.0
+    assert moved >= BATCH // 4, moved
