@@ -8,7 +8,7 @@ export KAFKA_PORT ?= 9092
 export REDIS_PORT ?= 6379
 PYTEST_ARGS ?=
 
-.PHONY: help install up down test unit lint format demo bench clean
+.PHONY: help install up down test unit lint format demo demo-video bench clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
@@ -16,6 +16,7 @@ help:
 	@echo "make down     stop what 'make up' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
 	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
+	@echo "make demo-video  install, up, detect digits in a synthetic video streamed frame by frame"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict"
@@ -56,6 +57,11 @@ demo: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m workers.demo_model
 	$(PY) -m workers.demo --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+
+demo-video: install
+	@$(MAKE) --no-print-directory up
+	$(PY) -m workers.demo_detector
+	$(PY) -m workers.demo_video --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 bench: install
 	@$(MAKE) --no-print-directory up

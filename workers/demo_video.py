@@ -1,0 +1,408 @@
+"""The video demo: digits moving on a canvas, detected frame by frame through Kafka.
+
+``python -m workers.demo_video`` (what ``make demo-video`` runs after ``make up``):
+
+1. builds the demo detector (``workers.demo_detector``) unless it is cached;
+2. draws a video of held-out digits (never trained on) bouncing around a 160x120
+   canvas, one per quarter, each replaced by another every two seconds, and writes
+   it as an H.264 MP4, remembering every digit's true box in every frame;
+3. creates the model's topics and starts ``conveyor worker --model
+   workers.demo_detector:DigitsDetector`` as a child process;
+4. sends the video with ``conveyor stream --wait`` (every frame as a JPEG request of
+   one stream) and reads the results back in frame order, as that command prints them;
+5. draws each frame's boxes, labels and scores on the decoded video and writes an
+   animated GIF and one frame as a PNG;
+6. prints frames/s, latency and how well the boxes match the truth, then stops the
+   worker (SIGTERM, then waits for it to drain), also on Ctrl-C or error.
+
+It exits with status 1 when fewer than ``MIN_RECALL`` of the digits are found with
+the right label, or when any frame's result is missing or not ``ok``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from pydantic import SecretStr
+
+from producers import AsyncClient, ClientError, ClientSettings, ContractError, Status
+from producers.admin import create_model_topics
+from schemas import ContentType, Result, decode_result
+from workers.demo import REPO, DemoError, WorkerChild
+from workers.demo_detector import (
+    CANVAS,
+    DigitSet,
+    Placement,
+    build_detector,
+    detector_metadata,
+    draw_scene,
+    match,
+)
+
+MIN_RECALL = 0.7
+"""The share of true digits the served boxes must find (IoU >= 0.5, right label)."""
+FPS = 10
+DIGIT_SECONDS = 2  # each track shows a new digit this often
+SCALE = 3  # the annotated output is drawn at 3x the video's size
+_PARTITIONS = 2
+_LANES = 4  # one digit per quarter of the canvas, so digits never overlap
+_QUALITY_CRF = "16"  # H.264 quality: high enough that the frames stay the model's kind
+_BOX_COLOUR = (255, 210, 0)
+Truth = list[tuple[float, float, float, float, int]]
+
+
+@dataclass(frozen=True)
+class VideoReport:
+    """What a video demo run measured."""
+
+    frames: int  # frames sent (and results read back)
+    ok: int  # frames whose result is ok
+    digits: int  # true digits over all frames
+    found: int  # of them, found by a box with IoU >= 0.5 and the right label
+    boxes: int  # boxes reported over all frames
+    frames_per_s: float  # frames / (last finished - first produced)
+    latency_p50_ms: float  # produced -> finished, from each result's timings
+    latency_p99_ms: float
+    gif: Path
+    png: Path
+
+    @property
+    def recall(self) -> float:
+        return self.found / self.digits if self.digits else 0.0
+
+    @property
+    def precision(self) -> float:
+        return self.found / self.boxes if self.boxes else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.ok == self.frames and self.recall >= MIN_RECALL
+
+
+@dataclass
+class _Track:
+    """One digit bouncing around its quarter of the canvas."""
+
+    digit: int  # row of the digit set
+    size: int  # side, pixels
+    origin: tuple[int, int]  # top-left corner of its quarter
+    position: np.ndarray[Any, np.dtype[np.float64]]  # x, y within the quarter
+    velocity: np.ndarray[Any, np.dtype[np.float64]]  # pixels per frame
+    colour: tuple[float, float, float]
+
+    def step(self, room: tuple[int, int]) -> Placement:
+        """Move one frame on, reflecting off the quarter's edges; where it is now."""
+        limit = np.array(room, dtype=float) - self.size
+        self.position = self.position + self.velocity
+        for axis in (0, 1):
+            if not 0 <= self.position[axis] <= limit[axis]:
+                self.velocity[axis] *= -1
+                self.position[axis] = min(max(self.position[axis], 0.0), limit[axis])
+        x, y = (self.origin[axis] + int(self.position[axis]) for axis in (0, 1))
+        return Placement(self.digit, x, y, self.size, self.colour)
+
+
+def make_video(path: Path, frames: int, seed: int = 7) -> list[Truth]:
+    """Write ``frames`` frames of bouncing held-out digits to ``path`` (H.264 MP4 at
+    ``FPS``); returns each frame's true boxes."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    digits = DigitSet.load(heldout=True)
+    width, height = CANVAS
+    room = (width // 2, height // 2)
+    tracks = []
+    for lane in range(_LANES):
+        size = int(rng.integers(22, 37))
+        red, green, blue = (float(c) for c in rng.uniform(0.6, 1.0, 3))
+        tracks.append(
+            _Track(
+                digit=int(rng.integers(len(digits.values))),
+                size=size,
+                origin=((lane % 2) * room[0], (lane // 2) * room[1]),
+                position=rng.uniform(0, [room[0] - size, room[1] - size]),
+                velocity=rng.uniform(1.0, 2.5, 2) * rng.choice([-1, 1], 2),
+                colour=(red, green, blue),
+            )
+        )
+    red, green, blue = (float(c) for c in rng.uniform(0.0, 0.2, 3))
+    truths: list[Truth] = []
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=FPS, options={"crf": _QUALITY_CRF})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for n in range(frames):
+            if n and n % (DIGIT_SECONDS * FPS) == 0:
+                for track in tracks:
+                    track.digit = int(rng.integers(len(digits.values)))
+            placements = [track.step(room) for track in tracks]
+            canvas, truth = draw_scene(digits, placements, (red, green, blue), rng)
+            truths.append(truth)
+            pixels = (canvas.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = n
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return truths
+
+
+async def run_demo_video(
+    settings: ClientSettings,
+    model_name: str,
+    *,
+    frames: int = 100,
+    out: Path = REPO / ".run" / "demo-video",
+    device: str = "auto",
+    wait_s: float = 120.0,
+    log_path: Path | None = None,
+) -> VideoReport:
+    """Serve the demo detector as ``model_name``, stream a video of ``frames`` frames
+    through it, and write the annotated GIF and PNG into ``out``."""
+    await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread(_describe_detector)
+    video = out / "digits.mp4"
+    truths = await asyncio.to_thread(make_video, video, frames)
+    _say(f"video {video}: {frames} frames of {CANVAS[0]}x{CANVAS[1]} at {FPS} fps")
+    states = await create_model_topics(settings, model_name, _PARTITIONS)
+    _say(f"topics {', '.join(state.name for state in states)} ready")
+    log_path = log_path or REPO / ".run" / f"demo-worker-{model_name}.log"
+    async with WorkerChild(_worker_argv(settings, model_name, device), log_path) as worker:
+        _say(f"worker started (pid {worker.pid}); its log: {log_path}")
+        await worker.unless_it_dies(_first_answer(settings, model_name, video, wait_s))
+        _say("worker ready; streaming the video with `conveyor stream --wait`")
+        stream_id = f"digits-{uuid.uuid4().hex[:8]}"
+        results = await worker.unless_it_dies(
+            _stream(settings, model_name, video, stream_id, wait_s)
+        )
+    _say("worker stopped")
+    gif, png = out / "digits-annotated.gif", out / "digits-frame.png"
+    await asyncio.to_thread(annotate, video, results, gif, png)
+    report = _report(results, truths, gif, png)
+    _print_summary(report)
+    return report
+
+
+def _describe_detector() -> None:
+    build_detector()
+    meta = detector_metadata()
+    _say(
+        f"model {meta['version']}: trained in {meta['train_seconds']:.1f} s "
+        f"({meta['train_cpu_seconds']:.1f} s of CPU time); on held-out "
+        f"scenes it finds {meta['heldout_recall']:.1%} of the digits at "
+        f"{meta['heldout_precision']:.1%} precision"
+    )
+
+
+async def _first_answer(settings: ClientSettings, model: str, video: Path, wait_s: float) -> None:
+    """Submit the video's first frame and wait: the worker has loaded and joined its group."""
+    async with AsyncClient(settings) as client:
+        request_id = await client.submit(
+            _first_frame_jpeg(video), model=model, content_type=ContentType.JPEG
+        )
+        await client.wait(request_id, wait_s)
+
+
+def _first_frame_jpeg(video: Path) -> bytes:
+    import io
+
+    import av
+
+    with av.open(str(video)) as container:
+        frame = next(container.decode(video=0))
+        buffer = io.BytesIO()
+        frame.to_image().save(buffer, format="JPEG", quality=90)  # type: ignore[no-untyped-call]
+        return buffer.getvalue()
+
+
+async def _stream(
+    settings: ClientSettings, model: str, video: Path, stream_id: str, wait_s: float
+) -> list[Result | None]:
+    """``conveyor stream VIDEO --wait``: one JSON line per frame, in order, parsed."""
+    argv = [
+        sys.executable, "-m", "producers.cli", "stream", str(video),
+        "--model", model, "--stream-id", stream_id, "--wait", "--timeout", str(wait_s),
+        "--no-progress", "--kafka-bootstrap", settings.kafka_bootstrap,
+        "--redis-url", settings.redis_url.get_secret_value(),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO
+    )
+    stdout, stderr = await process.communicate()
+    if process.returncode not in (0, 1):  # 1: some frame was not ok, which the report shows
+        raise DemoError(
+            f"conveyor stream exited with status {process.returncode}: "
+            f"{stderr.decode(errors='replace').strip()}"
+        )
+    results: list[Result | None] = []
+    for line in stdout.splitlines():
+        document = orjson.loads(line)
+        document.pop("seq")
+        results.append(None if document.get("status") == "missing" else _result(document))
+    _say(stderr.decode(errors="replace").strip())
+    return results
+
+
+def _result(document: dict[str, Any]) -> Result:
+    return decode_result(orjson.dumps(document))
+
+
+def annotate(video: Path, results: Sequence[Result | None], gif: Path, png: Path) -> None:
+    """Draw each frame's boxes and labels on the video's frames, at ``SCALE`` times their
+    size: every frame into an animated GIF, the middle one into a PNG."""
+    import av
+
+    font = ImageFont.load_default(size=14)
+    drawn: list[Image.Image] = []
+    with av.open(str(video)) as container:
+        for frame, result in zip(container.decode(video=0), results, strict=False):
+            image = frame.to_image()  # type: ignore[no-untyped-call]
+            image = image.resize(
+                (image.width * SCALE, image.height * SCALE), Image.Resampling.NEAREST
+            )
+            draw = ImageDraw.Draw(image)
+            for detection in _detections(result):
+                x1, y1, x2, y2 = (v * SCALE for v in detection["box"])
+                draw.rectangle((x1, y1, x2, y2), outline=_BOX_COLOUR, width=2)
+                text = f"{detection['label']} {detection['score']:.2f}"
+                corner = (x1, max(y1 - 17, 0))
+                draw.rectangle(draw.textbbox(corner, text, font=font), fill=_BOX_COLOUR)
+                draw.text(corner, text, fill=(0, 0, 0), font=font)
+            drawn.append(image)
+    if not drawn:
+        raise DemoError(f"{video} has no frames to annotate")
+    drawn[0].save(
+        gif, save_all=True, append_images=drawn[1:], duration=1000 // FPS, loop=0, optimize=True
+    )
+    drawn[len(drawn) // 2].save(png)
+
+
+def _detections(result: Result | None) -> list[dict[str, Any]]:
+    if result is None or result.status is not Status.ok:
+        return []
+    detections: list[dict[str, Any]] = result.outputs["detections"]
+    return detections
+
+
+def _report(
+    results: Sequence[Result | None], truths: Sequence[Truth], gif: Path, png: Path
+) -> VideoReport:
+    found = boxes = 0
+    for result, truth in zip(results, truths, strict=False):
+        detections = _detections(result)
+        boxes += len(detections)
+        found += match([d["box"] for d in detections], [d["index"] for d in detections], truth)
+    done = [r for r in results if r is not None]
+    spans = [r.timings for r in done if r.timings is not None]
+    latencies = sorted(t.finished_ms - t.produced_ms for t in spans)
+    elapsed_s = (
+        (max(t.finished_ms for t in spans) - min(t.produced_ms for t in spans)) / 1000
+        if spans
+        else math.nan
+    )
+    return VideoReport(
+        frames=len(truths),
+        ok=sum(r.status is Status.ok for r in done),
+        digits=sum(len(truth) for truth in truths),
+        found=found,
+        boxes=boxes,
+        frames_per_s=len(done) / elapsed_s if elapsed_s > 0 else math.nan,
+        latency_p50_ms=statistics.median(latencies) if latencies else math.nan,
+        latency_p99_ms=latencies[max(math.ceil(0.99 * len(latencies)), 1) - 1]
+        if latencies
+        else math.nan,
+        gif=gif,
+        png=png,
+    )
+
+
+def _print_summary(report: VideoReport) -> None:
+    verdict = "OK" if report.passed else f"FAILED: below {MIN_RECALL:.0%} or frames not ok"
+    print(
+        f"\n{report.ok}/{report.frames} frames answered ok, in order; found {report.found} of "
+        f"{report.digits} digits ({report.recall:.1%}) with {report.boxes} boxes "
+        f"({report.precision:.1%} right): {verdict}\n"
+        f"throughput {report.frames_per_s:.1f} frames/s, latency p50 "
+        f"{report.latency_p50_ms:.1f} ms, p99 {report.latency_p99_ms:.1f} ms "
+        "(from each result's produced and finished times)\n"
+        f"annotated video: {report.gif}\none frame: {report.png}",
+        flush=True,
+    )
+
+
+def _worker_argv(settings: ClientSettings, model_name: str, device: str) -> list[str]:
+    return [
+        sys.executable, "-m", "producers.cli", "worker",
+        "--model", "workers.demo_detector:DigitsDetector", "--model-name", model_name,
+        "--device", device, "--kafka-bootstrap", settings.kafka_bootstrap,
+        "--redis-url", settings.redis_url.get_secret_value(),
+        "--topic-prefix", settings.topic_prefix,
+        "--max-batch-size", "16",
+        "--metrics-port", "0",  # any free port: never collide with another worker on this host
+    ]  # fmt: skip
+
+
+def _say(message: str) -> None:
+    print(f"[demo-video] {message}", flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.demo_video", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model-name", default="digits-detector-demo", help="name in topics")
+    parser.add_argument("--frames", type=int, default=100, help="frames in the video")
+    parser.add_argument("--out", type=Path, default=REPO / ".run" / "demo-video")
+    parser.add_argument("--device", default="auto", help="the worker's device: auto, cpu, cuda")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    parser.add_argument("--worker-log", type=Path, help="the worker's log file")
+    parser.add_argument("--kafka-bootstrap", help="[env CONVEYOR_KAFKA_BOOTSTRAP]")
+    parser.add_argument("--redis-url", help="[env CONVEYOR_REDIS_URL]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; 0 when every frame is answered and the boxes find the digits."""
+    args = _parser().parse_args(argv)
+    given: dict[str, Any] = {}
+    if args.kafka_bootstrap:
+        given["kafka_bootstrap"] = args.kafka_bootstrap
+    if args.redis_url:
+        given["redis_url"] = SecretStr(args.redis_url)
+    settings = ClientSettings(**given)
+    try:
+        report = asyncio.run(
+            run_demo_video(
+                settings,
+                args.model_name,
+                frames=args.frames,
+                out=args.out,
+                device=args.device,
+                wait_s=args.timeout,
+                log_path=args.worker_log,
+            )
+        )
+    except KeyboardInterrupt:
+        _say("interrupted; the worker was stopped")
+        return 130
+    except (ClientError, ContractError, DemoError) as exc:
+        _say(f"failed: {exc}")
+        return 2
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
