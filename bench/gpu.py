@@ -22,6 +22,8 @@ Stages (each well under five minutes on an H100; run them in one call or several
 - ``e2e`` (d): requests in Kafka (contract headers), the real worker as a
   subprocess, all results in Redis: img/s first to last result, then p50/p99
   latency at about half that rate; GPU utilization sampled with nvidia-smi.
+- ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
+  naive against the runner's batched path (``bench.detect``).
 
 Every run writes ``gpu-bench.json`` (merged with ``--previous`` files) and
 ``gpu-bench.png`` into ``--out`` and prints the summary table last. Nothing is
@@ -56,16 +58,17 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
+from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.plot import Line, Panel, draw_panels
 from bench.stats import percentile
 from schemas import DEFAULT_LIMITS, ContentType
 from workers.gpu_decode import READ_MODES, BatchDecoder, decode_jpegs
-from workers.handlers import ImageClassifier
+from workers.handlers import Handler, ImageClassifier
 from workers.loader import load_handler
 from workers.preprocess import ImageSpec, crop_box, decode_image
 from workers.runner import DeviceBatch, ModelRunner, compile_forward, resolve_device
 
-STAGES = ("forward", "decode", "naive", "checks", "runner", "e2e")
+STAGES = ("forward", "decode", "naive", "checks", "runner", "e2e", "detect")
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e"}
 RESULTS_FILE = "gpu-bench.json"
 PLOT_FILE = "gpu-bench.png"
@@ -422,7 +425,9 @@ def stage_runner(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
         for corpus in corpora:
             if clock is not None:
                 clock.events.clear()
-            rate = _run_split(handler, runner, corpus.take(cfg.runner_count), cfg)
+            rate = _run_split(
+                handler, runner, corpus.take(cfg.runner_count), cfg.max_batch, cfg.threads
+            )
             row: dict[str, Any] = {"img_s": rate}
             if clock is not None:
                 row.update(clock.summary())
@@ -434,7 +439,7 @@ def stage_runner(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
 
 
 def _run_split(
-    handler: ImageClassifier, runner: ModelRunner, payloads: Sequence[bytes], cfg: Config
+    handler: Handler, runner: ModelRunner, payloads: Sequence[bytes], batch: int, threads: int
 ) -> float:
     """Preprocess in a pool, prepare batch k+1 on a staging thread while batch k infers."""
 
@@ -448,8 +453,8 @@ def _run_split(
         batch = prepared.result()
         runner.infer(batch, [{}] * batch.size)
 
-    chunks = [payloads[n : n + cfg.max_batch] for n in range(0, len(payloads), cfg.max_batch)]
-    with ThreadPoolExecutor(cfg.threads) as pool, ThreadPoolExecutor(1) as stage:
+    chunks = [payloads[n : n + batch] for n in range(0, len(payloads), batch)]
+    with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as stage:
         start = time.perf_counter()
         decoded = [pool.submit(preprocess, chunk) for chunk in chunks]
         pending: Future[DeviceBatch] | None = None
@@ -460,7 +465,7 @@ def _run_split(
             pending = staged
         if pending is not None:
             infer(pending)
-        _sync(cfg.device)
+        _sync(runner.device)
         return _rate(len(payloads), time.perf_counter() - start)
 
 
@@ -781,6 +786,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=1, help="e2e: cards the workers spread over")
     parser.add_argument("--worker-decode", default="auto", choices=("auto", "cpu", "gpu"))
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
+    parser.add_argument(
+        "--detectors",
+        default=",".join(DETECTORS),
+        help="detect: comma-separated torchvision detection architectures",
+    )
+    parser.add_argument("--detect-batch", type=int, default=32, help="detect: batch size")
     parser.add_argument("--paced-s", type=float, default=4.0, help="seconds of paced load")
     parser.add_argument(
         "--paced-max-rate",
@@ -869,6 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
     plot(results, rows, args.out / PLOT_FILE, card)
+    print_detect_table(results, card)
     print_table(rows, card, model)
     return 0
 
@@ -886,6 +898,18 @@ def _run_stage(
         return stage_checks(cfg, corpora)
     if stage == "runner":
         return stage_runner(cfg, corpora)
+    if stage == "detect":
+        return stage_detect(
+            str(cfg.device),
+            [arch.strip() for arch in args.detectors.split(",") if arch.strip()],
+            corpora[0].images,  # 640x480
+            naive_count=max(cfg.naive_count // 10, 2),
+            runner_count=max(cfg.runner_count // 10, 4),
+            batch=args.detect_batch if not args.quick else 2,
+            threads=cfg.threads,
+            quick=args.quick,
+            run_split=_run_split,
+        )
     return stage_e2e(cfg, corpora, args)
 
 

@@ -79,3 +79,19 @@ def test_quick_cpu_run_writes_results_a_plot_and_a_table(
     output = capsys.readouterr().out
     assert "e2e skipped" in output
     assert "×naive" in output.splitlines()[-4]  # the table comes last
+
+
+@pytest.mark.timeout(120)
+def test_quick_cpu_run_of_the_detection_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = f"{__name__}:TinyClassifier"
+    assert main(["--device", "cpu", "--quick", "--model", model, "--stages", "detect",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+
+    rows = json.loads((tmp_path / "gpu-bench.json").read_text())["detect"]
+    assert set(rows) == {"fasterrcnn_mobilenet_v3_large_fpn", "ssdlite320_mobilenet_v3_large"}
+    for row in rows.values():
+        assert row["naive_img_s"] > 0
+        assert row["runner_img_s"] > 0
+    assert "Detection on CPU" in capsys.readouterr().out
