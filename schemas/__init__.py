@@ -17,6 +17,7 @@ from schemas.naming import (
     result_key,
     topics_for,
 )
+from schemas.outputs import parse_outputs
 from schemas.request import (
     REQUEST_TYPE,
     SPECVERSION,
@@ -72,6 +73,7 @@ __all__ = [
     "is_valid_topic",
     "new_request_id",
     "ok_result",
+    "parse_outputs",
     "result_headers",
     "result_key",
     "status_for",

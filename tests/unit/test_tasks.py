@@ -206,6 +206,17 @@ def test_shape_key_is_the_padded_shape_the_transform_gives(
     assert ShapeKey(holder)(image) == tuple(batch.tensors.shape[1:])
 
 
+def test_a_fixed_size_transform_puts_every_image_in_one_group() -> None:
+    holder = torch.nn.Module()
+    holder.transform = GeneralizedRCNNTransform(  # as SSD and SSDlite build theirs
+        320, 320, [0.5] * 3, [0.2] * 3, size_divisible=1, fixed_size=(320, 320)
+    ).eval()
+    key = ShapeKey(holder)
+    assert {key(torch.zeros(3, h, w)) for h, w in ((10, 700), (480, 640), (33, 33))} == {
+        (3, 320, 320)
+    }
+
+
 def test_group_indices_keeps_item_order() -> None:
     assert group_indices(["a", "b", "a", "c", "b"]) == [[0, 2], [1, 4], [3]]
     assert group_indices([]) == []
