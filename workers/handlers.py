@@ -48,7 +48,8 @@ class Handler(Protocol):
     def preprocess(
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
-        """Decode and check one payload to a CPU tensor of the model's item shape.
+        """Decode and check one payload to a CPU tensor: the model's item shape, or for a
+        handler with ``collate``, whatever that takes (an image of its own size, say).
 
         Runs in a thread pool, so it must be thread-safe. Anything wrong with the
         payload or ``params`` raises ``ContractError`` (``decode_failed``,
