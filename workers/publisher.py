@@ -1,7 +1,7 @@
 """Make results durable: Redis first (first final result wins), then the reply topic.
 
-One Redis pipeline round-trip and one batch of Kafka sends per call of
-``publish``. A result whose key already exists in Redis (a redelivered request
+One Redis script call (``workers.store``) and one batch of Kafka sends per call
+of ``publish``. A result whose key already exists in Redis (a redelivered request
 after a crash) is never overwritten: the stored bytes are re-sent on the reply
 topic instead, so both places keep showing the first answer.
 
@@ -30,8 +30,8 @@ from producers.security import (
     redis_connect_failed,
     redis_options,
 )
-from schemas import result_key
 from workers.settings import WorkerSettings
+from workers.store import RedisResultStore, ResultStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,7 +71,6 @@ class Publisher:
     """Writes results to Redis and the reply topic, and dead letters to the DLQ topic."""
 
     def __init__(self, settings: WorkerSettings, results_topic: str, dlq_topic: str) -> None:
-        self._ttl_s = settings.result_ttl_s
         self._results_topic = results_topic
         self._dlq_topic = dlq_topic
         self._settings = settings
@@ -81,6 +80,7 @@ class Publisher:
             socket_connect_timeout=5,
             **redis_options(settings),
         )
+        self._store: ResultStore = RedisResultStore(self._redis, settings.result_ttl_s)
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
             client_id=settings.worker_id,
@@ -140,24 +140,14 @@ class Publisher:
         return PublishReport(written=len(results) - duplicates, duplicates=duplicates)
 
     async def _write_redis(self, results: Sequence[Outgoing]) -> list[bytes]:
-        """SET NX each result; return the bytes each key now holds (ours, or the first answer)."""
-        if not results:
-            return []
-        pipe = self._redis.pipeline(transaction=False)
-        for item in results:
-            pipe.set(result_key(item.request_id), item.data, nx=True, ex=self._ttl_s)
-        for item in results:
-            # Wakes callers waiting on this id (they subscribe, then GET: no lost wake-ups).
-            pipe.publish(result_key(item.request_id), b"")
-        created = (await pipe.execute())[: len(results)]
-        stored = [item.data for item in results]
-        losers = [i for i, ok in enumerate(created) if not ok]
-        if losers:
-            existing = await self._redis.mget([result_key(results[i].request_id) for i in losers])
-            for i, value in zip(losers, existing, strict=True):
-                # None: the first answer expired between SET and GET; ours stands in.
-                stored[i] = value if isinstance(value, bytes) else results[i].data
-        return stored
+        """Write each result unless one exists; return the bytes each key now holds."""
+        stored = await self._store.write_first(
+            [item.request_id for item in results], [item.data for item in results]
+        )
+        return [
+            item.data if value is None else value
+            for item, value in zip(results, stored, strict=True)
+        ]
 
     async def _send(
         self, results: Sequence[Outgoing], stored: Sequence[bytes], dead: Sequence[DeadLetter]
