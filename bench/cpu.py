@@ -43,8 +43,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
-
 from bench.plot import Line, Panel, draw_panels
 from bench.services import (
     Services,
@@ -67,6 +65,7 @@ from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, en
 from workers.consumer import Consumer
 from workers.demo import WorkerChild
 from workers.demo_model import build_digits_model, heldout_digits
+from workers.offsets import OffsetTracker
 from workers.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,7 +202,7 @@ async def transport(bench: Bench) -> dict[str, Any]:
     kafka_best = max(run["records_per_s"] for run in kafka_runs)
     worker_best = max(run["records_per_s"] for run in worker_runs)
     return {
-        "what": "workers.consumer.Consumer fetch loop (fetch, offset tracking, finish, commit "
+        "what": "workers.consumer.Consumer fetch loop (fetch, span tracking, finish, commit "
         "every max_in_flight records) vs kafka-consumer-perf-test fetch.nMsg.sec, same topic",
         "records": n,
         "payload_bytes": TRANSPORT_PAYLOAD,
@@ -230,21 +229,25 @@ async def _consumer_fetch_loop(
     max_records = settings.max_batch_size * 4  # what workers.pipeline asks for per fetch
     got = uncommitted = uncounted = 0
     first_at = last_at = 0.0
+    tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
     async with Consumer(settings, topic, group) as consumer, asyncio.timeout(_WAIT_S):
         while got < n:
-            records = await consumer.fetch(100, max_records)
-            if not records:
+            chunks = await consumer.fetch(100, max_records)
+            if not chunks:
                 continue
             last_at = time.perf_counter()
+            fetched = sum(len(records) for records in chunks.values())
             if not got:
-                first_at, uncounted = last_at, len(records)
-            got += len(records)
-            await consumer.finish(
-                [(TopicPartition(r.topic, r.partition), r.offset) for r in records]
-            )
-            uncommitted += len(records)
+                first_at, uncounted = last_at, fetched
+            got += fetched
+            for tp, records in chunks.items():
+                span = tracker.open(tp, records[0].offset, records[-1].offset, len(records))
+                tracker.finish(span, len(records))
+            uncommitted += fetched
             if uncommitted >= settings.max_in_flight:
-                await consumer.commit_finished()
+                positions = tracker.committable()
+                if await consumer.commit(positions):
+                    tracker.mark_committed(positions)
                 uncommitted = 0
     elapsed = last_at - first_at
     return {"records": got, "seconds": elapsed, "records_per_s": (got - uncounted) / elapsed}

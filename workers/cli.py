@@ -18,6 +18,7 @@ from producers.security import ConnectFailed
 from workers.logs import configure_logging
 from workers.settings import WorkerSettings
 
+_EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
 _EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 _SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
 
@@ -70,12 +71,16 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
 
     from workers.app import run_worker  # torch is imported only when a worker really starts
+    from workers.types import ConfigError
 
     try:
         asyncio.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
+        print(f"conveyor worker: {exc}", file=sys.stderr)
+        return _EXIT_CONFIG
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return _EXIT_UNREACHABLE
