@@ -23,6 +23,7 @@ from workers.health import Check, HealthServer
 from workers.loader import load_handler
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
+from workers.preprocess import DecodeBudget
 from workers.publisher import Publisher
 from workers.runner import ModelRunner, batch_buckets
 from workers.settings import WorkerSettings
@@ -69,13 +70,14 @@ async def run_worker(settings: WorkerSettings) -> None:
         handler = runner.handler
         encoder = ResultEncoder(settings.served_name, handler.version, settings.worker_id)
         publisher = parts.publisher = await stack.enter_async_context(
-            Publisher(settings, topics, facts, encoder)
+            Publisher(settings, topics, facts, encoder, metrics=metrics)
         )
         consumer = parts.consumer = await stack.enter_async_context(
             Consumer(
                 settings,
                 topics.requests,
                 consumer_group(settings.served_name, settings.topic_prefix),
+                metrics,
             )
         )
         answers = Answers(
@@ -155,6 +157,7 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         limits=settings.limits,
         decode=settings.decode,
         allow_pickle=settings.allow_pickle_models,
+        decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
     )
     buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
     runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)

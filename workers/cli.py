@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any, get_args
 
 from pydantic import SecretStr, ValidationError
@@ -62,6 +63,21 @@ def describe_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when asked for, or for ``auto`` when installed; None: asyncio's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError(
+                "event_loop uvloop needs the uvloop package: pip install uvloop"
+            ) from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -74,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from workers.types import ConfigError
 
     try:
-        asyncio.run(run_worker(settings))
+        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+            runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from aiokafka.errors import (
 
 from producers.security import kafka_connect_failed, kafka_options
 from workers import kafka_records
+from workers.metrics import Metrics
 from workers.settings import WorkerSettings
 from workers.types import ConfigError, Record, Revoked
 from workers.types import TopicPartition as TP
@@ -46,8 +47,11 @@ class FetchConfigError(ConfigError):
 class Consumer:
     """A consumer-group member on one model's request topic, with manual commits."""
 
-    def __init__(self, settings: WorkerSettings, topic: str, group: str) -> None:
+    def __init__(
+        self, settings: WorkerSettings, topic: str, group: str, metrics: Metrics | None = None
+    ) -> None:
         kafka_records.install()
+        self._metrics = metrics
         self._topic = topic
         self._settings = settings
         self._revoked: Revoked | None = None
@@ -68,8 +72,7 @@ class Consumer:
             **kafka_options(settings),
         )
         self.paused = False
-        self.fetch_errors = 0
-        """Fetches that raised (and were retried) since start."""
+        self._failures = 0  # fetches failed in a row
         self.config_problem: str | None = None
         """Why Kafka refuses this worker's reads right now, if it does."""
         self._failing_since: float | None = None
@@ -109,13 +112,16 @@ class Consumer:
             await self._fetch_failed(exc)
             return {}
         self._failing_since = self.config_problem = None
+        self._failures = 0
         for tp, records in batches.items():
             if records:
                 self._next_offset[tp] = records[-1].offset + 1
         return batches
 
     async def _fetch_failed(self, exc: Exception) -> None:
-        self.fetch_errors += 1
+        self._failures += 1
+        if self._metrics is not None:
+            self._metrics.fetch_error()
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = now
@@ -127,7 +133,7 @@ class Consumer:
                     f"{self.config_problem} (still refused after {failing_for:.0f} s)"
                 ) from exc
         log.error("fetch failed (%r); retrying", exc, exc_info=not isinstance(exc, KafkaError))
-        await asyncio.sleep(min(_FETCH_BACKOFF_MAX_S, 0.1 * 2 ** min(self.fetch_errors, 6)))
+        await asyncio.sleep(min(_FETCH_BACKOFF_MAX_S, 0.05 * 2 ** min(self._failures, 7)))
 
     def assigned(self) -> bool:
         """Whether the group gave this worker at least one partition (readiness)."""

@@ -25,6 +25,7 @@ from schemas.fastpath import FastMeta, parse_request
 from schemas.request import _ID_CHARS, _traceparent
 from workers.handlers import Handler
 from workers.kafka_records import REPAIRED
+from workers.metrics import Metrics
 from workers.offsets import Span
 from workers.types import Item, Record, Refusal
 
@@ -37,10 +38,13 @@ INLINE_BYTES = 64 * 1024
 class Ingest:
     """Parses and preprocesses records for one handler under one set of limits."""
 
-    def __init__(self, handler: Handler, limits: Limits, max_age_ms: int | None) -> None:
+    def __init__(
+        self, handler: Handler, limits: Limits, max_age_ms: int | None, metrics: Metrics
+    ) -> None:
         self._handler = handler
         self._limits = limits
         self._max_age_ms = max_age_ms
+        self._metrics = metrics
 
     def parse(self, records: Sequence[Record], span: Span) -> tuple[list[Item], list[Refusal]]:
         """Contract-check a partition's fetched records (all of ``span``), in order."""
@@ -96,6 +100,7 @@ class Ingest:
         """The full decoder's answer: the request's metadata, or a refusal added."""
         if record.checksum == REPAIRED:
             refused.append(_unreadable(record, span, now_ms, self._limits))
+            self._metrics.unreadable_records()
             return None
         try:
             request = decode_request(

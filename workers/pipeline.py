@@ -91,7 +91,7 @@ class Pipeline:
         handler: Handler = runner.handler
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._committer = Committer(self._tracker, source)
-        self._ingest = Ingest(handler, settings.limits, settings.max_age_ms)
+        self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._inference = Inference(runner, self._finished)
         self._batcher: Batcher[Item] = Batcher(
             settings.max_batch_size, settings.max_delay_s, deadline_of=_deadline
@@ -302,6 +302,7 @@ class Pipeline:
         handed_back = sum(self._tracker.in_flight(tp) for tp in partitions)
         if handed_back:
             self.stats.handed_back += handed_back
+            self._metrics.handed_back(handed_back)
             log.warning(
                 "%d records of revoked partitions not finished in %d ms; their next owner "
                 "answers them (first answer wins)",

@@ -61,6 +61,7 @@ from producers.security import (
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.dlq import truncated
 from schemas.fastpath import ResultEncoder
+from workers.metrics import Metrics
 from workers.settings import WorkerSettings
 from workers.store import RedisResultStore, ResultStore
 from workers.topics import TopicFacts, max_message_bytes
@@ -94,7 +95,9 @@ class Publisher:
         facts: TopicFacts,
         encoder: ResultEncoder,
         store: ResultStore | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._settings = settings
         self._results_topic = topics.results
         self._dlq_topic = topics.dlq
@@ -128,8 +131,6 @@ class Publisher:
         self._unknown_topics: dict[str, float] = {}
         self._failures = _Failures(settings.permanent_error_grace_s)
         self._encoder = encoder  # for result_too_large errors in place of refused records
-        self.reply_fallbacks = 0
-        """Results sent to the results topic because their ce_replyto topic does not exist."""
 
     async def start(self) -> None:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
@@ -298,7 +299,7 @@ class Publisher:
         With automatic topic creation off, a send to a missing topic would wait for
         the producer's whole request timeout; checking once (and caching) keeps one bad
         ``ce_replyto`` from stalling everyone's results. The fallback is documented
-        (docs/contract.md) and counted (``reply_fallbacks``).
+        (docs/contract.md) and counted (``conveyor_reply_topic_fallbacks_total``).
         """
         if topic in self._partitions:
             return topic
@@ -320,7 +321,8 @@ class Publisher:
                 self._results_topic,
             )
             self._unknown_topics[topic] = time.monotonic()
-        self.reply_fallbacks += 1
+        if self._metrics is not None:
+            self._metrics.reply_fallbacks(1)
         return self._results_topic
 
     # -- dead letters ---------------------------------------------------------------------

@@ -80,6 +80,10 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         ge=1,
         description="answer 'expired' for requests older than this (record timestamp), if set",
     )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto",
+        description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
+    )
     decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
     decode_memory_mb: int = Field(
         default=1024,
