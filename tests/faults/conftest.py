@@ -46,14 +46,14 @@ class Row:
 
     def line(self) -> str:
         return (
-            f"| {self.scenario:<40} | {self.produced:>8} | {self.answered:>8} | "
+            f"| {self.scenario:<46} | {self.produced:>8} | {self.answered:>8} | "
             f"{self.lost:>4} | {self.duplicate_visible:>17} | {self.redelivered:>11} |"
         )
 
 
 ROWS: list[Row] = []
 HEADER = (
-    f"| {'scenario':<40} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
+    f"| {'scenario':<46} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
     f"{'duplicate-visible':>17} | {'redelivered':>11} |"
 )
 
