@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,video,dev]'
+	$(PY) -m pip install --quiet -e '.[worker,video,s3,dev]'
 	touch $(STAMP)
 
 up:

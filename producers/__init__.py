@@ -19,6 +19,7 @@ from producers.errors import (
     UnknownModel,
 )
 from producers.payload import sniff_content_type
+from producers.results import RequestStatus
 from producers.settings import ClientSettings
 from schemas import ContentType, ContractError, Result, Status
 
@@ -30,6 +31,7 @@ __all__ = [
     "ContentType",
     "ContractError",
     "InvalidInput",
+    "RequestStatus",
     "Result",
     "ResultTimeout",
     "ServiceUnavailable",

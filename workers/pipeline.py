@@ -33,8 +33,10 @@ from collections.abc import Awaitable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from workers.admission import Admission
 from workers.answers import Answers
 from workers.batcher import Batch, Batcher
+from workers.claims import Claims
 from workers.commits import Committer
 from workers.handlers import Handler
 from workers.inference import Inference, expired_refusal
@@ -83,7 +85,12 @@ class Pipeline:
         runner: ModelRunner,
         answers: Answers,
         metrics: Metrics,
+        *,
+        claims: Claims | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        """``claims`` reads payloads by reference (none: every reference is refused);
+        ``admission`` checks each batch for cancellations and marks it running (none: off)."""
         self._s = settings
         self._source = source
         self._sink = sink
@@ -93,6 +100,8 @@ class Pipeline:
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._committer = Committer(self._tracker, source)
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
+        self._claims = claims or Claims.from_settings(settings, metrics, {})
+        self._admission = admission
         self._inference = Inference(runner, self._finished)
         self._batcher: Batcher[Item] = Batcher(
             settings.max_batch_size, settings.max_delay_s, deadline_of=_deadline
@@ -165,9 +174,14 @@ class Pipeline:
 
     def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
         span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
-        items, refused = self._ingest.parse(records, span)
+        items, refused, referenced = self._ingest.parse(records, span)
         if refused:
             self._outcomes.put_nowait(Outcome(refused=refused))
+        if referenced:  # payloads stored elsewhere: fetch them, then preprocess
+            self._decoding.put_nowait(
+                asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
+            )
+            return
         loop = asyncio.get_running_loop()
         for start in range(0, len(items), _PREPROCESS_CHUNK):
             chunk = items[start : start + _PREPROCESS_CHUNK]
@@ -180,6 +194,12 @@ class Pipeline:
                 self._decoding.put_nowait(
                     loop.run_in_executor(self._pool, self._ingest.preprocess, chunk)
                 )
+
+    async def _preprocess_fetched(self, items: list[Item], payloads: list[bytes]) -> Decoded:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, self._ingest.preprocess_payloads, items, payloads
+        )
 
     def _lag(self) -> dict[tuple[str, int], int]:
         """Per partition: records not fetched yet plus those in flight."""
@@ -215,6 +235,8 @@ class Pipeline:
                     )
                 # Items of partitions revoked meanwhile are left to their new owner.
                 items = [item for item in batch.items if not item.span.released]
+                if items and self._admission is not None:
+                    items = await self._admit(items)
                 if items:
                     self._inference.submit(items)
                 else:
@@ -222,6 +244,14 @@ class Pipeline:
         finally:
             await self._inference.wait_idle()
             self._outcomes.put_nowait(None)
+
+    async def _admit(self, items: list[Item]) -> list[Item]:
+        """The batch less its cancelled requests, which are answered at once."""
+        assert self._admission is not None
+        admitted, cancelled = await self._admission.admit(items)
+        if cancelled:
+            self._outcomes.put_nowait(Outcome(refused=cancelled))
+        return admitted
 
     async def _next_batch(self) -> Batch[Item] | None:
         """Wait for the batcher to close a batch; None once the input is done and drained."""

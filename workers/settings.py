@@ -16,8 +16,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity
-from schemas import DEFAULT_LIMITS, Limits, topics_for
+from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -28,7 +29,7 @@ def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerSettings(BaseSettings, ConnectionSecurity):
+class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """Everything a worker process needs to know, validated once at start."""
 
     model_config = SettingsConfigDict(
@@ -137,6 +138,28 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         "session timeout takes its partitions back without a rebalance",
     )
 
+    # Payloads by reference (ce_dataref), cancellation and status (docs/contract.md).
+    dataref_redis_prefix: str = Field(
+        default=DEFAULT_DATA_PREFIX,
+        min_length=1,
+        description="a ce_dataref may name Redis keys (redis:KEY) with this prefix only",
+    )
+    dataref_s3_buckets: str = Field(
+        default="",
+        description="comma-separated S3 buckets a ce_dataref may name (s3://BUCKET/KEY); "
+        "empty: none (the store is set with the s3_* settings)",
+    )
+    cancellation: bool = Field(
+        default=False,
+        description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
+        "when their batch is about to run (one Redis call per batch)",
+    )
+    track_status: bool = Field(
+        default=False,
+        description="mark requests running in Redis (conveyor:status:{ID}) when their batch "
+        "starts and count attempts in results (one Redis call per batch)",
+    )
+
     worker_id: str = Field(default_factory=_default_worker_id)
     limits: Limits = DEFAULT_LIMITS
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -184,6 +207,22 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         tail = re.split(r"[:/]", self.model)[-1]
         return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
 
+    @field_validator("dataref_s3_buckets")
+    @classmethod
+    def _check_buckets(cls, value: str) -> str:
+        for bucket in _split(value):
+            parse_dataref(f"s3://{bucket}/k")  # raises ValueError naming the rule
+        return value
+
+    @property
+    def s3_buckets(self) -> frozenset[str]:
+        """The buckets of ``dataref_s3_buckets``."""
+        return frozenset(_split(self.dataref_s3_buckets))
+
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
+
+
+def _split(names: str) -> list[str]:
+    return [name.strip() for name in names.split(",") if name.strip()]

@@ -46,6 +46,8 @@ OPTIONAL = [
     "ce_stream",
     "ce_seq",
     "traceparent",
+    "ce_dataref",
+    "ce_dataexpires",
 ]
 near_valid = st.builds(
     lambda base, extra, order: order.sample(base + extra, len(base) + len(extra)),
@@ -88,6 +90,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
         meta.stream,
         meta.seq,
         meta.traceparent,
+        meta.dataref,
     )
 
 
