@@ -1,10 +1,12 @@
 """Readiness checks for the local services, with the standard library only.
 
 Kafka: a real Metadata request (API key 3, version 4) that must list at least one
-broker. Redis: a PING that must answer PONG. Polls until ready, until the
+broker. Redis: a PING that must answer PONG. S3: an unsigned request for a bucket
+that must be answered as S3 answers one (403 or 404 with an S3 error document),
+which the gateway does once its filer is up. Polls until ready, until the
 timeout, or until the watched process exits; never a fixed sleep.
 
-Usage: python3 ready.py kafka|redis HOST PORT [--timeout S] [--pid PID]
+Usage: python3 ready.py kafka|redis|s3 HOST PORT [--timeout S] [--pid PID]
 """
 
 from __future__ import annotations
@@ -49,13 +51,26 @@ def redis_ping(host: str, port: int, timeout: float = 2.0) -> bool:
         return sock.recv(64).startswith(b"+PONG")
 
 
+def s3_answers(host: str, port: int, timeout: float = 2.0) -> bool:
+    request = (
+        f"GET /conveyor-ready-probe HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(request.encode())
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/") else b""
+    return status in (b"403", b"404") and b"<Error>" in answer
+
+
 def _alive(pid: int | None) -> bool:
     return pid is None or os.path.exists(f"/proc/{pid}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("service", choices=["kafka", "redis"])
+    parser.add_argument("service", choices=["kafka", "redis", "s3"])
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("--timeout", type=float, default=90.0)
@@ -73,6 +88,10 @@ def main() -> int:
                 if kafka_brokers(args.host, args.port) > 0:
                     return 0
                 last_error = "metadata lists no broker yet"
+            elif args.service == "s3":
+                if s3_answers(args.host, args.port):
+                    return 0
+                last_error = "the S3 gateway does not answer as S3 yet"
             elif redis_ping(args.host, args.port):
                 return 0
         except (OSError, struct.error) as exc:
