@@ -6,14 +6,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export KAFKA_PORT ?= 9092
 export REDIS_PORT ?= 6379
+export S3_PORT ?= 8333
 PYTEST_ARGS ?=
 
-.PHONY: help install up down test unit lint format demo bench clean
+.PHONY: help install up up-s3 down test unit lint format demo bench clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
-	@echo "make down     stop what 'make up' started"
+	@echo "make up-s3    start SeaweedFS's S3 gateway (127.0.0.1:$(S3_PORT)), built from its Go module once"
+	@echo "make down     stop what 'make up' and 'make up-s3' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
 	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
@@ -33,11 +35,14 @@ $(STAMP): pyproject.toml
 up:
 	compose/local/up.sh
 
+up-s3:
+	compose/local/seaweedfs.sh start
+
 down:
 	compose/local/down.sh
 
 test: install
-	@status=0; $(MAKE) --no-print-directory up && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	@status=0; $(MAKE) --no-print-directory up up-s3 && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	  $(MAKE) --no-print-directory down; exit $$status
 
 unit: install

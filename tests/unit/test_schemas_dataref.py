@@ -83,7 +83,8 @@ def test_the_sdk_helpers_write_references_the_decoder_reads_back() -> None:
         )
         assert record.value == b""
         meta = decode_request(record.headers, record.key, record.value, 0).meta
-        assert meta.dataref is not None and meta.dataref.key == key
+        assert meta.dataref is not None
+        assert meta.dataref.key == key
     assert redis_dataref("conveyor:data:id1") == "redis:conveyor:data:id1"
 
 
