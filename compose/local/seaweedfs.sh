@@ -19,7 +19,7 @@ start() {
   fi
   local port
   for port in "$S3_PORT" "$SEAWEEDFS_FILER_PORT" "$SEAWEEDFS_MASTER_PORT" "$SEAWEEDFS_VOLUME_PORT" \
-    $((SEAWEEDFS_FILER_PORT + 10000)) $((SEAWEEDFS_MASTER_PORT + 10000)) $((SEAWEEDFS_VOLUME_PORT + 10000)); do
+    $((S3_PORT + 10000)) $((SEAWEEDFS_FILER_PORT + 10000)) $((SEAWEEDFS_MASTER_PORT + 10000)) $((SEAWEEDFS_VOLUME_PORT + 10000)); do
     if port_in_use "$port"; then
       die "cannot start SeaweedFS: port $port on 127.0.0.1 is already in use by another process. Stop it, or choose other ports with S3_PORT=<port> (the filer, master and volume servers use S3_PORT+555, +1000 and -253, and each of those +10000 for gRPC). Log file: $LOGFILE"
     fi
@@ -36,7 +36,7 @@ CFG
     -master.port="$SEAWEEDFS_MASTER_PORT" -master.volumeSizeLimitMB=256 \
     -volume.port="$SEAWEEDFS_VOLUME_PORT" -volume.max=32 \
     -filer -filer.port="$SEAWEEDFS_FILER_PORT" \
-    -s3 -s3.port="$S3_PORT" -s3.config="$CONFIG" \
+    -s3 -s3.port="$S3_PORT" -s3.config="$CONFIG" -s3.port.iceberg=0 -s3.port.lance=0 \
     >"$LOGFILE" 2>&1 </dev/null &
   echo $! >"$PIDFILE"
   if ! python3 "$ROOT/compose/local/ready.py" s3 "$S3_HOST" "$S3_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$PIDFILE")"; then
