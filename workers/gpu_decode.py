@@ -396,6 +396,4 @@ class _HardwareJpeg:
         images = decoder.decode(
             [one.numpy() for one in data], params=self._params, cuda_stream=stream.cuda_stream
         )
-        return [
-            None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images
-        ]
+        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]

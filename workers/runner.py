@@ -193,7 +193,8 @@ class ModelRunner:
             outputs = self._forward(batch.tensor)[: batch.size]
             if self._split is None:
                 results = self.handler.postprocess(outputs, params)
-                return Launched(batch.size, params, None, results, None, started, _event(cuda))
+                ended = _event(cuda)
+                return Launched(batch.size, params, None, results, ended, started, ended)
             device = self._split.postprocess_device(outputs, params)
             if not cuda:
                 return Launched(batch.size, params, device, None, None, None, None)
