@@ -637,9 +637,11 @@ def _service_cores() -> set[int]:
 
 
 def _producer_cores() -> set[int]:
+    """Three eighths of the cores, before the services' eighth: sending 150 KB records
+    fast enough to keep a GPU fed takes several processes."""
     cores = _cores()
-    quarter = max(2, len(cores) // 8)
-    return set(cores[-2 * quarter : -quarter])
+    services = len(_service_cores())
+    return set(cores[-services - max(2, (3 * len(cores)) // 8) : -services])
 
 
 def _worker_cores() -> set[int]:
@@ -768,12 +770,15 @@ async def _produce_parallel(
     args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int
 ) -> float:
     """The backlog from ``--producers`` processes at once (one Python producer cannot keep
-    a GPU worker fed with 150 KB images); returns the records/s they achieved together."""
+    a GPU worker fed with 150 KB images); returns the records/s they achieved together.
+
+    Each process builds its records first and says so; all start sending together, so
+    the rate counts sending only.
+    """
     from schemas import topics_for
 
     share = [count // args.producers + (k < count % args.producers) for k in range(args.producers)]
     first, procs = 0, []
-    started = time.perf_counter()
     for n in share:
         command = [
             sys.executable, "-m", "bench.gpu", "--produce",
@@ -781,9 +786,22 @@ async def _produce_parallel(
             "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(args.partitions),
         ]  # fmt: skip
         first += n
-        procs.append(await asyncio.create_subprocess_exec(*command))
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        procs.append(proc)
         if args.pin:
-            _pin_all_threads(procs[-1].pid, _producer_cores())
+            _pin_all_threads(proc.pid, _producer_cores())
+    for proc in procs:  # each says "ready" once its records are built
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a producer did not get ready: {line!r}")
+    started = time.perf_counter()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
     codes = [await proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"a producer failed: exit statuses {codes}")
@@ -792,7 +810,8 @@ async def _produce_parallel(
 
 def produce_share(spec: str, args: argparse.Namespace) -> int:
     """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
-    (the corpus is rebuilt from the same seeds, so every process sends the same images)."""
+    (the corpus is rebuilt from the same seeds, so every process sends the same images).
+    Prints "ready" once its records are built, and sends them when a line comes in."""
     from bench.services import Services, produce_backlog
 
     topic, width, height, prefix, first, count = spec.split(",")
@@ -803,8 +822,11 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
         tuple(synthetic_jpeg(int(width), int(height), seed) for seed in range(64)),
     )
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
+    records = _records(corpus, ids)
+    print("ready", flush=True)
+    sys.stdin.readline()
     services = Services(args.kafka_bootstrap, "redis://unused")
-    asyncio.run(produce_backlog(services, topic, _records(corpus, ids), args.partitions))
+    asyncio.run(produce_backlog(services, topic, records, args.partitions))
     return 0
 
 
@@ -1152,7 +1174,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=30, help="timed forwards per size")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--e2e-count", type=int, default=16384, help="backlog per corpus")
+    parser.add_argument("--e2e-count", type=int, default=24576, help="backlog per repeat")
     parser.add_argument("--kafka-bootstrap", help="broker for e2e; e2e is skipped without it")
     parser.add_argument("--redis-url", help="Redis for e2e; e2e is skipped without it")
     parser.add_argument("--partitions", type=int, default=8)
@@ -1168,7 +1190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(two complete workers sharing a GPU), 2x2 (one per GPU on two GPUs)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="e2e backlogs per layout")
-    parser.add_argument("--producers", type=int, default=4, help="e2e producer processes")
+    parser.add_argument("--producers", type=int, default=8, help="e2e producer processes")
     parser.add_argument(
         "--pin",
         action="store_true",
