@@ -79,7 +79,7 @@ from workers.preprocess import ImageSpec, crop_box, decode_image
 from workers.runner import ModelRunner, compile_forward, resolve_device
 from workers.types import Item, Outcome
 
-STAGES = ("forward", "decode", "naive", "checks", "pipeline", "e2e", "kill")
+STAGES = ("forward", "decode", "overlap", "naive", "checks", "pipeline", "e2e", "kill")
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
 PLOT_FILE = "gpu-bench.png"
@@ -259,6 +259,110 @@ def stage_forward(cfg: Config) -> dict[str, Any]:
             print(f"  forward {name} batch {size}: {size / seconds:,.0f} img/s", flush=True)
         out[name] = rows
     return out
+
+
+# -- overlap: does decoding run beside the forward on one card? ---------------------------
+
+
+def stage_overlap(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
+    """Decode+resize and the forward, each alone and both at once from two threads (two
+    streams), and how much a Python thread still runs while another decodes (the GIL).
+
+    The worker's GPU stage overlaps them this way within one process; if a decode call
+    holds the GIL while it waits for the device, the forward's launches wait too, and
+    only several processes (each with its own GIL) overlap them.
+    """
+    out: dict[str, Any] = {}
+    corpus = corpora[0]
+    for decode in [p for p in decode_paths(cfg) if p != "cpu"]:
+        out[f"{decode} {corpus.name}"] = row = _overlap_one(cfg, corpus, decode)
+        print(f"  overlap {decode} {corpus.name}: {json.dumps(_rounded(row))}", flush=True)
+    return out
+
+
+def _overlap_one(cfg: Config, corpus: Corpus, decode: str) -> dict[str, Any]:
+    handler = load_model(cfg, "float16", decode)
+    runner = ModelRunner(handler, cfg.device)
+    runner.warm_up([cfg.max_batch])
+    encoded = [handler.preprocess(p, ContentType.JPEG, {}) for p in corpus.take(cfg.max_batch)]
+    params: list[dict[str, Any]] = [{}] * len(encoded)
+    decoded = runner.prepare(encoded)
+
+    def forward_once() -> None:
+        runner.finish(runner.launch(decoded, params))
+
+    def decode_once() -> None:
+        batch = runner.prepare(encoded)
+        if batch.ready is not None:
+            batch.ready.synchronize()
+
+    row: dict[str, Any] = {
+        "forward_alone_img_s": _loop_rate(forward_once, len(encoded), 2.0),
+        "decode_alone_img_s": _loop_rate(decode_once, len(encoded), 2.0),
+    }
+    both = _concurrent_rates([forward_once, decode_once], len(encoded), 3.0)
+    row["together_forward_img_s"], row["together_decode_img_s"] = both
+    row["python_progress_while_decoding"] = _gil_share(decode_once)
+    row["python_progress_while_forward"] = _gil_share(forward_once)
+    return row
+
+
+def _loop_rate(step: Callable[[], None], items: int, seconds: float) -> float:
+    step()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        count += 1
+    return _rate(count * items, time.perf_counter() - start)
+
+
+def _concurrent_rates(
+    steps: Sequence[Callable[[], None]], items: int, seconds: float
+) -> list[float]:
+    counts = [0] * len(steps)
+    stop = threading.Event()
+
+    def loop(k: int) -> None:
+        while not stop.is_set():
+            steps[k]()
+            counts[k] += 1
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(len(steps))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    return [_rate(count * items, elapsed) for count in counts]
+
+
+def _gil_share(step: Callable[[], None]) -> float:
+    """Pure-Python loop iterations per second while ``step`` loops in another thread,
+    over the same without it: near 1 when ``step`` releases the GIL while it waits."""
+
+    def spin(seconds: float) -> float:
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            n += 1
+        return n / (time.perf_counter() - start)
+
+    alone = spin(1.0)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            step()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.2)
+    shared = spin(1.0)
+    stop.set()
+    thread.join()
+    return shared / alone
 
 
 # -- stage b: decode ceilings -------------------------------------------------------------
@@ -1308,6 +1412,8 @@ def _run_stage(
         return stage_checks(cfg, corpora)
     if stage == "pipeline":
         return stage_pipeline(cfg, corpora)
+    if stage == "overlap":
+        return stage_overlap(cfg, corpora)
     if stage == "kill":
         return stage_kill(cfg, corpora, args)
     return stage_e2e(cfg, corpora, args)

@@ -379,7 +379,7 @@ class _HardwareJpeg:
             ) from exc
         self._nvimgcodec = nvimgcodec
         self._decoders: dict[int, Any] = {}
-        color = nvimgcodec.ColorSpec.RGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
+        color = nvimgcodec.ColorSpec.SRGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
         self._params = nvimgcodec.DecodeParams(color_spec=color, allow_any_depth=False)
 
     def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
@@ -393,7 +393,6 @@ class _HardwareJpeg:
             ]
             decoder = self._decoders[index] = nvimgcodec.Decoder(device_id=index, backends=backends)
         stream = torch.cuda.current_stream(device)
-        images = decoder.decode(
-            [one.numpy() for one in data], params=self._params, cuda_stream=stream.cuda_stream
-        )
+        sources = [nvimgcodec.CodeStream(one.numpy()) for one in data]
+        images = decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
         return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]
