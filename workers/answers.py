@@ -105,7 +105,7 @@ class Answers:
         )
         status = status_for(ErrorCode.result_too_large)
         error = (ErrorCode.result_too_large.value, message)
-        return self._encoder.encode(item.meta.id, status, None, error, timings)
+        return self._encoder.encode(item.meta.id, status, None, error, timings, item.attempt)
 
     def _error(
         self,
