@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 MiB = 1024 * 1024
 
 
-class Limits(BaseModel, frozen=True):
+class Limits(BaseModel, frozen=True, use_attribute_docstrings=True):
     """Limits on one request record; ``decode_request`` and ``encode_request`` check them."""
 
     max_id_length: int = Field(default=128, ge=1, le=128)
