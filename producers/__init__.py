@@ -14,6 +14,7 @@ from producers.client import AsyncClient, Client
 from producers.errors import (
     ClientError,
     InvalidInput,
+    RecordTooLarge,
     ResultTimeout,
     ServiceUnavailable,
     UnknownModel,
@@ -30,6 +31,7 @@ __all__ = [
     "ContentType",
     "ContractError",
     "InvalidInput",
+    "RecordTooLarge",
     "Result",
     "ResultTimeout",
     "ServiceUnavailable",

@@ -56,9 +56,14 @@ def test_help_is_grouped_in_order(help_text: str) -> None:
     titles = [*cli.FLAG_GROUPS, "limits (variables or config file only)", "other variables"]
     positions = [help_text.index(f"\n{title}:\n") for title in titles]
     assert positions == sorted(positions)
-    assert [
-        *cli.FLAG_GROUPS
-    ][:6] == ["model", "batching", "Kafka", "Redis", "security", "observability"]
+    assert [*cli.FLAG_GROUPS][:6] == [
+        "model",
+        "batching",
+        "Kafka",
+        "Redis",
+        "security",
+        "observability",
+    ]
     # The model section starts with --model.
     model_section = help_text[positions[0] + 1 :]
     assert model_section.split("\n")[1].lstrip().startswith("--model MODEL")
