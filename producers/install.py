@@ -7,7 +7,7 @@ import packages, so every hint that tells a user what to install is built here.
 from __future__ import annotations
 
 DISTRIBUTION = "conveyor-serve"
-"""The name to ``pip install`` (``conveyor`` itself is not this project on PyPI)."""
+"""The name to ``pip install`` (other projects already use ``conveyor``)."""
 
 
 def install_hint(extra: str) -> str:

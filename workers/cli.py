@@ -27,6 +27,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
+import producers
+import schemas
 from producers.install import install_hint
 from producers.security import ConnectFailed
 from schemas import Limits
@@ -103,6 +105,10 @@ ENVIRONMENT_ONLY = {
 """Variables that are no setting of their own, with what they do."""
 
 REQUIRED = "required"
+# The top-level names of Conveyor's own modules (however the packages are installed).
+_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (producers, schemas)} | {
+    __name__.partition(".")[0]
+}
 _HELP_WIDTH = 78
 
 _DESCRIPTION = (
@@ -260,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         # install has the rest of the command (and this command's --help).
         from workers.app import run_worker
     except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.partition(".")[0] in ("schemas", "workers", "producers"):
+        if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
             raise  # a module of Conveyor's own: a broken install, not a missing extra
         return _fail(
             f"needs the worker extra, which is not installed (no module {exc.name!r}): "
