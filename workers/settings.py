@@ -31,8 +31,8 @@ from schemas import DEFAULT_LIMITS, Limits, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
-"""Folder of the demo model's artifact (read by ``workers.demo_model``, not a field: the
-loader takes the artifact's path, and this only moves its default)."""
+"""Folder of the demo model's artifact, read by the ``demo_model`` module. Not a field:
+the loader takes the artifact's path, and this only moves its default."""
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin

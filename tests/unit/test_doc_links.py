@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from producers.install import DISTRIBUTION
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
@@ -101,3 +103,15 @@ def test_docs_named_in_source_exist() -> None:
         if not (ROOT / name).exists()
     ]
     assert not missing, f"references to pages that do not exist: {missing}"
+
+
+def test_install_commands_name_the_distribution() -> None:
+    """``pip install NAME`` in docs, hints and comments names conveyor-serve (or ``.``)."""
+    command = re.compile(r"pip install (?:-[-\w]+ )*['\"]?([A-Za-z][\w.-]*)(\[[\w,]+\])?")
+    wrong = []
+    for path in _tracked("*.md", "*.py", "*.sh", "Dockerfile*", "*.toml"):
+        for match in command.finditer(path.read_text(errors="replace")):
+            name = match.group(1)
+            if name.lower().startswith("conveyor") and name != DISTRIBUTION:
+                wrong.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+    assert not wrong, f"install the distribution by its name, {DISTRIBUTION}: {wrong}"
