@@ -34,7 +34,6 @@ class Limits(BaseModel, frozen=True, use_attribute_docstrings=True):
     """Most pixels (width x height) of a decoded image. Workers check it while decoding,
     before allocating the image, so a small compressed "decompression bomb" is refused."""
 
-
     @property
     def max_record_bytes(self) -> int:
         """Largest Kafka record (batch) one valid request can need: the payload, every
