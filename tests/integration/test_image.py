@@ -25,19 +25,21 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import yaml
 from aiokafka.admin import AIOKafkaAdminClient
+from packaging.requirements import Requirement
 from pydantic import SecretStr
 
 from producers import AsyncClient, ClientSettings, Status
+from producers.install import DISTRIBUTION
 from tests.integration.harness import REPO, create_model_topics
 from workers.cli import EXIT_ENVIRONMENT
 from workers.demo_model import DIGITS_VERSION, heldout_digits
@@ -158,8 +160,8 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
     _run([_system_python(), "-m", "venv", str(root / "venv")], cwd=root)
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(_run([str(image.python), "-c", purelib], cwd=root).strip())
-    dev = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (site / "development-dependencies.pth").write_text("".join(f"{p}\n" for p in sorted(dev)))
+    folders = "".join(f"{folder}\n" for folder in _dependency_folders())
+    (site / "development-dependencies.pth").write_text(folders)
     [wheel] = wheels.glob("*.whl")
     pip_install = [str(image.python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
     _run([*pip_install, str(wheel)], cwd=root)
@@ -171,6 +173,16 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
     os.chown(home, *dockerfile.user)
     image.read_capability = _needs_read_capability(image)
     return image
+
+
+def _dependency_folders() -> list[str]:
+    """Where this environment keeps the distribution's dependencies, the worker extra's too."""
+    folders = set()
+    for line in metadata.requires(DISTRIBUTION) or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": "worker"}):
+            folders.add(str(metadata.distribution(requirement.name).locate_file("")))
+    return sorted(folders)
 
 
 def _system_python() -> str:
@@ -188,7 +200,7 @@ def _needs_read_capability(image: Image) -> bool:
     checkout sits under a folder only root may enter (a CI clone in a private temporary
     folder), the capability lets the uid read them; it still cannot write anything.
     """
-    torch_init = Path(sysconfig.get_paths()["purelib"]) / "torch" / "__init__.py"
+    torch_init = Path(str(metadata.distribution("torch").locate_file("torch/__init__.py")))
     check = subprocess.run(image.as_user(["test", "-r", str(torch_init)]), check=False)
     return check.returncode != 0
 
