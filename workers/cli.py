@@ -19,7 +19,7 @@ import errno
 import os
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -37,6 +37,7 @@ from workers.settings import MODEL_DIR_VARIABLE, WorkerSettings
 
 EXIT_STOPPED = 0
 EXIT_BAD_SETTINGS = 2
+EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
 EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 EXIT_NOT_INSTALLED = 5
 EXIT_ENVIRONMENT = 6
@@ -44,6 +45,8 @@ EXIT_ENVIRONMENT = 6
 EXIT_STATUSES: dict[int, str] = {
     EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
     EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
+    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs): "
+    "an operator must act",
     EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
     "handshake or the credentials",
     EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
@@ -63,7 +66,15 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "compile",
         "allow_pickle_models",
     ),
-    "batching": ("max_batch_size", "max_delay_ms", "max_in_flight", "max_age_ms", "decode_threads"),
+    "batching": (
+        "max_batch_size",
+        "max_delay_ms",
+        "max_in_flight",
+        "max_age_ms",
+        "decode_threads",
+        "decode_memory_mb",
+        "event_loop",
+    ),
     "Kafka": (
         "kafka_bootstrap",
         "topic_prefix",
@@ -253,6 +264,21 @@ def describe_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when asked for, or for ``auto`` when installed; None: asyncio's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError(
+                "event_loop uvloop needs the uvloop package: pip install uvloop"
+            ) from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -265,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         # torch is imported only when a worker really starts, so the client-only
         # install has the rest of the command (and this command's --help).
         from workers.app import run_worker
+        from workers.types import ConfigError
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
             raise  # a module of Conveyor's own: a broken install, not a missing extra
@@ -274,9 +301,12 @@ def run(args: argparse.Namespace) -> int:
             EXIT_NOT_INSTALLED,
         )
     try:
-        asyncio.run(run_worker(settings))
+        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+            runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
+    except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
+        return _fail(str(exc), EXIT_CONFIG)
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
         return _fail(str(exc), EXIT_UNREACHABLE)
     except OSError as exc:  # PermissionError, a read-only or full file system, ...

@@ -75,16 +75,17 @@ class WorkerChild:
     the demo, which then stops the worker with one SIGTERM: a clean drain.
     """
 
-    def __init__(self, argv: Sequence[str], log_path: Path) -> None:
+    def __init__(self, argv: Sequence[str], log_path: Path, cwd: Path = REPO) -> None:
         self._argv = list(argv)
         self.log_path = log_path
+        self._cwd = cwd  # its modules are imported from here (a checkout of another version)
         self._proc: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._proc = await asyncio.create_subprocess_exec(
-                *self._argv, stdout=log, stderr=log, cwd=REPO, start_new_session=True
+                *self._argv, stdout=log, stderr=log, cwd=self._cwd, start_new_session=True
             )
         return self
 

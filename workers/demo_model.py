@@ -35,7 +35,7 @@ from PIL import Image
 from producers.install import DISTRIBUTION
 from schemas import DEFAULT_LIMITS, Limits
 from workers.handlers import ImageClassifier
-from workers.preprocess import ImageSpec
+from workers.preprocess import DecodeBudget, ImageSpec
 from workers.settings import MODEL_DIR_VARIABLE
 
 DIGITS_VERSION = "digits-cnn-v1"
@@ -156,6 +156,7 @@ def load_digits_handler(
     dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
     limits: Limits = DEFAULT_LIMITS,
+    decode_budget: DecodeBudget | None = None,
 ) -> ImageClassifier:
     """The demo model as a handler (named ``digits``), building the artifact if it is missing."""
     artifact = _load(build_digits_model(path))
@@ -175,6 +176,7 @@ def load_digits_handler(
         dtype=dtype,
         channels_last=channels_last,
         limits=limits,
+        decode_budget=decode_budget,
     )
 
 
