@@ -71,6 +71,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_delay_ms",
         "max_in_flight",
         "max_age_ms",
+        "in_flight_target_ms",
         "decode_threads",
         "decode_memory_mb",
         "event_loop",
@@ -83,6 +84,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "rebalance_timeout_ms",
         "max_drain_ms",
         "group_instance_id",
+        "permanent_error_grace_s",
     ),
     "Redis": ("redis_url", "result_ttl_s"),
     "security": (
@@ -99,7 +101,14 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "redis_cert_file",
         "redis_key_file",
     ),
-    "observability": ("worker_id", "log_level", "log_format", "metrics_host", "metrics_port"),
+    "observability": (
+        "worker_id",
+        "log_level",
+        "log_format",
+        "metrics_host",
+        "metrics_port",
+        "unready_after_s",
+    ),
     "configuration": ("config_file",),
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""
