@@ -10,7 +10,8 @@ script rewrites, in every file git tracks:
 - ``from schemas... import`` and ``import schemas`` (and the same for
   ``workers`` and ``producers``) in Python code and in code shown in docs;
 - module paths written as strings, in backticks or after ``python -m``
-  (``"producers.cli"``, ``python -m workers.demo``, ``"workers.cli:main"``);
+  (``"producers.cli"``, ``python -m workers.demo``, ``"workers.cli:main"``),
+  and a package named on its own in Markdown (the ``producers`` package);
 - ``pyproject.toml`` (package mapping, mypy's packages, ruff's first-party
   package, the ban on top-level imports), the ``Makefile`` (the strict editable
   install that mypy and editors can follow), and docs/packaging.md's status;
@@ -97,6 +98,11 @@ MAKEFILE_EDITS = [
     ),
 ]
 
+# In Markdown, a package named on its own: "the `producers` package". docs/packaging.md
+# is left alone: it discusses the bare names themselves.
+BARE_NAME = re.compile(rf"`{_PKG}`")
+BARE_NAME_SKIPPED = {"docs/packaging.md"}
+
 STATUS_BEFORE = "**Status.** The repository still installs the top-level packages;"
 STATUS_AFTER = (
     "**Status.** Applied: the packages install as `conveyor_serve.schemas`,\n"
@@ -143,6 +149,8 @@ def _rewrite(path: Path) -> bool:
     new = text
     for pattern, replacement in RULES:
         new = pattern.sub(replacement, new)
+    if path.suffix == ".md" and path.relative_to(ROOT).as_posix() not in BARE_NAME_SKIPPED:
+        new = BARE_NAME.sub(rf"`{NAMESPACE}.\1`", new)
     if new != text:
         path.write_text(new)
     return new != text
