@@ -10,11 +10,14 @@ fresh model name (so fresh topics and consumer groups), each worker a real
    ``kafka-consumer-perf-test`` (``ConsumerPerformance``) reading the same topic.
 2. overhead: requests/s of one worker serving an identity model (small
    payloads) from a backlog: Kafka in → Redis and reply topic out, counted from
-   the worker's first fetch to every result being in Redis; then a profiled run.
+   the worker's first fetch to every result being in Redis, repeated (median);
+   with ``--baseline-tree`` the worker of an earlier checkout serves the same
+   kind of backlog between the repeats, for a ratio measured in the same run;
+   then a run sampled by py-spy (steady serving only) for the profile by area.
 3. latency: open-loop load at 25/50/75% of the digits CNN's peak (scenario 4's
    micro-batched rate); end-to-end percentiles from each result's timings
-   (``finished_ms − produced_ms``: the record timestamp to the result being
-   ready to publish, so the final Redis/reply write of ~1 ms is not in it).
+   (``published_ms − produced_ms``: the record timestamp to the result being
+   sent to Redis, which makes it durable one round trip later).
 4. batching: the digits CNN served one request at a time (``--max-batch-size 1``)
    vs micro-batched (the defaults), both from a backlog as in 2.
 
@@ -475,7 +478,8 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
     bound = DIGITS_DELAY_MS + 2 * at_half["compute_p99_ms"]
     return {
         "what": "demo digits CNN, open-loop producer (record timestamp = due time); latency = "
-        "timings.finished_ms - timings.produced_ms; compute = timings.inference_ms per batch",
+        "timings.published_ms - timings.produced_ms (to the result being sent to Redis); "
+        "compute = timings.inference_ms per batch",
         "peak_rate": peak,
         "max_delay_ms": DIGITS_DELAY_MS,
         "levels": levels,

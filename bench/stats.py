@@ -56,8 +56,13 @@ def backlog_rate(results: Sequence[Result], all_seen_at: float) -> float:
 
 
 def latency_summary(results: Sequence[Result]) -> dict[str, float]:
-    """End-to-end (record timestamp → result ready) and batch compute percentiles, in ms."""
-    latencies = [_timings(r).finished_ms - _timings(r).produced_ms for r in results]
+    """End-to-end and batch compute percentiles, in ms.
+
+    End to end is from the record timestamp to the result being sent to Redis
+    (``published_ms``; durable one Redis round trip later); results of workers
+    that predate that field fall back to ``finished_ms`` (model done).
+    """
+    latencies = [_durable_ms(r) - _timings(r).produced_ms for r in results]
     batches = {(r.worker, _timings(r).batch_start_ms): r for r in results}
     compute = [_timings(r).inference_ms for r in batches.values()]
     return {
@@ -121,6 +126,11 @@ def pyspy_summary(samples_path: Path, requests: int, top: int = 12) -> dict[str,
             for area, n in sorted(areas.items(), key=lambda kv: -kv[1])
         ],
     }
+
+
+def _durable_ms(result: Result) -> float:
+    timings = _timings(result)
+    return timings.finished_ms if timings.published_ms is None else timings.published_ms
 
 
 def _timings(result: Result) -> Timings:

@@ -111,7 +111,8 @@ class Result(BaseModel, frozen=True):
     worker: str
     """Which worker process wrote the result."""
     attempt: Annotated[int, Field(ge=1)] = 1
-    """1 on first delivery; higher when the request was redelivered and retried."""
+    """1 in this version: a redelivered request is recognised in Redis (its first answer
+    stays) but not counted here. Reserved for counting attempts."""
 
     @model_validator(mode="after")
     def _status_matches_error(self) -> Self:

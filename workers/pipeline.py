@@ -44,6 +44,7 @@ from workers.offsets import OffsetTracker
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
 from workers.types import (
+    ConfigError,
     Item,
     Outcome,
     Record,
@@ -115,6 +116,12 @@ class Pipeline:
                 tasks.create_task(self._batch_loop(), name="batch")
                 tasks.create_task(self._publish_loop(), name="publish")
             await self._committer.flush()
+        except BaseExceptionGroup as group:
+            # A configuration error ends the worker with its own message (exit status 3).
+            config = [exc for exc in group.exceptions if isinstance(exc, ConfigError)]
+            if config:
+                raise config[0] from None
+            raise
         finally:
             await self._committer.close()
             self._pool.shutdown(wait=False, cancel_futures=True)

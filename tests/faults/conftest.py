@@ -7,19 +7,32 @@ of the run (and written to .run/fault-report.txt).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
+import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from aiokafka.admin import AIOKafkaAdminClient
 
-from schemas import result_key, topics_for
-from tests.integration.harness import REPO, read_topic, wait_for_results
+from schemas import OutgoingRecord, result_key, topics_for
+from tests.integration.harness import (
+    REPO,
+    WorkerProcess,
+    count_results,
+    create_model_topics,
+    digit_requests,
+    read_topic,
+    wait_for_results,
+)
+from workers.demo_model import build_digits_model, heldout_digits
 
 
 @dataclass(frozen=True)
@@ -33,14 +46,14 @@ class Row:
 
     def line(self) -> str:
         return (
-            f"| {self.scenario:<40} | {self.produced:>8} | {self.answered:>8} | "
+            f"| {self.scenario:<46} | {self.produced:>8} | {self.answered:>8} | "
             f"{self.lost:>4} | {self.duplicate_visible:>17} | {self.redelivered:>11} |"
         )
 
 
 ROWS: list[Row] = []
 HEADER = (
-    f"| {'scenario':<40} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
+    f"| {'scenario':<46} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
     f"{'duplicate-visible':>17} | {'redelivered':>11} |"
 )
 
@@ -162,3 +175,82 @@ def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     service.start()
     yield service
     service.stop()
+
+
+@pytest.fixture(scope="module")
+def digits() -> list[tuple[bytes, int]]:
+    build_digits_model()
+    return heldout_digits()
+
+
+class Workers:
+    """Worker processes of one test; all stopped at its end."""
+
+    def __init__(self, model: str, bootstrap: str, redis_url: str, tmp: Path) -> None:
+        self.model, self.bootstrap, self.redis_url, self.tmp = model, bootstrap, redis_url, tmp
+        self.started: list[WorkerProcess] = []
+
+    def start(
+        self,
+        *extra: str,
+        spec: str = "digits",
+        env: dict[str, str] | None = None,
+        bootstrap: str | None = None,
+        redis_url: str | None = None,
+    ) -> WorkerProcess:
+        worker = WorkerProcess(
+            self.model,
+            bootstrap or self.bootstrap,
+            redis_url or self.redis_url,
+            self.tmp / f"worker-{len(self.started)}.log",
+            extra,
+            spec,
+            env or {},
+        )
+        self.started.append(worker.start())
+        return worker
+
+    def logs(self) -> str:
+        return "\n".join(w.log() for w in self.started)
+
+
+@pytest.fixture
+def workers(
+    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
+) -> Iterator[Workers]:
+    group = Workers(model_name, kafka_bootstrap, redis_url, tmp_path)
+    yield group
+    for worker in group.started:
+        worker.stop()
+
+
+async def until_answered(redis_url: str, ids: list[str], count: int, timeout: float = 120) -> None:
+    """Wait until at least ``count`` of ``ids`` have results (the fault goes in then)."""
+    deadline = time.monotonic() + timeout
+    while (answered := await count_results(redis_url, ids)) < count:
+        assert time.monotonic() < deadline, f"only {answered} of {count} answered in {timeout} s"
+        await asyncio.sleep(0.05)
+
+
+def check(row: Row, logs: str) -> None:
+    assert row.lost == 0, logs[-5000:]
+    assert row.duplicate_visible == 0
+
+
+@asynccontextmanager
+async def admin_for(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def setup(
+    bootstrap: str, model: str, digits: list[tuple[bytes, int]], n: int, partitions: int = 3
+) -> tuple[list[OutgoingRecord], list[str]]:
+    async with admin_for(bootstrap) as admin:
+        await create_model_topics(admin, model, partitions)
+    records = [r for r, _ in digit_requests(digits, n, prefix=model)]
+    return records, [r.key.decode() for r in records]

@@ -8,12 +8,15 @@ and the reply topic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,3 +226,44 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metrics_port(self) -> int | None:
+        """The port of its /metrics, /healthz and /readyz, once its log says it."""
+        found = re.search(r"metrics and health on http://[^:]+:(\d+)", self.log())
+        return int(found.group(1)) if found else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    """(status, body) of one GET; raises OSError while nothing listens on the port."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    what: str,
+    timeout: float,
+    logs: Callable[[], str],
+) -> None:
+    """Poll ``condition()`` (sync or async) until true; fail naming ``what`` with the logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = condition()
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if outcome:
+            return
+        assert time.monotonic() < deadline, f"{what} within {timeout} s\n{logs()[-5000:]}"
+        await asyncio.sleep(0.1)  # polling interval, not a wait for readiness

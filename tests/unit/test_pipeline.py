@@ -366,3 +366,26 @@ async def test_bad_records_get_error_results_and_dead_letters(
     assert len(dead) == 1
     assert dead[0].value == bad.value
     assert source.committed == {0: 3}
+
+
+async def test_error_results_go_to_ce_replyto_with_a_checked_traceparent() -> None:
+    good = records(0, 3)
+    trace = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for n, traceparent in ((0, trace), (1, b"not-a-trace-context")):
+        r = good[n]
+        headers = [h for h in r.headers if h[0] != "ce_source"]  # a bad request
+        headers += [("ce_replyto", b"my.replies"), ("traceparent", traceparent)]
+        good[n] = FakeRecord(r.topic, 0, r.offset, 0, r.key, r.value, headers)
+    source = FakeSource({0: good})
+    pipeline, sink = make(source, EchoModel())
+    await run_until(pipeline, lambda: len(sink.stored) == 3)
+    sent = {
+        request_id: (reply_to, dict(headers))
+        for box in sink.outboxes
+        for request_id, reply_to, headers in zip(box.ids, box.reply_to, box.headers, strict=True)
+    }
+    assert sent["p0-0"][0] == "my.replies"
+    assert sent["p0-0"][1]["traceparent"] == trace
+    assert sent["p0-1"][0] == "my.replies"
+    assert "traceparent" not in sent["p0-1"][1]  # malformed: dropped, as W3C says
+    assert sent["p0-2"][0] is None
