@@ -172,10 +172,18 @@ def _replace_status(path: Path) -> None:
 
 
 def _report_dotted_imports() -> None:
-    pattern = re.compile(rf"^\s*import {NAMESPACE}\.\w+(\.\w+)*\s*$", re.M)
+    dotted = re.compile(rf"^\s*import {NAMESPACE}\.\w+(\.\w+)*\s*$", re.M)
+    # Code inside a string (run with python -c): the rules above do not rewrite it.
+    in_string = re.compile(rf"^\s*(?!from |import )\S.*\bimport {_PKG}\b", re.M)
     for path in _tracked():
-        if path.suffix == ".py" and pattern.search(path.read_text()):
+        if path.suffix != ".py":
+            continue
+        text = path.read_text()
+        if dotted.search(text):
             print(f"check the uses of a plain `import {NAMESPACE}....` in {path}", file=sys.stderr)
+        for match in in_string.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            print(f"rewrite the import inside a string: {path}:{line}", file=sys.stderr)
 
 
 if __name__ == "__main__":
