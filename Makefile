@@ -7,9 +7,11 @@ STAMP := $(VENV)/.installed
 export KAFKA_PORT ?= 9092
 export REDIS_PORT ?= 6379
 export S3_PORT ?= 8333
+# The demo model is built here (not in the user's cache) so `make clean` removes it.
+export CONVEYOR_MODEL_DIR ?= $(CURDIR)/.cache/models
 PYTEST_ARGS ?=
 
-.PHONY: help install up up-s3 down test unit lint format demo bench clean
+.PHONY: help install up up-s3 down test unit lint format demo bench settings-doc clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
@@ -21,6 +23,7 @@ help:
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict"
+	@echo "make settings-doc  regenerate docs/settings.md from workers/settings.py"
 	@echo "make clean    remove the venv, caches and local service data"
 
 install: $(STAMP)
@@ -65,6 +68,9 @@ demo: install
 bench: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m bench.cpu --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+
+settings-doc: install
+	$(PY) -c 'import workers.cli as cli; print(cli.settings_reference(), end="")' >docs/settings.md
 
 clean: down
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

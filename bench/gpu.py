@@ -1438,7 +1438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return produce_share(args.produce, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
-        results.update(json.loads(previous.read_text()))
+        for key, value in json.loads(previous.read_text()).items():
+            if key in ("e2e", "pipeline", "overlap", "stage_s") and key in results:
+                results[key].update(value)  # layouts and paths measured in several calls
+            else:
+                results[key] = value
     if not args.report:
         os.environ.setdefault(
             "TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/torchinductor").resolve())

@@ -1,9 +1,11 @@
-"""The worker's settings: one frozen object, parsed at the edge (CLI + environment).
+"""The worker's settings: one frozen object, parsed at the edge (CLI, environment, file).
 
-Every option is a field here and can be set with a ``CONVEYOR_<FIELD>`` environment
-variable (e.g. ``CONVEYOR_MAX_BATCH_SIZE=64``) or the matching CLI flag
-(``--max-batch-size 64``); the flag wins. Values are validated when the worker
-starts, so a bad setting fails fast with a message naming it.
+Every option is a field here and can be set with the matching CLI flag
+(``--max-batch-size 64``), a ``CONVEYOR_<FIELD>`` environment variable
+(``CONVEYOR_MAX_BATCH_SIZE=64``) or a key of the TOML file named by
+``config_file`` (``max_batch_size = 64``), in that order of precedence; defaults
+come last. Values are validated when the worker starts, so a bad setting fails
+fast with a message naming it.
 """
 
 from __future__ import annotations
@@ -11,22 +13,86 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Literal
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
+MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
+"""Folder of the demo model's artifact, read by the ``demo_model`` module. Not a field:
+the loader takes the artifact's path, and this only moves its default."""
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
 
 
 def _default_worker_id() -> str:
+    """HOSTNAME-PID"""
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _default_decode_threads() -> int:
+    """min(8, CPU count)"""
+    return min(8, os.cpu_count() or 1)
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The TOML file that ``config_file`` names, if a higher source names one.
+
+    Keys are field names; nested settings are tables (``[limits]``). A missing or
+    malformed file, or a key that is no setting, raises ``SettingsError`` naming
+    the file: a misspelt key must not be silently ignored.
+    """
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], *naming: PydanticBaseSettingsSource
+    ) -> None:
+        super().__init__(settings_cls)
+        self._naming = naming  # the sources that may name the file, highest first
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        for source in self._naming:
+            named = (
+                source.init_kwargs if isinstance(source, InitSettingsSource) else source()
+            ).get("config_file")
+            if named:
+                return read_config_file(Path(named), set(self.settings_cls.model_fields))
+        return {}
+
+
+def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
+    """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong."""
+    try:
+        with path.open("rb") as file:
+            values = tomllib.load(file)
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(values.keys() - (fields - {"config_file"}))
+    if unknown:
+        raise SettingsError(
+            f"config file {path}: {', '.join(unknown)} "
+            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; keys are "
+            "the flag names with underscores (max_batch_size = 64)"
+        )
+    return values
 
 
 class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
@@ -73,7 +139,9 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
 
     # Batching.
     max_batch_size: int = Field(default=32, ge=1, le=4096)
+    """most requests in one batch (one forward pass)"""
     max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+    """longest the oldest request of a batch waits for the batch to fill"""
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
     )
@@ -92,7 +160,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
         default="auto",
         description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
     )
-    decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
+    decode_threads: int = Field(default_factory=_default_decode_threads, ge=1, le=256)
+    """threads that decode and preprocess payloads on the CPU"""
     decode_memory_mb: int = Field(
         default=1024,
         ge=16,
@@ -102,8 +171,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
 
     # Where.
     kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, host:port[,host:port...]"""
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """redis://, rediss:// (TLS) or unix:// URL; may hold a password, which is never logged"""
     topic_prefix: str = "conveyor"
+    """topics are PREFIX.MODEL.requests, .results and .dlq; the group is PREFIX.MODEL"""
     result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
     # A slow batch must not get the worker thrown out of its group: aiokafka sends
     # heartbeats from a background task, and max.poll.interval bounds the time
@@ -114,6 +186,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
         description="the group evicts a worker whose heartbeats stop for this long",
     )
     max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+    """longest time between two fetches before the group gives this worker's partitions away"""
     # On a rebalance, every member drains and commits its revoked partitions before it
     # rejoins; the broker waits rebalance_timeout_ms for that, so the drain is bounded
     # well inside it (max_drain_ms) and evicted members never turn a join into a storm.
@@ -168,8 +241,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     )
 
     worker_id: str = Field(default_factory=_default_worker_id)
+    """this worker's name in results, logs and Kafka client ids (e.g. the pod name)"""
     limits: Limits = DEFAULT_LIMITS
+    """limits every request is checked against (the contract's by default)"""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """least severe log level written"""
     log_format: Literal["text", "json"] = Field(
         default="text", description="text for people, json (one object per line) for collectors"
     )
@@ -182,6 +258,30 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
         le=65535,
         description="port of /metrics, /healthz and /readyz (0: any free port)",
     )
+
+    # Where the other settings may also come from.
+    config_file: Path | None = Field(
+        default=None,
+        description="TOML file of settings, keys named as the flags with underscores "
+        "(max_batch_size = 64, a [limits] table); flags and CONVEYOR_* variables win over it",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: flags (the CLI passes them as keyword arguments), CONVEYOR_*
+        # variables, the config file. No .env file or secrets folder is read.
+        return (
+            init_settings,
+            env_settings,
+            ConfigFileSource(settings_cls, init_settings, env_settings),
+        )
 
     @field_validator("device")
     @classmethod
