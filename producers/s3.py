@@ -3,7 +3,7 @@
 Payloads stored by reference (``ce_dataref: s3://bucket/key``) are written by
 the SDK and read by workers through the same settings (``CONVEYOR_S3_*``).
 The client is aiobotocore's, in the optional ``s3`` extra
-(``pip install 'conveyor[s3]'``): it signs requests (SigV4), follows botocore's
+(``pip install 'conveyor-serve[s3]'``): it signs requests (SigV4), follows botocore's
 credential chain when no key is given here (``AWS_*`` variables, ``~/.aws``,
 instance and pod roles such as EKS's IRSA), and speaks to AWS S3 and to
 S3-compatible stores (SeaweedFS, Ceph, ...) alike. Nothing imports it unless
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 
 from producers.errors import ClientError
+from producers.install import install_hint
 
 if TYPE_CHECKING:
     from types_aiobotocore_s3 import S3Client
@@ -64,7 +65,7 @@ async def s3_client(settings: S3Settings, max_connections: int = 16) -> AsyncIte
         from aiobotocore.session import get_session
     except ImportError as exc:
         raise S3Unavailable(
-            f"S3 references need aiobotocore: pip install 'conveyor[s3]' ({exc})"
+            f"S3 references need aiobotocore: {install_hint('s3')} ({exc})"
         ) from None
     keys: dict[str, Any] = {}
     if settings.s3_access_key_id is not None and settings.s3_secret_access_key is not None:

@@ -64,6 +64,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "channels_last",
         "decode",
         "compile",
+        "cuda_graphs",
         "allow_pickle_models",
     ),
     "batching": (
@@ -108,6 +109,17 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "metrics_host",
         "metrics_port",
         "unready_after_s",
+    ),
+    "payloads by reference, cancellation and status": (
+        "dataref_redis_prefix",
+        "dataref_s3_buckets",
+        "s3_endpoint_url",
+        "s3_region",
+        "s3_access_key_id",
+        "s3_secret_access_key",
+        "s3_addressing_style",
+        "cancellation",
+        "track_status",
     ),
     "configuration": ("config_file",),
 }
