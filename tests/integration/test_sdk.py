@@ -343,7 +343,8 @@ async def test_the_largest_payload_fits_the_topics_the_cli_creates(
             [topics.requests, topics.results, topics.dlq], settings.limits.max_record_bytes
         )
         payload = b"x" * settings.limits.max_payload_bytes
-        async with AsyncClient(settings) as client:
+        inline = settings.model_copy(update={"dataref_store": "off"})  # in the record itself
+        async with AsyncClient(inline) as client:
             request_id = await client.submit(payload, model=model, content_type="text/plain")
         assert request_id
     finally:
