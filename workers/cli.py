@@ -64,6 +64,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "channels_last",
         "decode",
         "compile",
+        "cuda_graphs",
         "allow_pickle_models",
     ),
     "batching": (
