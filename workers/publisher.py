@@ -19,19 +19,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from producers.security import (
-    kafka_connect_failed,
-    kafka_options,
-    redis_connect_failed,
-    redis_options,
-)
+from producers.security import kafka_connect_failed, kafka_options, redis_connect_failed
+from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
-from workers.store import RedisResultStore, ResultStore
+from workers.store import ResultStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,13 +69,7 @@ class Publisher:
         self._results_topic = results_topic
         self._dlq_topic = dlq_topic
         self._settings = settings
-        self._redis = aioredis.Redis.from_url(
-            settings.redis_url.get_secret_value(),
-            socket_timeout=10,
-            socket_connect_timeout=5,
-            **redis_options(settings),
-        )
-        self._store: ResultStore = RedisResultStore(self._redis, settings.result_ttl_s)
+        self._store: ResultStore = open_result_store(settings)
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
             client_id=settings.worker_id,
@@ -99,15 +88,15 @@ class Publisher:
     async def start(self) -> None:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
         try:
-            await self._redis.ping()
+            await self._store.ping()
         except (RedisError, OSError) as exc:
-            await self._redis.aclose()
+            await self._store.aclose()
             raise redis_connect_failed(self._settings.redis_url, exc) from None
         try:
             await self._producer.start()
         except KafkaError as exc:
             await self._producer.stop()
-            await self._redis.aclose()
+            await self._store.aclose()
             bootstrap = self._settings.kafka_bootstrap
             raise await kafka_connect_failed(bootstrap, self._settings, exc) from None
 
@@ -115,11 +104,11 @@ class Publisher:
         try:
             await self._producer.stop()
         finally:
-            await self._redis.aclose()
+            await self._store.aclose()
 
     async def ping(self) -> bool:
         """Whether Redis answers now (readiness); raises on a connection error."""
-        return bool(await self._redis.ping())
+        return await self._store.ping()
 
     async def __aenter__(self) -> Publisher:
         await self.start()

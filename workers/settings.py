@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producers.redis_cluster import check_cluster_url
 from producers.security import ConnectionSecurity
 from schemas import DEFAULT_LIMITS, Limits, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
@@ -79,6 +80,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     # Where.
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster: results are routed by hash slot",
+    )
+    redis_replica_acks: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Redis Cluster: replicas that must hold a batch's results (WAIT) before "
+        "they count as written; 0 trusts the primary alone",
+    )
     topic_prefix: str = "conveyor"
     result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
     # A slow batch must not get the worker thrown out of its group: aiokafka sends
@@ -137,6 +149,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     def _check_names(self) -> WorkerSettings:
         topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
         self.check_redis_url(self.redis_url)
+        return self
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> WorkerSettings:
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url.get_secret_value())
+        elif self.redis_replica_acks:
+            raise ValueError(
+                "redis_replica_acks needs redis_cluster: on a standalone Redis, results are "
+                "written without waiting for replicas"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,8 +1,8 @@
-"""Fault-test fixtures: count what each scenario lost, and services a test may stop.
+"""Fault-test fixtures: services of a test's own that it may stop, and its workers.
 
 Every scenario produces N requests, injects its fault, and records a row of
-produced / answered / lost / duplicate-visible in the table printed at the end
-of the run (and written to .run/fault-report.txt).
+produced / answered / lost / duplicate-visible with ``harness.tally``; the table
+is printed at the end of the run (and written to .run/fault-report.txt).
 """
 
 from __future__ import annotations
@@ -10,90 +10,22 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
-from schemas import result_key, topics_for
-from tests.integration.harness import REPO, read_topic, wait_for_results
+from tests.integration.harness import REPO, WorkerGroup
 
 
-@dataclass(frozen=True)
-class Row:
-    scenario: str
-    produced: int
-    answered: int
-    lost: int
-    duplicate_visible: int  # ids whose answer differs between Redis and reply records
-    redelivered: int  # ids answered more than once on the reply topic (same bytes)
-
-    def line(self) -> str:
-        return (
-            f"| {self.scenario:<40} | {self.produced:>8} | {self.answered:>8} | "
-            f"{self.lost:>4} | {self.duplicate_visible:>17} | {self.redelivered:>11} |"
-        )
-
-
-ROWS: list[Row] = []
-HEADER = (
-    f"| {'scenario':<40} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
-    f"{'duplicate-visible':>17} | {'redelivered':>11} |"
-)
-
-
-async def tally(
-    scenario: str,
-    bootstrap: str,
-    redis_url: str,
-    model: str,
-    ids: Sequence[str],
-    timeout: float = 120,
-) -> Row:
-    """Wait for every id's answer, then count what reached Redis and the reply topic."""
-    await wait_for_results(redis_url, ids, timeout)
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        stored = await client.mget([result_key(i) for i in ids])
-    finally:
-        await client.aclose()
-    in_redis = {i: v for i, v in zip(ids, stored, strict=True) if v is not None}
-    replies = await read_topic(
-        bootstrap, topics_for(model).results, expect=len(in_redis), timeout=60
-    )
-    documents: dict[str, set[bytes]] = defaultdict(set)
-    copies: dict[str, int] = defaultdict(int)
-    for record in replies:
-        key = record.key.decode()
-        documents[key].add(record.value)
-        copies[key] += 1
-    answered = [i for i in ids if i in in_redis and i in documents]
-    row = Row(
-        scenario=scenario,
-        produced=len(ids),
-        answered=len(answered),
-        lost=len(ids) - len(answered),
-        duplicate_visible=sum(1 for i in answered if documents[i] != {in_redis[i]}),
-        redelivered=sum(1 for i in answered if copies[i] > 1),
-    )
-    ROWS.append(row)
-    return row
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not ROWS:
-        return
-    lines = [HEADER, "|" + "|".join("-" * (len(c)) for c in HEADER.split("|")[1:-1]) + "|"]
-    lines += [row.line() for row in ROWS]
-    terminalreporter.write_sep("=", "fault scenarios")
-    for line in lines:
-        terminalreporter.write_line(line)
-    report = REPO / ".run" / "fault-report.txt"
-    report.parent.mkdir(exist_ok=True)
-    report.write_text("\n".join(lines) + "\n")
+@pytest.fixture
+def workers(
+    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
+) -> Iterator[WorkerGroup]:
+    group = WorkerGroup(model_name, kafka_bootstrap, redis_url, tmp_path)
+    yield group
+    group.stop_all()
 
 
 def _free_port() -> int:

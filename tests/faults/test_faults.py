@@ -12,25 +12,22 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import ContentType, OutgoingRecord, Status, encode_request, topics_for
-from tests.faults.conftest import LocalService, Row, tally
+from tests.faults.conftest import LocalService
 from tests.faults.faulty import poison_png
 from tests.integration.harness import (
-    WorkerProcess,
-    count_results,
-    create_model_topics,
-    digit_requests,
+    WorkerGroup,
+    check,
     produce,
     read_topic,
     redis_results,
+    setup_model,
+    tally,
+    until_answered,
 )
 from workers.demo_model import build_digits_model, heldout_digits
 
@@ -43,88 +40,15 @@ def digits() -> list[tuple[bytes, int]]:
     return heldout_digits()
 
 
-class Workers:
-    """Worker processes of one test; all stopped at its end."""
-
-    def __init__(self, model: str, bootstrap: str, redis_url: str, tmp: Path) -> None:
-        self.model, self.bootstrap, self.redis_url, self.tmp = model, bootstrap, redis_url, tmp
-        self.started: list[WorkerProcess] = []
-
-    def start(
-        self,
-        *extra: str,
-        spec: str = "digits",
-        env: dict[str, str] | None = None,
-        bootstrap: str | None = None,
-        redis_url: str | None = None,
-    ) -> WorkerProcess:
-        worker = WorkerProcess(
-            self.model,
-            bootstrap or self.bootstrap,
-            redis_url or self.redis_url,
-            self.tmp / f"worker-{len(self.started)}.log",
-            extra,
-            spec,
-            env or {},
-        )
-        self.started.append(worker.start())
-        return worker
-
-    def logs(self) -> str:
-        return "\n".join(w.log() for w in self.started)
-
-
-@pytest.fixture
-def workers(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[Workers]:
-    group = Workers(model_name, kafka_bootstrap, redis_url, tmp_path)
-    yield group
-    for worker in group.started:
-        worker.stop()
-
-
-async def until_answered(redis_url: str, ids: list[str], count: int, timeout: float = 120) -> None:
-    """Wait until at least ``count`` of ``ids`` have results (the fault goes in then)."""
-    deadline = time.monotonic() + timeout
-    while (answered := await count_results(redis_url, ids)) < count:
-        assert time.monotonic() < deadline, f"only {answered} of {count} answered in {timeout} s"
-        await asyncio.sleep(0.05)
-
-
-def check(row: Row, logs: str) -> None:
-    assert row.lost == 0, logs[-5000:]
-    assert row.duplicate_visible == 0
-
-
-@asynccontextmanager
-async def admin_for(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        yield admin
-    finally:
-        await admin.close()
-
-
-async def setup(
-    bootstrap: str, model: str, digits: list[tuple[bytes, int]], n: int, partitions: int = 3
-) -> tuple[list[OutgoingRecord], list[str]]:
-    async with admin_for(bootstrap) as admin:
-        await create_model_topics(admin, model, partitions)
-    records = [r for r, _ in digit_requests(digits, n, prefix=model)]
-    return records, [r.key.decode() for r in records]
-
-
 @pytest.mark.timeout(240)
 async def test_sigkill_mid_batch_then_restart(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 3000)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 3000)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
     first = workers.start("--max-batch-size", "8")
     await until_answered(redis_url, ids, 100)
@@ -140,13 +64,13 @@ async def test_sigkill_mid_batch_then_restart(
 
 @pytest.mark.timeout(240)
 async def test_sigterm_drain_then_restart_reprocesses_nothing(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 3000)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 3000)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
     first = workers.start("--max-batch-size", "8")
     await until_answered(redis_url, ids, 100)
@@ -163,13 +87,13 @@ async def test_sigterm_drain_then_restart_reprocesses_nothing(
 
 @pytest.mark.timeout(240)
 async def test_redis_stopped_for_ten_seconds(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     model_name: str,
     private_redis: LocalService,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 3000)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 3000)
     topic = topics_for(model_name).requests
     await produce(kafka_bootstrap, topic, records[:1500])
     workers.start("--max-batch-size", "8", redis_url=private_redis.url)
@@ -187,14 +111,14 @@ async def test_redis_stopped_for_ten_seconds(
 
 @pytest.mark.timeout(300)
 async def test_kafka_broker_stopped_and_restarted(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
     private_kafka: LocalService,
 ) -> None:
     bootstrap = private_kafka.bootstrap
-    records, ids = await setup(bootstrap, model_name, digits, 3000)
+    records, ids = await setup_model(bootstrap, model_name, digits, 3000)
     await produce(bootstrap, topics_for(model_name).requests, records[:2000])
     workers.start("--max-batch-size", "8", bootstrap=bootstrap)
     await until_answered(redis_url, ids, 100)
@@ -209,13 +133,13 @@ async def test_kafka_broker_stopped_and_restarted(
 
 @pytest.mark.timeout(300)
 async def test_second_worker_joins_then_leaves(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 6000, partitions=6)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 6000, partitions=6)
     topic = topics_for(model_name).requests
     await produce(kafka_bootstrap, topic, records[:2000])
     workers.start("--max-batch-size", "4")
@@ -243,13 +167,13 @@ async def test_second_worker_joins_then_leaves(
 
 @pytest.mark.timeout(180)
 async def test_one_poison_item_fails_alone(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 63, partitions=1)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 63, partitions=1)
     poison = encode_request(
         poison_png(),
         request_id=f"{model_name}-poison",
@@ -301,13 +225,13 @@ def _hand_built(request_id: str | None, value: bytes, **overrides: bytes) -> Out
 
 @pytest.mark.timeout(180)
 async def test_every_poison_kind(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    good, good_ids = await setup(kafka_bootstrap, model_name, digits, 30, partitions=1)
+    good, good_ids = await setup_model(kafka_bootstrap, model_name, digits, 30, partitions=1)
     png = digits[0][0]
     m = model_name
     past = (datetime.now(UTC) - timedelta(minutes=1)).isoformat().encode()
@@ -377,13 +301,13 @@ async def test_every_poison_kind(
 
 @pytest.mark.timeout(180)
 async def test_injected_out_of_memory_splits_batches(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 600)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 600)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
     workers.start("--max-batch-size", "32", spec=FAULTY, env={"CONVEYOR_TEST_OOM_ABOVE": "4"})
     row = await tally("out-of-memory on batches > 4", kafka_bootstrap, redis_url, model_name, ids)
@@ -395,13 +319,13 @@ async def test_injected_out_of_memory_splits_batches(
 
 @pytest.mark.timeout(120)
 async def test_item_out_of_memory_alone_gets_out_of_memory(
-    workers: Workers,
+    workers: WorkerGroup,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 5, partitions=1)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 5, partitions=1)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
     workers.start("--max-batch-size", "8", spec=FAULTY, env={"CONVEYOR_TEST_OOM_ABOVE": "0"})
     row = await tally("out-of-memory even alone", kafka_bootstrap, redis_url, model_name, ids)
