@@ -10,13 +10,18 @@ keys from the same primaries.
 Sharded rather than classic pub/sub: a classic ``PUBLISH`` is copied to every
 node over the cluster bus, and a copy lost with a dying primary is lost
 silently; a sharded message never leaves its shard, so the only way to miss
-one is to lose the connection to that shard, which the waiter sees. When that
-happens (the primary died, or Redis dropped the channel because its slot moved
-elsewhere), the wait refreshes the slot map, subscribes to the affected
-channels on their new primaries, and reads those keys again, for up to
-``connect_timeout_s`` while the cluster fails over. Nothing is missed: every
-key is read after its channel's subscription on its current primary is
-confirmed.
+one is to be subscribed somewhere else than the key's primary, which the
+waiter can find out.
+
+The rule that makes a wait miss nothing: each key is read from the very node
+its channel is subscribed on, after Redis confirmed the subscription. That node
+answers the read only while it is the key's primary (a replica answers
+``MOVED``), so a read that succeeds proves the subscription sits where the
+result will be announced. A subscription is moved, and its key read again,
+when its node answers ``MOVED`` (to the node named), drops the channel (Redis
+does when a slot moves away in a failover or a resharding) or drops the
+connection (the node died), for up to ``connect_timeout_s`` while the cluster
+fails over.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis.asyncio.client import PubSub
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import MovedError, RedisError
 
 from producers.errors import ResultTimeout, ServiceUnavailable
-from producers.redis_cluster import ClusterRouter, Node
+from producers.redis_cluster import ClusterRouter, Node, is_topology_error
 from producers.security import redis_options
 from producers.settings import ClientSettings
 from schemas import Result, decode_result, result_key
@@ -99,53 +105,100 @@ class ClusterResultReader:
         channels = _ShardedChannels(self._router, self._budget_s)
         self._waits.add(channels)
         try:
-            await self._with_failover(channels.subscribe(list(pending)))
-            to_read: Collection[str] = list(pending)
-            while pending:
-                values = await self._read_raw(to_read)
-                for key in to_read:
-                    raw = values.get(key)
-                    if raw is not None and key in pending:
+            await self._errors(channels.subscribe(list(pending)))
+            to_read: Collection[str] | None = list(pending)
+            while to_read is not None:
+                values = await self._errors(self._read_subscribed(channels, to_read))
+                for key, raw in values.items():
+                    if key in pending:
                         del pending[key]
                         yield decode_result(raw)
                 if not pending:
                     return
-                to_read = await self._with_failover(channels.next(pending, deadline))
-                if not to_read:
-                    raise ResultTimeout(list(pending.values()), timeout)
+                to_read = await self._errors(channels.next(pending, deadline))
+            raise ResultTimeout(list(pending.values()), timeout)
         finally:
             self._waits.discard(channels)
             await channels.aclose()
 
+    async def _read_subscribed(
+        self, channels: _ShardedChannels, keys: Collection[str]
+    ) -> dict[str, bytes]:
+        """Values of ``keys`` read from the nodes their channels are subscribed on.
+
+        A node that is no longer the key's primary (``MOVED``) or no longer answers
+        loses those subscriptions; ``channels.next`` moves them and has them read again.
+        """
+        plan: dict[Node, dict[int, list[str]]] = {}
+        for key in keys:
+            node = channels.node_of(key)
+            if node is not None:  # else lost already: read once subscribed again
+                plan.setdefault(node, {}).setdefault(key_slot(key.encode()), []).append(key)
+        parts = await asyncio.gather(
+            *(self._read_node(node, slots) for node, slots in plan.items()),
+            return_exceptions=True,
+        )
+        found: dict[str, bytes] = {}
+        for node, part in zip(plan, parts, strict=True):
+            if isinstance(part, BaseException):
+                if not is_topology_error(part):
+                    raise part
+                channels.drop(node)
+                continue
+            values, moved = part
+            found.update(values)
+            for error, lost in moved:
+                self._router.moved(error)
+                channels.lose(lost)
+        return found
+
     async def _read_raw(self, keys: Collection[str]) -> dict[str, bytes]:
-        """The values of ``keys`` that exist now: one pipeline per primary, one MGET per slot."""
+        """The values of ``keys`` that exist now, from the primaries of the slot map."""
 
         async def attempt() -> dict[str, bytes]:
             plan = await self._router.by_node(keys)
             parts = await asyncio.gather(*(self._read_node(n, s) for n, s in plan.items()))
-            return {key: value for part in parts for key, value in part.items()}
+            found: dict[str, bytes] = {}
+            for values, moved in parts:
+                if moved:
+                    raise moved[0][0]  # the router follows it, and the attempt runs again
+                found.update(values)
+            return found
 
-        return await self._with_failover(self._router.retrying(attempt, self._budget_s))
+        async def bounded() -> dict[str, bytes]:
+            async with asyncio.timeout(self._budget_s * 2):  # a node that hangs, not fails
+                return await self._router.retrying(attempt, self._budget_s)
 
-    async def _read_node(self, node: Node, slots: dict[int, list[str]]) -> dict[str, bytes]:
+        return await self._errors(bounded())
+
+    async def _read_node(
+        self, node: Node, slots: dict[int, list[str]]
+    ) -> tuple[dict[str, bytes], list[tuple[MovedError, list[str]]]]:
+        """One pipeline to ``node``, one MGET per slot: the values found, and the slots'
+        keys that ``node`` does not serve (with its ``MOVED`` answer)."""
         pipe = self._router.client(node).pipeline(transaction=False)
         groups = list(slots.values())
         for keys in groups:
             pipe.mget(keys)
         found: dict[str, bytes] = {}
-        for keys, values in zip(groups, await pipe.execute(), strict=True):
-            found.update((k, v) for k, v in zip(keys, values, strict=True) if v is not None)
-        return found
+        moved: list[tuple[MovedError, list[str]]] = []
+        for keys, values in zip(groups, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(values, MovedError):
+                moved.append((values, keys))
+            elif isinstance(values, Exception):
+                raise values
+            else:
+                found.update((k, v) for k, v in zip(keys, values, strict=True) if v is not None)
+        return found, moved
 
     @property
     def _budget_s(self) -> float:
         return self._settings.connect_timeout_s
 
-    async def _with_failover(self, operation: Awaitable[T]) -> T:
-        """Turn a cluster that stays unreachable into ``ServiceUnavailable``."""
+    async def _errors(self, operation: Awaitable[T]) -> T:
+        """Turn a cluster that stays unreachable through a failover into ``ServiceUnavailable``."""
         try:
-            async with asyncio.timeout(self._budget_s * 2):
-                return await operation
+            return await operation
         except TimeoutError:
             raise self._unavailable(f"no answer in {self._budget_s * 2:g} s") from None
         except (RedisError, OSError) as exc:
@@ -190,18 +243,19 @@ class _ShardedChannels:
                 try:
                     await self._send(node, slots)
                 except (RedisError, OSError):
-                    self._drop(self._pubsubs.get(node), node)
+                    self.drop(node)
                     raise
             while todo:
                 self._take(await self._events.get(), todo)
                 if self._lost & todo:
                     raise _NodeLost("a subscription connection failed while subscribing")
 
-        await self._router.retrying(attempt, self._budget_s)
+        async with asyncio.timeout(self._budget_s * 2):  # a node that hangs, not fails
+            await self._router.retrying(attempt, self._budget_s)
 
-    async def next(self, pending: Collection[str], deadline: float) -> list[str]:
+    async def next(self, pending: Collection[str], deadline: float) -> list[str] | None:
         """Pending channels to read now: announced ones, and those subscribed again after
-        their node was lost. Waits until ``deadline`` for one; empty once it passed."""
+        their node was lost. Waits until ``deadline`` for one; None once it passed."""
         while True:
             if self._lost:
                 again = {c for c in self._lost if c in pending}
@@ -216,16 +270,30 @@ class _ShardedChannels:
                 return ready_now
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return []
+                return None
             try:
                 event = await asyncio.wait_for(self._events.get(), remaining)
             except TimeoutError:
-                return []
+                return None
             self._take(event, set())
             for _ in range(_DRAIN):  # take whatever else arrived: a burst costs one read
                 if self._events.empty():
                     break
                 self._take(self._events.get_nowait(), set())
+
+    def node_of(self, channel: str) -> Node | None:
+        """The node ``channel`` is subscribed on (confirmed, or awaiting confirmation)."""
+        return self._held.get(channel)
+
+    def lose(self, channels: Iterable[str]) -> None:
+        """These subscriptions sit on a node that does not serve their keys: move them."""
+        for channel in channels:
+            self._held.pop(channel, None)
+            self._lost.add(channel)
+
+    def drop(self, node: Node) -> None:
+        """``node`` no longer answers: every subscription on it moves."""
+        self._drop(self._pubsubs.get(node), node)
 
     def _take(self, event: _Event, todo: set[str]) -> None:
         """Apply one event; ``todo`` holds the channels whose confirmation is awaited."""

@@ -7,10 +7,12 @@ connection's* writes), and sharded subscriptions that fail loudly, per node,
 when their node goes away. So ``ClusterRouter`` keeps the slot map itself
 (``CLUSTER SLOTS`` from any node that answers) and one ordinary
 ``redis.asyncio.Redis`` client per node, with redis-py's own retries off: a
-caller groups its keys by node (``by_node``), talks to each node directly, and
-after a ``MOVED``, ``CLUSTERDOWN`` or lost connection (a failover, a resharding)
-refreshes the map and tries again (``retrying``, or ``mark_stale`` for callers
-with a retry loop of their own).
+caller groups its keys by node (``by_node``) and talks to each node directly.
+A ``MOVED`` answer names the slot's new primary, which is believed at once
+(``moved``), as cluster clients do: a freshly loaded map may come from a node
+that has not heard of a failover yet. After ``CLUSTERDOWN`` or a lost
+connection the map is loaded again (``mark_stale``). ``retrying`` does both
+around an attempt, for callers without a retry loop of their own.
 
 Keys stay ``conveyor:result:<id>``, without a hash tag: the contract lets any
 client find a result by id alone, and ids spread evenly over the slots. The
@@ -40,6 +42,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    MovedError,
     RedisError,
     TryAgainError,
 )
@@ -58,7 +61,7 @@ T = TypeVar("T")
 
 SLOTS = 16384
 TOPOLOGY_ERRORS: tuple[type[Exception], ...] = (
-    AskError,  # and MovedError, its subclass: the slot is served elsewhere now
+    AskError,  # and MovedError, its subclass: the slot is served elsewhere (now, or soon)
     ClusterDownError,  # a primary failed and no replica took over yet
     TryAgainError,  # a multi-key command hit a slot in the middle of a migration
     RedisConnectionError,
@@ -116,6 +119,7 @@ class ClusterRouter:
         self._starts: list[int] = []  # first slot of each range, sorted
         self._ranges: list[tuple[int, int, Node]] = []  # (first, last, primary)
         self._known: list[Node] = []  # every node of the last map, primaries first
+        self._moved: dict[int, Node] = {}  # slot -> primary named by a MOVED since the last load
         self._stale = True
         self._refreshing = asyncio.Lock()
 
@@ -140,8 +144,16 @@ class ClusterRouter:
             await client.aclose()
 
     def mark_stale(self) -> None:
-        """Refresh the slot map before the next routing (after a MOVED or a lost node)."""
+        """Load the slot map again before the next routing (after a lost node)."""
         self._stale = True
+
+    def moved(self, error: MovedError) -> None:
+        """Route ``error``'s slot to the primary it names from now on."""
+        self._moved[error.slot_id] = Node(error.host, error.port)
+
+    def owner(self, key: str) -> Node:
+        """The primary serving ``key`` by the current map (call ``by_node`` once first)."""
+        return self._owner(key_slot(key.encode()))
 
     async def by_node(self, keys: Iterable[str]) -> dict[Node, dict[int, list[str]]]:
         """``keys`` grouped by the primary that serves them, then by hash slot."""
@@ -159,6 +171,9 @@ class ClusterRouter:
         return list(dict.fromkeys(node for _, _, node in self._ranges))
 
     def _owner(self, slot: int) -> Node:
+        moved = self._moved.get(slot)
+        if moved is not None:
+            return moved
         index = bisect.bisect_right(self._starts, slot) - 1
         if index >= 0:
             first, last, node = self._ranges[index]
@@ -200,16 +215,23 @@ class ClusterRouter:
         self._starts = [first for first, _, _ in ranges]
         primaries = [node for _, _, node in ranges]
         self._known = list(dict.fromkeys([*primaries, *known]))
+        self._moved = {}
         self._stale = False
 
     async def retrying(self, attempt: Callable[[], Awaitable[T]], budget_s: float) -> T:
-        """Run ``attempt``; after a topology error refresh the map and run it again,
-        backing off, for up to ``budget_s`` seconds. Then the last error is raised."""
+        """Run ``attempt`` until it passes: after a ``MOVED`` at once, along the new route;
+        after another topology error once the map is loaded again, backing off. For up to
+        ``budget_s`` seconds; then the last error is raised."""
         deadline = time.monotonic() + budget_s
         delay = _BACKOFF_START_S
         while True:
             try:
                 return await attempt()
+            except MovedError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                self.moved(exc)
+                continue
             except (RedisError, OSError) as exc:
                 if not is_topology_error(exc) or time.monotonic() + delay > deadline:
                     raise

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 
 from producers.redis_cluster import ClusterRouter, Node, is_topology_error
 from producers.security import redis_options
@@ -107,9 +107,12 @@ class RedisClusterResultStore:
         )
         stored: dict[str, bytes | None] = {}
         for part in parts:
+            if isinstance(part, MovedError):
+                self._router.moved(part)  # a failover or a resharding: the new route
+            elif isinstance(part, BaseException) and is_topology_error(part):
+                self._router.mark_stale()  # a node lost: load the map again
+        for part in parts:
             if isinstance(part, BaseException):
-                if is_topology_error(part):
-                    self._router.mark_stale()  # a failover or a resharding: route afresh
                 raise part
             stored.update(part)
         return [stored[result_key(i)] for i in ids]
