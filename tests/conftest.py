@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from tests.integration.harness import REPO, ROWS, fault_table
+from tests.integration.harness import NOTES, REPO, ROWS, fault_table
 
 KAFKA_PORT = int(os.environ.get("KAFKA_PORT", "9092"))
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
@@ -48,7 +48,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The fault table of the scenarios that ran (harness.tally), also in .run/."""
     if not ROWS:
         return
-    lines = fault_table()
+    lines = [*fault_table(), "", *NOTES]
     terminalreporter.write_sep("=", "fault scenarios")
     for line in lines:
         terminalreporter.write_line(line)

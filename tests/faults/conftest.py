@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO, WorkerGroup
+from tests.integration.harness import REPO, WorkerGroup, free_port
 
 
 @pytest.fixture
@@ -26,12 +26,6 @@ def workers(
     group = WorkerGroup(model_name, kafka_bootstrap, redis_url, tmp_path)
     yield group
     group.stop_all()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -75,7 +69,7 @@ class LocalService:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[LocalService]:
     # Snapshots on: a real deployment's Redis keeps its data across a restart.
-    service = LocalService("redis.sh", _free_port(), tmp_path / "run", {"REDIS_SAVE": "3600 1"})
+    service = LocalService("redis.sh", free_port(), tmp_path / "run", {"REDIS_SAVE": "3600 1"})
     service.start()
     yield service
     service.stop()
@@ -85,7 +79,7 @@ def private_redis(tmp_path: Path) -> Iterator[LocalService]:
 def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     # The controller listens on port + 1: pick a port whose neighbour is free too.
     while True:
-        port = _free_port()
+        port = free_port()
         try:
             socket.create_connection(("127.0.0.1", port + 1), timeout=0.2).close()
         except OSError:

@@ -13,13 +13,17 @@ independent of Conveyor's, and ``WorkerProcess`` passes ``--redis-cluster``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,6 +321,54 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+_ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def assigned_partitions(log: str) -> set[int] | None:
+    """The partitions of a worker's latest assignment, from its log; None before its first."""
+    lines = _ASSIGNED.findall(log)
+    return {int(p) for p in re.findall(r"\[(\d+)\]", lines[-1])} if lines else None
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    """(status, body) of one GET; raises OSError while nothing listens on the port."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    what: str,
+    timeout: float,
+    logs: Callable[[], str],
+) -> None:
+    """Poll ``condition()`` (sync or async) until true; fail naming ``what`` with the logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = condition()
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if outcome:
+            return
+        assert time.monotonic() < deadline, f"{what} within {timeout} s\n{logs()[-5000:]}"
+        await asyncio.sleep(0.1)  # polling interval, not a wait for readiness
+
+
 class WorkerGroup:
     """Worker processes of one test; ``stop_all`` at its end."""
 
@@ -373,6 +425,8 @@ class Row:
 
 ROWS: list[Row] = []
 """Every scenario tallied in this test run, in order (printed by tests/conftest.py)."""
+NOTES: list[str] = []
+"""Measurements a scenario reports beside its row (printed under the table)."""
 HEADER = (
     f"| {'scenario':<50} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
     f"{'duplicate-visible':>17} | {'redelivered':>11} |"
