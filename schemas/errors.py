@@ -40,6 +40,10 @@ class ErrorCode(StrEnum):
     """The model raised on this item (after the batch was split to isolate it)."""
     out_of_memory = "out_of_memory"
     """The item did not fit in accelerator memory even in a batch of one."""
+    result_too_large = "result_too_large"
+    """The model's answer was larger than the reply topic accepts (its
+    ``max.message.bytes``); the message gives both sizes. Raise the topic's limit or
+    ask for less (e.g. a smaller ``top_k``)."""
     internal = "internal"
     """A bug or an unexpected failure in the worker itself."""
 

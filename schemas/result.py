@@ -81,11 +81,16 @@ class Timings(BaseModel, frozen=True):
     finished_ms: float
     """When the result was ready to publish."""
     queue_ms: float
-    """From produced to batch start (or to finished, without a batch)."""
+    """From received to batch start (or to finished, without a batch): time waiting in
+    the worker."""
     inference_ms: float
     """Time in the model for the whole batch."""
     batch_size: Annotated[int, Field(ge=0)]
     """Requests in the batch; 0 when it never reached the model."""
+    published_ms: float | None = None
+    """When the worker sent the result to Redis; it is durable there one round trip
+    later, and on the reply topic once the broker acknowledges it. Null in documents
+    of workers older than this field."""
 
 
 class Result(BaseModel, frozen=True):
@@ -106,7 +111,8 @@ class Result(BaseModel, frozen=True):
     worker: str
     """Which worker process wrote the result."""
     attempt: Annotated[int, Field(ge=1)] = 1
-    """1 on first delivery; higher when the request was redelivered and retried."""
+    """1 in this version: a redelivered request is recognised in Redis (its first answer
+    stays) but not counted here. Reserved for counting attempts."""
 
     @model_validator(mode="after")
     def _status_matches_error(self) -> Self:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any, get_args
 
 from pydantic import SecretStr, ValidationError
@@ -18,6 +19,7 @@ from producers.security import ConnectFailed
 from workers.logs import configure_logging
 from workers.settings import WorkerSettings
 
+_EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
 _EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 _SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
 
@@ -61,6 +63,21 @@ def describe_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when asked for, or for ``auto`` when installed; None: asyncio's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError(
+                "event_loop uvloop needs the uvloop package: pip install uvloop"
+            ) from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -70,12 +87,17 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
 
     from workers.app import run_worker  # torch is imported only when a worker really starts
+    from workers.types import ConfigError
 
     try:
-        asyncio.run(run_worker(settings))
+        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+            runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
+        print(f"conveyor worker: {exc}", file=sys.stderr)
+        return _EXIT_CONFIG
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return _EXIT_UNREACHABLE

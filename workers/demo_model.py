@@ -31,7 +31,7 @@ from PIL import Image
 
 from schemas import DEFAULT_LIMITS, Limits
 from workers.handlers import ImageClassifier
-from workers.preprocess import ImageSpec
+from workers.preprocess import DecodeBudget, ImageSpec
 
 DIGITS_VERSION = "digits-cnn-v1"
 """Reported as ``model_version``; bump it when the architecture or training changes."""
@@ -110,6 +110,7 @@ def load_digits_handler(
     dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
     limits: Limits = DEFAULT_LIMITS,
+    decode_budget: DecodeBudget | None = None,
 ) -> ImageClassifier:
     """The demo model as a handler (named ``digits``), building the artifact if it is missing."""
     artifact = _load(build_digits_model(path))
@@ -129,6 +130,7 @@ def load_digits_handler(
         dtype=dtype,
         channels_last=channels_last,
         limits=limits,
+        decode_budget=decode_budget,
     )
 
 

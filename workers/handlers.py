@@ -17,7 +17,7 @@ import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode, Limits
 from workers.gpu_decode import BatchDecoder, DecodeOption, device_decode_supported
-from workers.preprocess import ImageSpec, decode
+from workers.preprocess import DecodeBudget, ImageSpec, decode
 
 DEFAULT_TOP_K = 5
 
@@ -123,6 +123,7 @@ class ImageClassifier:
         default_top_k: int = DEFAULT_TOP_K,
         set_eval: bool = True,
         decode: DecodeOption = "auto",
+        decode_budget: DecodeBudget | None = None,
     ) -> None:
         """Wrap ``module``, moving it to ``device`` and ``dtype``.
 
@@ -130,6 +131,8 @@ class ImageClassifier:
         fixed when they are exported and which refuse ``.eval()``. ``decode`` picks
         where images are decoded (``workers.gpu_decode.DecodeOption``); ``gpu`` on a
         CPU device runs the same batched path with torchvision's CPU decoder (for tests).
+        ``decode_budget`` bounds the memory of CPU decodes running at once, over all
+        threads (``workers.preprocess.DecodeBudget``).
         Raises ``ValueError`` for ``decode="gpu"`` where the batched path cannot fit
         images the way ``image`` says.
         """
@@ -147,6 +150,8 @@ class ImageClassifier:
         self.device = torch.device(device)
         self.dtype = dtype
         self._limits = limits
+        self.decode_budget = decode_budget
+        """Bounds the memory of CPU decodes running at once (shared by the threads)."""
         self._default_top_k = default_top_k
         self._channels_last = channels_last
         module = module.to(device=self.device, dtype=dtype)
@@ -179,7 +184,13 @@ class ImageClassifier:
             encoded = self.batch_decoder.encoded(payload)
             if encoded is not None:
                 return encoded
-        return decode(payload, content_type, self.image, max_pixels=self._limits.max_pixels)
+        return decode(
+            payload,
+            content_type,
+            self.image,
+            max_pixels=self._limits.max_pixels,
+            budget=self.decode_budget,
+        )
 
     def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
         if self.batch_decoder is None:

@@ -41,7 +41,7 @@ from schemas import Limits
 from workers.demo_model import load_digits_handler
 from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
-from workers.preprocess import ImageSpec
+from workers.preprocess import DecodeBudget, ImageSpec
 from workers.runner import resolve_device
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ def load_handler(
     limits: Limits,
     decode: DecodeOption = "auto",
     allow_pickle: bool = False,
+    decode_budget: DecodeBudget | None = None,
 ) -> Handler:
     """Build the handler a model spec names, its model on ``device`` (``auto`` allowed).
 
@@ -90,7 +91,8 @@ def load_handler(
 
     ``dtype`` is a name in ``DTYPES`` or ``auto``; ``channels_last=None`` is automatic
     (see the module doc); ``decode`` is passed to image classifiers (the demo model's
-    PNGs are always decoded on the CPU).
+    PNGs are always decoded on the CPU); ``decode_budget`` bounds the memory of their
+    CPU decodes running at once, and is offered to user classes that take it.
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
     file, or a class that is not a handler; ``ValueError`` for a device that does not exist.
@@ -112,16 +114,25 @@ def load_handler(
             )
         path = Path(weights) if weights else None
         return load_digits_handler(
-            path, device=dev, dtype=torch_dtype, channels_last=channels_last, limits=limits
+            path,
+            device=dev,
+            dtype=torch_dtype,
+            channels_last=channels_last,
+            limits=limits,
+            decode_budget=decode_budget,
         )
     if kind == "torchvision" and rest:
-        return _torchvision(rest, weights, dev, torch_dtype, channels_last, limits, decode)
+        handler = _torchvision(rest, weights, dev, torch_dtype, channels_last, limits, decode)
+        handler.decode_budget = decode_budget
+        return handler
     if kind in ("torchscript", "export") and rest:
         _no_weights(spec, weights)
         if kind == "export":
             _check_pickle_allowed(spec, allow_pickle)
         load = _torchscript if kind == "torchscript" else _exported
-        return load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode)
+        handler = load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode)
+        handler.decode_budget = decode_budget
+        return handler
     if _is_import_path(kind) and rest.isidentifier():
         options = {
             "device": dev,
@@ -130,6 +141,7 @@ def load_handler(
             "channels_last": channels_last,
             "limits": limits,
             "decode": decode,
+            "decode_budget": decode_budget,
         }
         return _user_class(spec, options)
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")

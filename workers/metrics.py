@@ -229,6 +229,24 @@ class Metrics:
         self._dead_letters = counter(
             "conveyor_dead_letters_total", "Records copied to the dead-letter topic."
         ).labels(model)
+        self._unreadable = counter(
+            "conveyor_unreadable_records_total",
+            "Records the Kafka client could not parse (e.g. header names that are not UTF-8): "
+            "read leniently, refused and dead-lettered.",
+        ).labels(model)
+        self._fetch_errors = counter(
+            "conveyor_fetch_errors_total", "Fetches from Kafka that failed and were retried."
+        ).labels(model)
+        self._handed_back = counter(
+            "conveyor_handed_back_total",
+            "Records of revoked partitions not finished within max_drain_ms: left to the "
+            "partition's next owner (redelivered).",
+        ).labels(model)
+        self._reply_fallbacks = counter(
+            "conveyor_reply_topic_fallbacks_total",
+            "Results sent to the model's results topic because their ce_replyto topic "
+            "does not exist.",
+        ).labels(model)
         self._redeliveries = counter(
             "conveyor_redeliveries_total",
             "Redelivered requests whose result was already in Redis (left unchanged).",
@@ -314,6 +332,22 @@ class Metrics:
         """``count`` records were written to the dead-letter topic."""
         if count:
             self._dead_letters.inc(count)
+
+    def unreadable_records(self, count: int = 1) -> None:
+        """``count`` records could only be read leniently (and were refused)."""
+        self._unreadable.inc(count)
+
+    def fetch_error(self) -> None:
+        self._fetch_errors.inc()
+
+    def handed_back(self, count: int) -> None:
+        """``count`` records of revoked partitions were left to their next owner."""
+        if count:
+            self._handed_back.inc(count)
+
+    def reply_fallbacks(self, count: int) -> None:
+        if count:
+            self._reply_fallbacks.inc(count)
 
     def duplicates(self, count: int) -> None:
         """``count`` redelivered requests already had a result in Redis."""

@@ -70,12 +70,28 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
     )
+    in_flight_target_ms: int = Field(
+        default=2_000,
+        ge=10,
+        description="fetch ahead at most this much model time (measured per item), so that "
+        "a revoked partition drains in about this long; never less than two batches",
+    )
     max_age_ms: int | None = Field(
         default=None,
         ge=1,
         description="answer 'expired' for requests older than this (record timestamp), if set",
     )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto",
+        description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
+    )
     decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
+    decode_memory_mb: int = Field(
+        default=1024,
+        ge=16,
+        description="bound on the memory of images being decoded at once, over all decode "
+        "threads; a request waits for room, it is never dropped",
+    )
 
     # Where.
     kafka_bootstrap: str = "127.0.0.1:9092"
@@ -115,6 +131,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         ge=100,
         description="longest wait for a revoked partition's in-flight work before handing "
         "it back uncommitted (must leave rebalance-timeout room to commit)",
+    )
+    permanent_error_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="how long a configuration error (missing topic, refused ACL) may keep "
+        "results from becoming durable before the worker exits with status 3",
+    )
+    unready_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="/readyz fails once results have not become durable for this long",
     )
     group_instance_id: str | None = Field(
         default=None,

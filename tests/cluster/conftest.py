@@ -23,7 +23,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from tests.conftest import require_listening
-from tests.integration.harness import CLUSTER_SCHEME, REPO, WorkerGroup, admin_for
+from tests.integration.harness import CLUSTER_SCHEME, REPO, Workers, admin_for
 
 KAFKA_CLUSTER_PORT = int(os.environ.get("KAFKA_CLUSTER_PORT", "9292"))
 REDIS_CLUSTER_PORT = int(os.environ.get("REDIS_CLUSTER_PORT", "7000"))
@@ -174,8 +174,8 @@ def healthy_redis_cluster(redis_cluster_nodes: RedisClusterNodes) -> Iterator[Re
 @pytest.fixture
 def cluster_workers(
     kafka_cluster: KafkaCluster, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[WorkerGroup]:
+) -> Iterator[Workers]:
     """Workers of the test, on the Kafka cluster and the plain Redis by default."""
-    group = WorkerGroup(model_name, kafka_cluster.bootstrap, redis_url, tmp_path)
+    group = Workers(model_name, kafka_cluster.bootstrap, redis_url, tmp_path)
     yield group
     group.stop_all()

@@ -15,7 +15,7 @@ import pytest
 from schemas import topics_for
 from tests.cluster.conftest import KafkaCluster
 from tests.integration.harness import (
-    WorkerGroup,
+    Workers,
     check,
     setup_model,
     submit_paced,
@@ -36,7 +36,7 @@ def digits() -> list[tuple[bytes, int]]:
 @pytest.mark.timeout(300)
 async def test_leader_of_requests_then_of_results_killed(
     healthy_kafka: KafkaCluster,
-    cluster_workers: WorkerGroup,
+    cluster_workers: Workers,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -86,7 +86,7 @@ async def test_leader_of_requests_then_of_results_killed(
 @pytest.mark.timeout(300)
 async def test_rolling_restart_of_every_broker(
     healthy_kafka: KafkaCluster,
-    cluster_workers: WorkerGroup,
+    cluster_workers: Workers,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,

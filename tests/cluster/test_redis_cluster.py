@@ -25,7 +25,7 @@ from producers.settings import ClientSettings
 from schemas import Result, encode_result, ok_result, result_key
 from tests.cluster.conftest import KafkaCluster, RedisClusterNodes
 from tests.integration.harness import (
-    WorkerGroup,
+    Workers,
     check,
     plain_url,
     redis_results,
@@ -219,7 +219,7 @@ def digits() -> list[tuple[bytes, int]]:
 async def test_primary_killed_mid_run_replica_promoted(
     healthy_kafka: KafkaCluster,
     healthy_redis_cluster: RedisClusterNodes,
-    cluster_workers: WorkerGroup,
+    cluster_workers: Workers,
     digits: list[tuple[bytes, int]],
     model_name: str,
 ) -> None:

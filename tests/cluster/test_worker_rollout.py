@@ -22,8 +22,8 @@ from tests.cluster.conftest import KafkaCluster
 from tests.integration.harness import (
     NOTES,
     Row,
-    WorkerGroup,
     WorkerProcess,
+    Workers,
     assigned_partitions,
     check,
     free_port,
@@ -64,7 +64,7 @@ class Rollout:
 class Slot:
     """One of the three worker positions: a process now, another after its restart."""
 
-    def __init__(self, group: WorkerGroup, name: str, static: bool) -> None:
+    def __init__(self, group: Workers, name: str, static: bool) -> None:
         self.group, self.name, self.static = group, name, static
         self.process: WorkerProcess | None = None
         self.port = 0
@@ -100,7 +100,7 @@ def _gauge(exposition: str, name: str) -> float:
 
 async def _roll(
     cluster: KafkaCluster,
-    group: WorkerGroup,
+    group: Workers,
     digits: list[tuple[bytes, int]],
     model: str,
     redis_url: str,
@@ -172,7 +172,7 @@ async def _roll(
 @pytest.mark.timeout(400)
 async def test_rolling_restart_with_static_membership_keeps_the_group_still(
     healthy_kafka: KafkaCluster,
-    cluster_workers: WorkerGroup,
+    cluster_workers: Workers,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -189,7 +189,7 @@ async def test_rolling_restart_with_static_membership_keeps_the_group_still(
 @pytest.mark.timeout(400)
 async def test_rolling_restart_without_static_membership_rebalances(
     healthy_kafka: KafkaCluster,
-    cluster_workers: WorkerGroup,
+    cluster_workers: Workers,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,

@@ -1,8 +1,10 @@
-"""Fault-test fixtures: services of a test's own that it may stop, and its workers.
+"""Fault-test fixtures: services a test may stop, and the workers of a test.
 
 Every scenario produces N requests, injects its fault, and records a row of
-produced / answered / lost / duplicate-visible with ``harness.tally``; the table
-is printed at the end of the run (and written to .run/fault-report.txt).
+produced / answered / lost / duplicate-visible with ``tally`` in the table
+printed at the end of the run (and written to .run/fault-report.txt). The
+helpers live in tests/integration/harness.py, shared with tests/cluster; the
+fault tests import them from here.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO, WorkerGroup, free_port
+from tests.integration.harness import (
+    REPO,
+    Workers,
+    admin_for,
+    check,
+    free_port,
+    tally,
+    until_answered,
+)
+from tests.integration.harness import setup_model as setup
+from workers.demo_model import build_digits_model, heldout_digits
 
-
-@pytest.fixture
-def workers(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[WorkerGroup]:
-    group = WorkerGroup(model_name, kafka_bootstrap, redis_url, tmp_path)
-    yield group
-    group.stop_all()
+__all__ = ["LocalService", "Workers", "admin_for", "check", "setup", "tally", "until_answered"]
 
 
 @dataclass
@@ -88,3 +93,18 @@ def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     service.start()
     yield service
     service.stop()
+
+
+@pytest.fixture(scope="module")
+def digits() -> list[tuple[bytes, int]]:
+    build_digits_model()
+    return heldout_digits()
+
+
+@pytest.fixture
+def workers(
+    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
+) -> Iterator[Workers]:
+    group = Workers(model_name, kafka_bootstrap, redis_url, tmp_path)
+    yield group
+    group.stop_all()

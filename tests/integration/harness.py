@@ -320,6 +320,14 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def metrics_port(self) -> int | None:
+        """The port of its /metrics, /healthz and /readyz, once its log says it."""
+        found = re.search(r"metrics and health on http://[^:]+:(\d+)", self.log())
+        return int(found.group(1)) if found else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
 
 _ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
 
@@ -369,7 +377,7 @@ async def until(
         await asyncio.sleep(0.1)  # polling interval, not a wait for readiness
 
 
-class WorkerGroup:
+class Workers:
     """Worker processes of one test; ``stop_all`` at its end."""
 
     def __init__(self, model: str, bootstrap: str, redis_url: str, tmp: Path) -> None:
