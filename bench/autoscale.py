@@ -178,6 +178,7 @@ class Sample:
 @dataclass
 class Report:
     config: dict[str, Any]
+    model: str
     samples: list[Sample] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
 
@@ -333,7 +334,7 @@ async def run(config: RunConfig) -> Report:
     topics = topics_for(model)
     settings = ClientSettings(kafka_bootstrap=config.bootstrap)
     await create_model_topics(settings, model, config.partitions, config.replication_factor)
-    report = Report(config=_describe(config))
+    report = Report(config=_describe(config), model=model)
     rule = ScaleRule(config.policy)
     fleet = Fleet(config, model)
     load = Load(config, model)
@@ -413,7 +414,7 @@ COMPRESSED = ScalePolicy(
 """worker-scaledobject.yaml's shape (min 1, up 2 pods per period, down 1 pod per period after
 a stabilization window) with its minutes made seconds, and a cap of 3 workers."""
 
-LOAD_STEP = (Step(10, 30), Step(30, 200), Step(40, 30))
+LOAD_STEP = (Step(10, 30), Step(40, 200), Step(35, 30))
 """Light load, a step to twice one worker's capacity, light load again."""
 
 
@@ -450,7 +451,7 @@ def plot(report: Report, path: Path) -> None:
                 },
             ),
             Timeline(
-                "Time to drain the backlog (lag / answered rate)",
+                "Time to drain the backlog: lag / answered rate (60 s: nothing answered yet)",
                 "seconds",
                 times,
                 {"time to drain": [min(s.drain_s, 60.0) for s in samples]},
