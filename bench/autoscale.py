@@ -34,14 +34,15 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import GroupCoordinatorNotAvailableError
 from pydantic import SecretStr
 
 from bench.identity import ITEM_BYTES
@@ -69,6 +70,15 @@ class ScalePolicy:
     down_period_s: float  # ... per this long,
     down_window_s: float  # to the highest recommendation of this window
     tolerance: float = 0.1  # the HPA leaves the count alone within ±10 % of the target
+
+    def faster(self, factor: float) -> ScalePolicy:
+        """The same rule with every period and window ``factor`` times shorter."""
+        return replace(
+            self,
+            up_period_s=self.up_period_s / factor,
+            down_period_s=self.down_period_s / factor,
+            down_window_s=self.down_window_s / factor,
+        )
 
     @classmethod
     def from_manifest(cls, path: Path = SCALED_OBJECT) -> ScalePolicy:
@@ -183,17 +193,31 @@ class Report:
     request_ids: list[str] = field(default_factory=list)
 
     def summary(self, load_end_s: float) -> dict[str, Any]:
+        """What the run did; ``load_end_s``: when the step's high load ended (for the record)."""
         counts = [s.workers for s in self.samples]
         peak = max(self.samples, key=lambda s: s.lag)
+        threshold = self.config["policy"]["lag_threshold"]
+        back = next(
+            (s.t for s in self.samples if s.t > peak.t and s.lag <= threshold * s.workers), None
+        )
         return {
             "workers_path": _changes(counts),
+            "scaled_out_at_s": _first(self.samples, lambda s: s.workers == max(counts)),
             "peak_lag": peak.lag,
             "peak_lag_at_s": round(peak.t, 1),
-            "max_drain_s": _finite(max(s.drain_s for s in self.samples)),
-            "final_lag": self.samples[-1].lag,
+            "back_under_target_at_s": None if back is None else round(back, 1),
+            "scaled_in_at_s": _first(
+                self.samples, lambda s: s.t > peak.t and s.workers == min(counts)
+            ),
             "load_end_s": load_end_s,
+            "final_lag": self.samples[-1].lag,
             "requests": len(self.request_ids),
         }
+
+
+def _first(samples: Sequence[Sample], condition: Callable[[Sample], bool]) -> float | None:
+    """The time of the first sample meeting ``condition``, if any."""
+    return next((round(s.t, 1) for s in samples if condition(s)), None)
 
 
 def _changes(counts: Sequence[int]) -> list[int]:
@@ -225,7 +249,10 @@ class GroupLag:
     async def read(self) -> tuple[int, int]:
         """(lag, committed): records not yet committed, and the sum of committed offsets."""
         ends = await self._ends.end_offsets(self._partitions)
-        offsets = await self._admin.list_consumer_group_offsets(self._group)
+        try:
+            offsets = await self._admin.list_consumer_group_offsets(self._group)
+        except GroupCoordinatorNotAvailableError:  # no member joined yet: nothing committed
+            offsets = {}
         committed = {tp: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
         lag = sum(ends[tp] - committed.get(tp, 0) for tp in self._partitions)
         return lag, sum(committed.values())
@@ -401,20 +428,15 @@ def _describe(config: RunConfig) -> dict[str, Any]:
 
 # -- the default run -------------------------------------------------------------------------
 
-COMPRESSED = ScalePolicy(
+COMPRESSED = replace(
+    ScalePolicy.from_manifest().faster(10),
     lag_threshold=300,  # 3 s of one paced worker's work
-    min_workers=1,
     max_workers=3,
-    up_pods=2,
-    up_period_s=10,
-    down_pods=1,
-    down_period_s=5,
-    down_window_s=15,
 )
-"""worker-scaledobject.yaml's shape (min 1, up 2 pods per period, down 1 pod per period after
-a stabilization window) with its minutes made seconds, and a cap of 3 workers."""
+"""worker-scaledobject.yaml's rule ten times faster (periods and window divided by 10),
+a threshold of 3 s of one paced worker's work, and a cap of 3 workers."""
 
-LOAD_STEP = (Step(10, 30), Step(40, 200), Step(35, 30))
+LOAD_STEP = (Step(8, 30), Step(50, 200), Step(30, 30))
 """Light load, a step to twice one worker's capacity, light load again."""
 
 
@@ -494,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replication_factor=args.replication_factor,
     )
     report = asyncio.run(run(config))
-    summary = report.summary(sum(step.seconds for step in LOAD_STEP))
+    summary = report.summary(LOAD_STEP[0].seconds + LOAD_STEP[1].seconds)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / "autoscale.json", args.out / "autoscale.png"
     samples = [asdict(s) | {"drain_s": _finite(s.drain_s)} for s in report.samples]

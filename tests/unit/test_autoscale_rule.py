@@ -91,3 +91,10 @@ def test_policy_is_read_from_the_scaled_object() -> None:
     assert policy.down_period_s == behavior["scaleDown"]["policies"][0]["periodSeconds"]
     assert policy.down_window_s == behavior["scaleDown"]["stabilizationWindowSeconds"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0  # what decide() assumes
+
+
+def test_faster_divides_every_period_and_keeps_the_counts() -> None:
+    fast = POLICY.faster(10)
+    assert (fast.up_period_s, fast.down_period_s, fast.down_window_s) == (6, 12, 30)
+    assert (fast.lag_threshold, fast.up_pods, fast.down_pods) == (100, 2, 1)
+    assert (fast.min_workers, fast.max_workers) == (1, 6)
