@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workers.handlers import Collating, Handler
+from workers.handlers import Collating, Handler, SplitPostprocess
 
 DEFAULT_SMALLEST_BUCKET = 8
 """On a GPU a batch of 8 costs about what a batch of 1 does, and every bucket is one
@@ -74,6 +74,25 @@ def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) 
 
 
 @dataclass(frozen=True, slots=True)
+class Launched:
+    """A batch the model is running (``ModelRunner.launch``), to ``finish`` later."""
+
+    size: int
+    params: Sequence[Mapping[str, Any]]
+    host: tuple[torch.Tensor, ...] | None  # SplitPostprocess outputs (pinned, on CUDA)
+    results: list[Any] | None  # final already: a handler without SplitPostprocess
+    copied: torch.cuda.Event | None  # recorded once ``host`` holds the outputs
+    started: torch.cuda.Event | None  # timing events around the device work (CUDA)
+    ended: torch.cuda.Event | None
+
+    def device_seconds(self) -> float | None:
+        """Device time of the forward and postprocess (CUDA, after ``finish``)."""
+        if self.started is None or self.ended is None:
+            return None
+        return float(self.started.elapsed_time(self.ended)) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceBatch:
     """A batch staged on the device by ``ModelRunner.prepare``, ready for ``infer``."""
 
@@ -108,11 +127,13 @@ class ModelRunner:
         if compile:
             self._forward = compile_forward(handler.forward, self.buckets)
         self._collate = handler.collate if isinstance(handler, Collating) else None
-        # Uploads (and device-side decoding) run on their own stream, so that when the
-        # next batch is prepared from another thread they overlap the running forward.
-        # torch.cuda.Stream and Event have no annotations in torch's sources.
+        self._split = handler if isinstance(handler, SplitPostprocess) else None
+        # Uploads (and device-side decoding) run on one stream and the model on another,
+        # so that a batch prepared from one thread overlaps the forward launched from
+        # another. torch.cuda.Stream and Event have no annotations in torch's sources.
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self._compute = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
 
     def run(
         self, tensors: Sequence[torch.Tensor], params: Sequence[Mapping[str, Any]]
@@ -148,21 +169,56 @@ class ModelRunner:
 
     def infer(self, batch: DeviceBatch, params: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run the model on a prepared batch; one result per real item, padding dropped."""
+        return self.finish(self.launch(batch, params))
+
+    def launch(self, batch: DeviceBatch, params: Sequence[Mapping[str, Any]]) -> Launched:
+        """Start the model on a prepared batch, on the compute stream, without waiting.
+
+        With a ``SplitPostprocess`` handler the device half of postprocess runs too and
+        its small outputs are copied to pinned host memory asynchronously; ``finish``
+        waits for them (from another thread, if the caller likes: the device can run
+        the next batch meanwhile). Other handlers' ``postprocess`` runs here, as before.
+        """
         if batch.size != len(params):
             raise ValueError(f"{batch.size} items but {len(params)} params; need one each")
-        if batch.ready is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(batch.ready)
-            # The batch was allocated on the staging stream: keep the allocator from
-            # handing its memory out again before the forward here has read it.
-            batch.tensor.record_stream(compute)
-        with torch.inference_mode():
-            outputs = self._forward(batch.tensor)
-            results = self.handler.postprocess(outputs[: batch.size], params)
-        if len(results) != batch.size:
+        cuda = self._compute is not None
+        with torch.inference_mode(), self._computing():
+            if batch.ready is not None:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(batch.ready)
+                # The batch was allocated on the staging stream: keep the allocator from
+                # handing its memory out again before the forward here has read it.
+                batch.tensor.record_stream(compute)
+            started = _event(cuda)
+            outputs = self._forward(batch.tensor)[: batch.size]
+            if self._split is None:
+                results = self.handler.postprocess(outputs, params)
+                ended = _event(cuda)
+                return Launched(batch.size, params, None, results, ended, started, ended)
+            device = self._split.postprocess_device(outputs, params)
+            if not cuda:
+                return Launched(batch.size, params, device, None, None, None, None)
+            host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in device)
+            for to, source in zip(host, device, strict=True):
+                to.copy_(source, non_blocking=True)
+            ended = _event(cuda)
+        return Launched(batch.size, params, host, None, ended, started, ended)
+
+    def finish(self, launched: Launched) -> list[Any]:
+        """The results of a launched batch, once its outputs are on the host."""
+        if launched.copied is not None:
+            launched.copied.synchronize()  # releases the GIL while it waits
+        if launched.results is not None:
+            results = launched.results
+        else:
+            assert self._split is not None
+            assert launched.host is not None
+            with torch.inference_mode():
+                results = self._split.postprocess_host(launched.host, launched.params)
+        if len(results) != launched.size:
             raise RuntimeError(
                 f"handler {self.handler.name} returned {len(results)} results "
-                f"for a batch of {batch.size}; postprocess must return one per item"
+                f"for a batch of {launched.size}; postprocess must return one per item"
             )
         return results
 
@@ -181,6 +237,9 @@ class ModelRunner:
 
     def _staging(self) -> AbstractContextManager[Any]:
         return nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+
+    def _computing(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._compute is None else torch.cuda.stream(self._compute)
 
     def _bucket(self, size: int) -> int:
         """The smallest bucket that holds ``size`` items; ``size`` itself above them all."""
@@ -217,3 +276,12 @@ def compile_forward(
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
     return torch.compile(forward, dynamic=False)
+
+
+def _event(cuda: bool) -> torch.cuda.Event | None:
+    """A timing event recorded on the current stream (CUDA only)."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event

@@ -55,8 +55,10 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     channels_last: bool | None = Field(
         default=None, description="default: on for torchvision models on CUDA"
     )
-    decode: Literal["auto", "cpu", "gpu"] = Field(
-        default="auto", description="where JPEGs are decoded; auto = nvJPEG on CUDA"
+    decode: Literal["auto", "cpu", "gpu", "gpu-hw"] = Field(
+        default="auto",
+        description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
+        "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
     )
     compile: bool = Field(default=False, description="torch.compile the model")
     allow_pickle_models: bool = Field(
