@@ -50,7 +50,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = [
-    "TOPOLOGY_ERRORS",
     "ClusterRouter",
     "Node",
     "check_cluster_url",
@@ -60,7 +59,7 @@ __all__ = [
 T = TypeVar("T")
 
 SLOTS = 16384
-TOPOLOGY_ERRORS: tuple[type[Exception], ...] = (
+_TOPOLOGY_ERRORS: tuple[type[Exception], ...] = (
     AskError,  # and MovedError, its subclass: the slot is served elsewhere (now, or soon)
     ClusterDownError,  # a primary failed and no replica took over yet
     TryAgainError,  # a multi-key command hit a slot in the middle of a migration
@@ -86,7 +85,7 @@ def is_topology_error(exc: BaseException) -> bool:
     """Whether ``exc`` may pass once the cluster settles (not refused credentials)."""
     if isinstance(exc, AuthenticationError | AuthorizationError):
         return False
-    return isinstance(exc, TOPOLOGY_ERRORS)
+    return isinstance(exc, _TOPOLOGY_ERRORS)
 
 
 def check_cluster_url(url: str) -> None:
@@ -119,13 +118,10 @@ class ClusterRouter:
         self._starts: list[int] = []  # first slot of each range, sorted
         self._ranges: list[tuple[int, int, Node]] = []  # (first, last, primary)
         self._known: list[Node] = []  # every node of the last map, primaries first
+        self._answered: Node | None = None  # the node that gave the last map: asked first
         self._moved: dict[int, Node] = {}  # slot -> primary named by a MOVED since the last load
         self._stale = True
         self._refreshing = asyncio.Lock()
-
-    @property
-    def seed(self) -> Node:
-        return self._seed
 
     def client(self, node: Node) -> aioredis.Redis:
         """The client of ``node`` (made on first use, closed by ``aclose``)."""
@@ -150,10 +146,6 @@ class ClusterRouter:
     def moved(self, error: MovedError) -> None:
         """Route ``error``'s slot to the primary it names from now on."""
         self._moved[error.slot_id] = Node(error.host, error.port)
-
-    def owner(self, key: str) -> Node:
-        """The primary serving ``key`` by the current map (call ``by_node`` once first)."""
-        return self._owner(key_slot(key.encode()))
 
     async def by_node(self, keys: Iterable[str]) -> dict[Node, dict[int, list[str]]]:
         """``keys`` grouped by the primary that serves them, then by hash slot."""
@@ -189,7 +181,10 @@ class ClusterRouter:
         """
         async with self._refreshing:
             tried: list[str] = []
-            for node in dict.fromkeys([*self._known, self._seed]):
+            # The last node that answered first: a dead primary, still in the map, may
+            # take a whole connect timeout to fail.
+            first = [self._answered] if self._answered is not None else []
+            for node in dict.fromkeys([*first, *self._known, self._seed]):
                 try:
                     answer = await self.client(node).cluster("SLOTS")
                 except (RedisError, OSError) as exc:
@@ -198,6 +193,7 @@ class ClusterRouter:
                     tried.append(f"{node} ({exc})")
                     continue
                 self._load(answer, node)
+                self._answered = node
                 return
             raise RedisConnectionError(
                 f"no node of the Redis Cluster answered CLUSTER SLOTS: {'; '.join(tried)}"
