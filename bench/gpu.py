@@ -149,10 +149,11 @@ def synthetic_jpeg(width: int, height: int, seed: int, quality: int = 90) -> byt
     return buffer.getvalue()
 
 
-def build_corpora(distinct: int) -> list[Corpus]:
+def build_corpora(distinct: int, names: Sequence[str] = ("640x480", "224x224")) -> list[Corpus]:
+    sizes = [tuple(int(n) for n in name.split("x")) for name in names]
     return [
         Corpus(f"{w}x{h}", w, h, tuple(synthetic_jpeg(w, h, seed) for seed in range(distinct)))
-        for w, h in ((640, 480), (224, 224))
+        for w, h in sizes
     ]
 
 
@@ -1272,6 +1273,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated: {', '.join(STAGES)} (or a, b, c, d)",
     )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: smoke test)")
+    parser.add_argument(
+        "--corpora", default="640x480,224x224", help="image sizes WxH, comma-separated"
+    )
     parser.add_argument("--model", default="torchvision:resnet50")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny counts: checks that it runs")
@@ -1372,7 +1376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cfg = make_config(args)
         stages = selected_stages(args.stages, args)
-        corpora = build_corpora(cfg.distinct_images)
+        corpora = build_corpora(cfg.distinct_images, args.corpora.split(","))
         spec = load_model(cfg, "float32").image
         results["meta"] = {
             "card": _card(cfg.device),
