@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -506,6 +507,7 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
             from_gpu = full.forward(gpu_items).float()
             normalized = (full.normalize(gpu_items) - full.normalize(cpu_items)).abs().max()
         levels = (gpu_items.cpu().int() - cpu_items.int()).abs()
+        graph_diff = _graph_vs_eager(cfg, full, cpu_items)
         out[corpus.name] = {
             "images": len(payloads),
             "top1_agreement_half_vs_fp32": _agreement(reduced, reference),
@@ -514,9 +516,31 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
             "decode_max_abs_diff_levels": int(levels.max()),
             "decode_mean_abs_diff_levels": float(levels.float().mean()),
             "decode_max_abs_diff_normalized": float(normalized),
+            "cuda_graph_max_abs_logit_diff": graph_diff,
         }
         print(f"  checks {corpus.name}: {json.dumps(_rounded(out[corpus.name]))}", flush=True)
     return out
+
+
+def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) -> float:
+    """Largest logit difference between the CUDA-graph replay and the eager forward on
+    the same batch (NaN on the CPU, where there are no graphs)."""
+    if cfg.device.type != "cuda":
+        return math.nan
+    size = len(items)
+    runner = ModelRunner(handler, cfg.device, buckets=(size,), cuda_graphs=True)
+    runner.warm_up([size])
+    if not runner.graphed_sizes:
+        return math.nan
+    batch = runner.prepare(list(items))
+    if batch.ready is not None:
+        batch.ready.synchronize()
+    graph = runner._graphs[tuple(batch.tensor.shape)]
+    torch.cuda.synchronize(cfg.device)
+    with torch.inference_mode():
+        eager = handler.forward(batch.tensor).float()
+        replayed = graph.run(batch.tensor).float()
+    return float((replayed - eager).abs().max())
 
 
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -780,9 +804,20 @@ async def _e2e_one(
         runs = []
         for repeat in range(args.repeats):
             prefix = f"{run}-b{repeat}"
+            samplers: list[subprocess.Popen[bytes]] = []
+
+            def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
+                if args.profile_s and repeat == 1:  # once the producers start sending
+                    path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
+                    samplers.append(_sample(procs[0].pid, path, args.profile_s))
+
             with UtilizationSampler(gpus) as gpu:
-                produced = await _produce_parallel(args, model, corpus, prefix, cfg.e2e_count)
+                produced = await _produce_parallel(
+                    args, model, corpus, prefix, cfg.e2e_count, on_go=sample
+                )
                 results = await _await_results(services, prefix, cfg.e2e_count, args, procs)
+            for sampler in samplers:
+                sampler.wait(timeout=args.profile_s + 30)
             runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
             print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
         rates = sorted(r["img_s"] for r in runs)
@@ -819,6 +854,21 @@ async def _e2e_one(
             _stop_worker(proc)
         await delete_topics(services, topics)
     return row
+
+
+def layout_name(workers: int, gpus: int) -> str:
+    return f"{workers}x{gpus}"
+
+
+def _sample(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """py-spy sampling a worker (every thread, 100 Hz) into collapsed stacks at ``path``."""
+    beside = Path(sys.executable).with_name("py-spy")
+    command = [
+        str(beside) if beside.exists() else "py-spy", "record", "--pid", str(pid),
+        "--rate", "100", "--threads", "--idle", "--duration", str(int(seconds)),
+        "--format", "raw", "--output", str(path),
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _records(corpus: Corpus, ids: Sequence[str]) -> list[Any]:
@@ -872,7 +922,12 @@ async def _ready(port: int) -> bool:
 
 
 async def _produce_parallel(
-    args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    prefix: str,
+    count: int,
+    on_go: Callable[[], None] | None = None,
 ) -> float:
     """The backlog from ``--producers`` processes at once (one Python producer cannot keep
     a GPU worker fed with 150 KB images); returns the records/s they achieved together.
@@ -902,6 +957,8 @@ async def _produce_parallel(
         line = await proc.stdout.readline()
         if line.strip() != b"ready":
             raise RuntimeError(f"a producer did not get ready: {line!r}")
+    if on_go is not None:
+        on_go()
     started = time.perf_counter()
     for proc in procs:
         assert proc.stdin is not None
@@ -1005,6 +1062,7 @@ def _start_worker(
     ]  # fmt: skip
     if cfg.compile:
         command.append("--compile")
+    command += shlex.split(args.worker_options)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "worker-logs.txt").open("ab") as log:  # the child keeps its own copy
         log.write(f"\n=== {' '.join(command)}\n".encode())
@@ -1305,6 +1363,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="pin broker and Redis, the producers and the workers to cores of their own",
     )
     parser.add_argument("--metrics-port", type=int, default=19400, help="first worker's port")
+    parser.add_argument(
+        "--worker-options",
+        default="",
+        help="more flags for every e2e worker, e.g. '--no-cuda-graphs'",
+    )
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        default=0.0,
+        help="e2e: sample the first worker with py-spy for this long during the second repeat",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)

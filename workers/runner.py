@@ -14,6 +14,7 @@ compiled during ``warm_up`` rather than by the first request of that size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 
 from workers.handlers import Collating, Handler, SplitPostprocess
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SMALLEST_BUCKET = 8
 """On a GPU a batch of 8 costs about what a batch of 1 does, and every bucket is one
@@ -59,10 +62,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) -> tuple[int, ...]:
+def batch_buckets(
+    max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET, step: int | None = None
+) -> tuple[int, ...]:
     """Powers of two from ``smallest`` below ``max_batch_size``, then ``max_batch_size``:
-    e.g. 8, 16, 32, 64, 128, 256 for 256, and 8, 16, 32, 64, 100 for 100."""
-    if max_batch_size < 1 or smallest < 1:
+    e.g. 8, 16, 32, 64, 128, 256 for 256, and 8, 16, 32, 64, 100 for 100. With ``step``,
+    also every multiple of ``step`` below the maximum, so that padding a batch up to its
+    bucket never adds more than ``step`` rows (8, 16, 32, 64, 96, 128, ... for 32)."""
+    if max_batch_size < 1 or smallest < 1 or (step is not None and step < 1):
         raise ValueError(f"batch sizes must be at least 1, got {max_batch_size} and {smallest}")
     sizes = {max_batch_size}
     size = 1
@@ -70,7 +77,13 @@ def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) 
         if size >= smallest:
             sizes.add(size)
         size *= 2
+    if step is not None:
+        sizes.update(range(step, max_batch_size, step))
     return tuple(sorted(sizes))
+
+
+GRAPH_BUCKET_STEP = 32
+"""Rows a CUDA graph bucket may pad a batch by, at most (see ``batch_buckets``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +124,17 @@ class ModelRunner:
         *,
         compile: bool = False,
         buckets: Sequence[int] = (),
+        cuda_graphs: bool = False,
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
         the same way for both). ``compile`` wraps ``handler.forward`` in ``torch.compile``;
         the first batch of each new size then compiles, which ``warm_up`` moves to start-up.
         ``buckets`` (e.g. ``batch_buckets(256)``) pads each batch to the next bucket size;
         the handler's forward must treat batch rows independently (eval-mode models do).
+        ``cuda_graphs`` (CUDA, with buckets) records the forward of each bucket size as a
+        CUDA graph during ``warm_up`` and replays it: one call per batch instead of one
+        per operator, so the launching thread hardly needs the GIL (with other busy
+        threads in the process, every reacquisition can wait a switch interval).
         """
         if any(size < 1 for size in buckets):
             raise ValueError(f"bucket sizes must be at least 1, got {sorted(buckets)}")
@@ -128,6 +146,8 @@ class ModelRunner:
             self._forward = compile_forward(handler.forward, self.buckets)
         self._collate = handler.collate if isinstance(handler, Collating) else None
         self._split = handler if isinstance(handler, SplitPostprocess) else None
+        self._want_graphs = cuda_graphs and self.device.type == "cuda" and bool(self.buckets)
+        self._graphs: dict[tuple[int, ...], _Graph] = {}  # by input shape
         # Uploads (and device-side decoding) run on one stream and the model on another,
         # so that a batch prepared from one thread overlaps the forward launched from
         # another. torch.cuda.Stream and Event have no annotations in torch's sources.
@@ -190,7 +210,11 @@ class ModelRunner:
                 # handing its memory out again before the forward here has read it.
                 batch.tensor.record_stream(compute)
             started = _event(cuda)
-            outputs = self._forward(batch.tensor)[: batch.size]
+            graph = self._graphs.get(tuple(batch.tensor.shape))
+            if graph is not None and graph.takes(batch.tensor):
+                outputs = graph.run(batch.tensor)[: batch.size]
+            else:
+                outputs = self._forward(batch.tensor)[: batch.size]
             if self._split is None:
                 results = self.handler.postprocess(outputs, params)
                 ended = _event(cuda)
@@ -234,6 +258,38 @@ class ModelRunner:
             self.run([item] * size, [{}] * size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._want_graphs and not self._graphs:
+            self._capture(item)
+
+    @property
+    def graphed_sizes(self) -> tuple[int, ...]:
+        """Batch sizes whose forward replays a CUDA graph."""
+        return tuple(sorted(shape[0] for shape in self._graphs))
+
+    def _capture(self, item: torch.Tensor) -> None:
+        """Record one CUDA graph per bucket (sharing one memory pool: replays never
+        overlap, they run on the compute stream one after another). A handler whose
+        forward cannot be captured (it synchronises, or changes shape with its input)
+        keeps running eagerly, with a warning."""
+        assert self._compute is not None
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for size in self.buckets:
+                example = self.prepare([item] * size)
+                assert example.ready is not None
+                example.ready.synchronize()
+                static = example.tensor.clone()
+                graph = torch.cuda.CUDAGraph()
+                with (
+                    torch.inference_mode(),
+                    torch.cuda.graph(graph, pool=pool, stream=self._compute),
+                ):
+                    output = self._forward(static)
+                self._graphs[tuple(static.shape)] = _Graph(graph, static, output)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # a model that cannot be captured still serves, eagerly
+            self._graphs.clear()
+            log.warning("CUDA graphs are off: capturing the forward failed (%r)", exc)
 
     def _staging(self) -> AbstractContextManager[Any]:
         return nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
@@ -276,6 +332,24 @@ def compile_forward(
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
     return torch.compile(forward, dynamic=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Graph:
+    """A forward recorded for one input shape: copy the batch in, replay, read the output."""
+
+    graph: torch.cuda.CUDAGraph
+    static_input: torch.Tensor
+    static_output: Any  # overwritten by every replay: read it before the next one
+
+    def takes(self, batch: torch.Tensor) -> bool:
+        static = self.static_input
+        return batch.dtype == static.dtype and batch.stride() == static.stride()
+
+    def run(self, batch: torch.Tensor) -> Any:
+        self.static_input.copy_(batch)
+        self.graph.replay()
+        return self.static_output
 
 
 def _event(cuda: bool) -> torch.cuda.Event | None:

@@ -61,6 +61,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
     )
     compile: bool = Field(default=False, description="torch.compile the model")
+    cuda_graphs: bool | None = Field(
+        default=None,
+        description="replay the forward as CUDA graphs, one per batch-size bucket, recorded "
+        "at start (default: on for CUDA devices unless --compile)",
+    )
     allow_pickle_models: bool = Field(
         default=False,
         description="allow model files that are unpickled on load (torch.export archives)",
