@@ -713,7 +713,8 @@ def _default_kafka_libs() -> Path:
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
     found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
     version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
-    return REPO / ".cache" / f"kafka-{version}" / "libs"
+    cache = Path(os.environ.get("CONVEYOR_CACHE_DIR") or REPO / ".cache")  # as env.sh reads it
+    return cache / f"kafka-{version}" / "libs"
 
 
 def _parser() -> argparse.ArgumentParser:

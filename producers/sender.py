@@ -89,6 +89,10 @@ class RequestSender:
                         self._settings.connect_timeout_s,
                     )
                     raise self._unavailable(cause) from None
+                except BaseException:
+                    # Cancelled while connecting: close() would not see this producer.
+                    await asyncio.shield(producer.stop())
+                    raise
                 self._producer = producer
             return self._producer
 

@@ -27,6 +27,7 @@ from pydantic_settings import (
 )
 
 from producers.s3 import S3Settings
+from producers.redis_cluster import check_cluster_url
 from producers.security import ConnectionSecurity
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
@@ -174,6 +175,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """Kafka bootstrap servers, host:port[,host:port...]"""
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     """redis://, rediss:// (TLS) or unix:// URL; may hold a password, which is never logged"""
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster: results are routed by hash slot",
+    )
+    redis_replica_acks: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Redis Cluster: replicas that must hold a batch's results (WAIT) before "
+        "they count as written; 0 trusts the primary alone",
+    )
     topic_prefix: str = "conveyor"
     """topics are PREFIX.MODEL.requests, .results and .dlq; the group is PREFIX.MODEL"""
     result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
@@ -294,6 +306,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     def _check_names(self) -> WorkerSettings:
         topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
         self.check_redis_url(self.redis_url)
+        return self
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> WorkerSettings:
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url.get_secret_value())
+        elif self.redis_replica_acks:
+            raise ValueError(
+                "redis_replica_acks needs redis_cluster: on a standalone Redis, results are "
+                "written without waiting for replicas"
+            )
         return self
 
     @model_validator(mode="after")
