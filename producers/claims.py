@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from producers.cluster_keys import per_key
 from producers.errors import ClientError, ServiceUnavailable
+from producers.redis_cluster import ClusterRouter
 from producers.s3 import s3_client, s3_fault
 from producers.security import redis_options
 from producers.settings import ClientSettings
@@ -44,6 +46,7 @@ class Uploader:
     def __init__(self, settings: ClientSettings) -> None:
         self._settings = settings
         self._redis: aioredis.Redis | None = None
+        self._router: ClusterRouter | None = None
         self._s3: S3Client | None = None
         self._s3_context: contextlib.AsyncExitStack | None = None
 
@@ -83,12 +86,18 @@ class Uploader:
         if self._redis is not None:
             redis, self._redis = self._redis, None
             await redis.aclose()
+        if self._router is not None:
+            router, self._router = self._router, None
+            await router.aclose()
         if self._s3_context is not None:
             context, self._s3_context, self._s3 = self._s3_context, None, None
             await context.aclose()
 
     async def _store_redis(self, payloads: Sequence[tuple[str, bytes]]) -> None:
         settings = self._settings
+        if settings.redis_cluster:
+            await self._store_redis_cluster(payloads)
+            return
         if self._redis is None:
             self._redis = aioredis.Redis.from_url(
                 settings.redis_url.get_secret_value(),
@@ -113,6 +122,36 @@ class Uploader:
                 f"cannot store payloads in Redis at {settings.redis_location} "
                 f"({type(exc).__name__}: {exc}); nothing was sent"
             ) from exc
+
+    async def _store_redis_cluster(self, payloads: Sequence[tuple[str, bytes]]) -> None:
+        """The same ``SET``s on a Redis Cluster: one pipeline per primary."""
+        settings = self._settings
+        if self._router is None:
+            self._router = ClusterRouter(
+                settings.redis_url.get_secret_value(),
+                {
+                    "socket_connect_timeout": settings.connect_timeout_s,
+                    "socket_timeout": settings.send_timeout_s,
+                    "client_name": settings.redis_client_name,
+                    **redis_options(settings),
+                },
+            )
+        data = {payload_key(i, settings.dataref_redis_prefix): d for i, d in payloads}
+        try:
+            answers = await per_key(
+                self._router,
+                data,
+                lambda pipe, key: pipe.set(key, data[key], ex=settings.dataref_ttl_s),
+                settings.connect_timeout_s,
+            )
+        except (RedisError, OSError) as exc:
+            answers = {"": exc}
+        failed = [answer for answer in answers.values() if isinstance(answer, Exception)]
+        if failed:
+            raise ServiceUnavailable(
+                f"cannot store payloads in the Redis Cluster at {settings.redis_location} "
+                f"({type(failed[0]).__name__}: {failed[0]}); nothing was sent"
+            )
 
     async def _store_s3(self, payloads: Sequence[tuple[str, bytes]]) -> None:
         settings = self._settings

@@ -236,6 +236,11 @@ class ResultReader:
         )
 
 
+def request_status(request_id: str, raw: bytes | None, fields: dict[bytes, bytes]) -> RequestStatus:
+    """The status that a request's result value and status hash (both as read) say."""
+    return _status(request_id, raw, fields)
+
+
 def _status(request_id: str, raw: bytes | None, fields: dict[bytes, bytes]) -> RequestStatus:
     if raw is not None:
         return RequestStatus(request_id, "done", result=_decode(raw))

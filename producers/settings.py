@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers.s3 import S3Settings
 from producers.redis_cluster import check_cluster_url
+from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity, redis_location
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 

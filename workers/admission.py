@@ -15,7 +15,8 @@ the model thread, and nothing else changes:
   and done (the result key) apart.
 
 A request's cancel and status keys share the Redis Cluster hash tag ``{<id>}``,
-so one script call per slot serves a batch on a cluster (see ``RedisRequestState``).
+so on a cluster (``ClusterRequestState``) a batch is one script call per hash
+slot, sent to each primary as one pipeline.
 
 When Redis does not answer within ``timeout_s`` the batch runs as it is
 (fail open): cancellation is a request to skip work, never a guarantee, and the
@@ -34,6 +35,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from producers.redis_cluster import ClusterRouter, Node
 from producers.security import redis_options
 from schemas import ErrorCode, cancel_key, status_key
 from workers.metrics import Metrics
@@ -67,6 +69,16 @@ track status ("1"/"0"), status TTL in seconds, worker id, now (epoch ms).
 Returns per request 0 when cancelled, else its attempt number (1 without tracking)."""
 
 
+def script_flags(settings: WorkerSettings) -> list[str]:
+    """``START_SCRIPT``'s first arguments for a worker: what to check, the TTL, its id."""
+    return [
+        "1" if settings.cancellation else "0",
+        "1" if settings.track_status else "0",
+        str(settings.result_ttl_s),
+        settings.worker_id,
+    ]
+
+
 class RequestState(Protocol):
     """Where cancellations and running markers live (Redis: ``RedisRequestState``)."""
 
@@ -82,11 +94,10 @@ class RedisRequestState:
     in the order of ``ids``.
     """
 
-    def __init__(
-        self, client: aioredis.Redis, *, cancellation: bool, track: bool, ttl_s: int, worker: str
-    ) -> None:
+    def __init__(self, client: aioredis.Redis, flags: Sequence[str]) -> None:
+        """``flags``: the script's first arguments (``script_flags``)."""
         self._script = client.register_script(START_SCRIPT)
-        self._flags = ["1" if cancellation else "0", "1" if track else "0", str(ttl_s), worker]
+        self._flags = list(flags)
 
     async def start(self, ids: Sequence[str]) -> list[int]:
         keys: list[str] = []
@@ -95,6 +106,44 @@ class RedisRequestState:
         now_ms = str(int(time.time() * 1000))
         answers = await self._script(keys=keys, args=[*self._flags, now_ms])
         return [int(answer) for answer in answers]
+
+
+class ClusterRequestState:
+    """``RequestState`` on a Redis Cluster: ``START_SCRIPT`` once per hash slot of the
+    batch's ids, one pipeline per primary, concurrently; answers back in id order."""
+
+    def __init__(self, router: ClusterRouter, flags: Sequence[str], budget_s: float = 1.0) -> None:
+        self._router = router
+        self._flags = list(flags)
+        self._budget_s = budget_s
+
+    async def start(self, ids: Sequence[str]) -> list[int]:
+        ids_of = {cancel_key(request_id): request_id for request_id in ids}
+        args = [*self._flags, str(int(time.time() * 1000))]
+
+        async def node(node: Node, slots: dict[int, list[str]]) -> dict[str, int]:
+            pipe = self._router.client(node).pipeline(transaction=False)
+            groups = list(slots.values())
+            for group in groups:
+                keys: list[str] = []
+                for key in group:
+                    keys += (key, status_key(ids_of[key]))
+                pipe.eval(START_SCRIPT, len(keys), *keys, *args)
+            answers = await pipe.execute(raise_on_error=False)
+            found: dict[str, int] = {}
+            for group, answer in zip(groups, answers, strict=True):
+                if isinstance(answer, Exception):
+                    raise answer  # MOVED or a failover: the router retries the batch
+                found.update(zip(group, map(int, answer), strict=True))
+            return found
+
+        async def attempt() -> dict[str, int]:
+            plan = await self._router.by_node(ids_of)
+            parts = await asyncio.gather(*(node(n, slots) for n, slots in plan.items()))
+            return {key: answer for part in parts for key, answer in part.items()}
+
+        found = await self._router.retrying(attempt, self._budget_s)
+        return [found[cancel_key(request_id)] for request_id in ids]
 
 
 class Admission:
@@ -109,23 +158,20 @@ class Admission:
         if not (settings.cancellation or settings.track_status):
             yield None
             return
-        client = aioredis.Redis.from_url(
-            settings.redis_url.get_secret_value(),
-            socket_timeout=5,
-            socket_connect_timeout=5,
-            **redis_options(settings),
-        )
+        url = settings.redis_url.get_secret_value()
+        options = {"socket_timeout": 5, "socket_connect_timeout": 5, **redis_options(settings)}
+        flags = script_flags(settings)
+        state: RequestState
+        if settings.redis_cluster:
+            router = ClusterRouter(url, options)
+            state, close = ClusterRequestState(router, flags), router.aclose
+        else:
+            client = aioredis.Redis.from_url(url, **options)
+            state, close = RedisRequestState(client, flags), client.aclose
         try:
-            state = RedisRequestState(
-                client,
-                cancellation=settings.cancellation,
-                track=settings.track_status,
-                ttl_s=settings.result_ttl_s,
-                worker=settings.worker_id,
-            )
             yield cls(state, metrics)
         finally:
-            await client.aclose()
+            await close()
 
     def __init__(self, state: RequestState, metrics: Metrics, timeout_s: float = 1.0) -> None:
         self._state = state

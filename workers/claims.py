@@ -36,10 +36,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 
+from producers.redis_cluster import ClusterRouter
 from producers.s3 import S3Unavailable, s3_client
 from producers.security import redis_options
 from schemas import DataRef, ErrorCode
@@ -147,17 +148,24 @@ class Claims:
         Payloads travel on a Redis connection pool of their own, so a 50 MB read never
         queues a batch's result script behind it.
         """
-        from workers.payload_stores import RedisPayloads, S3Payloads
+        from workers.payload_stores import ClusterRedisPayloads, RedisPayloads, S3Payloads
 
         async with contextlib.AsyncExitStack() as stack:
-            client = aioredis.Redis.from_url(
-                settings.redis_url.get_secret_value(),
-                socket_timeout=30,
-                socket_connect_timeout=5,
+            url = settings.redis_url.get_secret_value()
+            options: dict[str, Any] = {
+                "socket_timeout": 30,
+                "socket_connect_timeout": 5,
                 **redis_options(settings),
-            )
-            stack.push_async_callback(client.aclose)
-            stores: dict[str, PayloadStore] = {"redis": RedisPayloads(client)}
+            }
+            stores: dict[str, PayloadStore] = {}
+            if settings.redis_cluster:
+                router = ClusterRouter(url, options)
+                stack.push_async_callback(router.aclose)
+                stores["redis"] = ClusterRedisPayloads(router)
+            else:
+                client = aioredis.Redis.from_url(url, **options)
+                stack.push_async_callback(client.aclose)
+                stores["redis"] = RedisPayloads(client)
             if settings.s3_buckets:
                 try:
                     s3 = await stack.enter_async_context(s3_client(settings))

@@ -7,8 +7,9 @@ for one that cannot be served, and ``StoreOutage`` for a store that cannot be
 asked (which the claims stage retries).
 
 Redis: one pipeline of ``STRLEN`` for the sizes, one pipeline of ``GET`` for the
-bytes (plain single-key commands, so a cluster client routes each to its node).
-The ACL a worker needs for them: ``+strlen +get`` on ``conveyor:data:*``.
+bytes; on a Redis Cluster (``ClusterRedisPayloads``) one such pipeline per
+primary, concurrently (``producers.cluster_keys``). The ACL a worker needs for
+them: ``+strlen +get`` on ``conveyor:data:*``.
 
 S3: concurrent ``HEAD`` and ``GET`` requests (at most ``concurrency`` at once),
 each body read up to the size limit and no further.
@@ -25,6 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producers.cluster_keys import per_key
+from producers.redis_cluster import ClusterRouter
 from producers.s3 import s3_fault
 from schemas import DataRef, ErrorCode
 from workers.claims import Fault, StoreOutage, too_large
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["RedisPayloads", "S3Payloads"]
+__all__ = ["ClusterRedisPayloads", "RedisPayloads", "S3Payloads"]
 
 _READ_CHUNK = 1024 * 1024
 
@@ -46,10 +49,7 @@ class RedisPayloads:
         self._redis = client
 
     async def sizes(self, refs: Sequence[DataRef]) -> list[int | Fault | None]:
-        pipe = self._redis.pipeline(transaction=False)
-        for ref in refs:
-            pipe.strlen(ref.key)
-        answers = await self._execute(pipe)
+        answers = await self._ask(refs, lambda pipe, key: pipe.strlen(key))
         # STRLEN says 0 for a key that does not exist (and for an empty value, which
         # no request may have either).
         return [
@@ -58,10 +58,7 @@ class RedisPayloads:
         ]
 
     async def read(self, refs: Sequence[DataRef], max_bytes: int) -> list[bytes | Fault | None]:
-        pipe = self._redis.pipeline(transaction=False)
-        for ref in refs:
-            pipe.get(ref.key)
-        answers = await self._execute(pipe)
+        answers = await self._ask(refs, lambda pipe, key: pipe.get(key))
         out: list[bytes | Fault | None] = []
         for ref, answer in zip(refs, answers, strict=True):
             if isinstance(answer, Exception):
@@ -72,8 +69,13 @@ class RedisPayloads:
                 out.append(answer)
         return out
 
-    @staticmethod
-    async def _execute(pipe: Any) -> list[Any]:
+    async def _ask(
+        self, refs: Sequence[DataRef], command: Callable[[Any, str], object]
+    ) -> list[Any]:
+        """One command per reference, in one pipeline; per-key errors as exception objects."""
+        pipe = self._redis.pipeline(transaction=False)
+        for ref in refs:
+            command(pipe, ref.key)
         try:
             answers: list[Any] = await pipe.execute(raise_on_error=False)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -81,6 +83,23 @@ class RedisPayloads:
         except RedisError as exc:  # e.g. LOADING, READONLY during a failover
             raise StoreOutage(f"Redis: {type(exc).__name__}: {exc}") from exc
         return answers
+
+
+class ClusterRedisPayloads(RedisPayloads):
+    """``RedisPayloads`` on a Redis Cluster: one pipeline per primary that holds keys."""
+
+    def __init__(self, router: ClusterRouter, budget_s: float = 10.0) -> None:
+        self._router = router
+        self._budget_s = budget_s
+
+    async def _ask(
+        self, refs: Sequence[DataRef], command: Callable[[Any, str], object]
+    ) -> list[Any]:
+        try:
+            by_key = await per_key(self._router, {ref.key for ref in refs}, command, self._budget_s)
+        except (RedisError, OSError) as exc:  # still failing over, or every node down
+            raise StoreOutage(f"Redis Cluster: {type(exc).__name__}: {exc}") from exc
+        return [by_key[ref.key] for ref in refs]
 
 
 def _command_fault(ref: DataRef, error: Exception) -> Fault:

@@ -26,8 +26,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from producers.s3 import S3Settings
 from producers.redis_cluster import check_cluster_url
+from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT

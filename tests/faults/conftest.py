@@ -102,7 +102,7 @@ def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
 def private_s3(tmp_path: Path) -> Iterator[LocalService]:
     """SeaweedFS of this test's own: its S3 port and the ports derived from it are free."""
     while True:
-        port = _free_port()
+        port = free_port()
         derived = (port + 555, port + 1000, port - 253)
         wanted = [*derived, *(p + 10000 for p in derived)]
         if all(1024 < p < 65536 and not _listening(p) for p in wanted):
