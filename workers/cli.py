@@ -87,7 +87,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "group_instance_id",
         "permanent_error_grace_s",
     ),
-    "Redis": ("redis_url", "result_ttl_s"),
+    "Redis": ("redis_url", "redis_cluster", "redis_replica_acks", "result_ttl_s"),
     "security": (
         "kafka_security_protocol",
         "kafka_sasl_mechanism",
