@@ -10,11 +10,14 @@ fresh model name (so fresh topics and consumer groups), each worker a real
    ``kafka-consumer-perf-test`` (``ConsumerPerformance``) reading the same topic.
 2. overhead: requests/s of one worker serving an identity model (small
    payloads) from a backlog: Kafka in → Redis and reply topic out, counted from
-   the worker's first fetch to every result being in Redis; then a profiled run.
+   the worker's first fetch to every result being in Redis, repeated (median);
+   with ``--baseline-tree`` the worker of an earlier checkout serves the same
+   kind of backlog between the repeats, for a ratio measured in the same run;
+   then a run sampled by py-spy (steady serving only) for the profile by area.
 3. latency: open-loop load at 25/50/75% of the digits CNN's peak (scenario 4's
    micro-batched rate); end-to-end percentiles from each result's timings
-   (``finished_ms − produced_ms``: the record timestamp to the result being
-   ready to publish, so the final Redis/reply write of ~1 ms is not in it).
+   (``published_ms − produced_ms``: the record timestamp to the result being
+   sent to Redis, which makes it durable one round trip later).
 4. batching: the digits CNN served one request at a time (``--max-batch-size 1``)
    vs micro-batched (the defaults), both from a backlog as in 2.
 
@@ -34,6 +37,8 @@ import os
 import platform
 import re
 import shlex
+import signal
+import statistics
 import sys
 import time
 import uuid
@@ -42,8 +47,6 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from aiokafka import TopicPartition
 
 from bench.plot import Line, Panel, draw_panels
 from bench.services import (
@@ -61,18 +64,19 @@ from bench.stats import (
     batch_summary,
     check_all_ok,
     latency_summary,
-    profile_summary,
+    pyspy_summary,
 )
 from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, encode_request
 from workers.consumer import Consumer
 from workers.demo import WorkerChild
 from workers.demo_model import build_digits_model, heldout_digits
+from workers.offsets import OffsetTracker
 from workers.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 IDENTITY = "bench.identity:IdentityHandler"
-OVERHEAD_GOAL = 20_000.0  # requests/s per process (docs/PERF.md goal 5)
-TRANSPORT_GOAL = 0.8  # worker consumer / kafka-consumer-perf-test (goal 4)
+OVERHEAD_GOAL = 20_000.0  # requests/s per process (docs/benchmarks.md, scenario 2)
+TRANSPORT_GOAL = 0.8  # worker consumer / kafka-consumer-perf-test (scenario 1)
 LOAD_FRACTIONS = (0.25, 0.5, 0.75)
 PARTITIONS = 3
 TRANSPORT_PAYLOAD = 1024
@@ -89,13 +93,14 @@ class Plan:
     transport_records: int
     transport_repeats: int  # alternating kafka-perf / worker runs; the best of each counts
     overhead_requests: int
-    profile_requests: int  # 0: profile the timed run itself (quick mode)
+    overhead_repeats: int  # per tree, interleaved with the previous design's when given
+    profile_seconds: float  # py-spy sampling of a separate run; 0: no profile (quick mode)
     batching_requests: int
     latency_seconds: float  # per load level
 
 
-FULL = Plan(200_000, 2, 30_000, 10_000, 6_000, 8.0)
-QUICK = Plan(300, 1, 300, 0, 300, 1.0)
+FULL = Plan(200_000, 2, 60_000, 3, 8.0, 6_000, 8.0)
+QUICK = Plan(300, 1, 300, 1, 0.0, 300, 1.0)
 
 
 @dataclass
@@ -108,20 +113,20 @@ class Bench:
     kafka_libs: Path
     run_id: str
     quick: bool  # tiny counts, scenarios side by side: the numbers mean nothing
+    baseline_tree: Path | None = None  # a checkout of the previous design, run side by side
+    only: frozenset[str] = frozenset()  # scenarios to run; empty: all
+    overhead_options: tuple[str, ...] = ()  # more worker flags for scenario 2 (both trees)
 
     def model(self, scenario: str) -> str:
         return f"bench-{self.run_id}-{scenario}"
 
     # -- workers -----------------------------------------------------------------------
 
-    def worker_argv(
-        self, spec: str, model: str, options: Sequence[str], profile: Path | None = None
-    ) -> list[str]:
-        entry = ["bench.profiled", str(profile)] if profile else ["producers.cli"]
+    def worker_argv(self, spec: str, model: str, options: Sequence[str]) -> list[str]:
         return [
             sys.executable,
             "-m",
-            *entry,
+            "producers.cli",
             "worker",
             "--model",
             spec,
@@ -149,14 +154,30 @@ class Bench:
         argv: list[str],
         records: Sequence[OutgoingRecord],
         ids: Sequence[str],
+        tree: Path = REPO,
+        profile: Path | None = None,
     ) -> dict[str, Any]:
-        """Produce ``records``, then start a worker on them; rate and batches once all are in."""
+        """Produce ``records``, then start a worker (from ``tree``) on them; rate and batches
+        once all are in. With ``profile``, py-spy samples the worker into that file."""
         await produce_backlog(self.services, topics.requests, records, PARTITIONS)
-        log_path = self.log_dir / f"{model}-{len(ids)}.log"
-        async with WorkerChild(argv, log_path) as worker:
-            seen_at = await worker.unless_it_dies(
-                wait_for_results(self.services, ids, ids[-PARTITIONS:], _WAIT_S)
-            )
+        log_path = self.log_dir / f"{model}-{tree.name}-{len(ids)}.log"
+        async with WorkerChild(argv, log_path, cwd=tree) as worker:
+            sampler = None
+            if profile is not None:
+                # Sample steady serving only: start-up (imports, model, warm-up) is over
+                # once the first answer is in.
+                await worker.unless_it_dies(
+                    wait_for_results(self.services, ids[:1], ids[:1], _WAIT_S)
+                )
+                sampler = await _py_spy(worker.pid, profile)
+            try:
+                seen_at = await worker.unless_it_dies(
+                    wait_for_results(self.services, ids, ids[-PARTITIONS:], _WAIT_S)
+                )
+            finally:
+                if sampler is not None:
+                    sampler.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+                    await sampler.wait()
         results = await read_results(self.services, ids)
         check_all_ok(results, len(ids), f"{model} (log {log_path})")
         return {"requests": len(ids), "rate": backlog_rate(results, seen_at)} | batch_summary(
@@ -203,7 +224,7 @@ async def transport(bench: Bench) -> dict[str, Any]:
     kafka_best = max(run["records_per_s"] for run in kafka_runs)
     worker_best = max(run["records_per_s"] for run in worker_runs)
     return {
-        "what": "workers.consumer.Consumer fetch loop (fetch, offset tracking, finish, commit "
+        "what": "workers.consumer.Consumer fetch loop (fetch, span tracking, finish, commit "
         "every max_in_flight records) vs kafka-consumer-perf-test fetch.nMsg.sec, same topic",
         "records": n,
         "payload_bytes": TRANSPORT_PAYLOAD,
@@ -230,21 +251,25 @@ async def _consumer_fetch_loop(
     max_records = settings.max_batch_size * 4  # what workers.pipeline asks for per fetch
     got = uncommitted = uncounted = 0
     first_at = last_at = 0.0
+    tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
     async with Consumer(settings, topic, group) as consumer, asyncio.timeout(_WAIT_S):
         while got < n:
-            records = await consumer.fetch(100, max_records)
-            if not records:
+            chunks = await consumer.fetch(100, max_records)
+            if not chunks:
                 continue
             last_at = time.perf_counter()
+            fetched = sum(len(records) for records in chunks.values())
             if not got:
-                first_at, uncounted = last_at, len(records)
-            got += len(records)
-            await consumer.finish(
-                [(TopicPartition(r.topic, r.partition), r.offset) for r in records]
-            )
-            uncommitted += len(records)
+                first_at, uncounted = last_at, fetched
+            got += fetched
+            for tp, records in chunks.items():
+                span = tracker.open(tp, records[0].offset, records[-1].offset, len(records))
+                tracker.finish(span, len(records))
+            uncommitted += fetched
             if uncommitted >= settings.max_in_flight:
-                await consumer.commit_finished()
+                positions = tracker.committable()
+                if await consumer.commit(positions):
+                    tracker.mark_committed(positions)
                 uncommitted = 0
     elapsed = last_at - first_at
     return {"records": got, "seconds": elapsed, "records_per_s": (got - uncounted) / elapsed}
@@ -304,40 +329,79 @@ def _parse_consumer_perf(text: str) -> dict[str, float]:
 
 
 async def overhead(bench: Bench) -> dict[str, Any]:
+    """The identity model from a backlog, repeated; with a baseline tree, the previous
+    design's worker serves the same kind of backlog, interleaved run by run."""
     plan = bench.plan
-    options = ["--max-batch-size", str(OVERHEAD_BATCH)]
-    profile_path = bench.log_dir / f"{bench.model('overhead')}.prof"
+    options = ["--max-batch-size", str(OVERHEAD_BATCH), *bench.overhead_options]
+    trees = {"current": REPO} | ({"previous": bench.baseline_tree} if bench.baseline_tree else {})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    profile_path = bench.log_dir / f"{bench.model('overhead')}.pyspy.txt"
     async with bench.fresh_model("overhead") as (model, topics, ids):
-        records, batch_ids = _requests(
-            model, SMALL_PAYLOAD, ContentType.TEXT, plan.overhead_requests
-        )
-        ids += batch_ids
-        quick = plan.profile_requests == 0
-        argv = bench.worker_argv(IDENTITY, model, options, profile_path if quick else None)
-        timed = await bench.serve_backlog(topics, model, argv, records, batch_ids)
-        profiled_requests = plan.overhead_requests
-        if not quick:
-            # Same topic and group: the profiled worker gets only these new records.
-            records, batch_ids = _requests(
-                model, SMALL_PAYLOAD, ContentType.TEXT, plan.profile_requests, "p"
-            )
+        argv = bench.worker_argv(IDENTITY, model, options)
+        for repeat in range(plan.overhead_repeats):
+            for name, tree in trees.items():
+                # Same topic and group: each worker gets only the records produced for it.
+                records, batch_ids = _requests(
+                    model,
+                    SMALL_PAYLOAD,
+                    ContentType.TEXT,
+                    plan.overhead_requests,
+                    f"{name}{repeat}-",
+                )
+                ids += batch_ids
+                runs[name].append(
+                    await bench.serve_backlog(topics, model, argv, records, batch_ids, tree)
+                )
+        profile = None
+        if plan.profile_seconds:
+            count = int(plan.profile_seconds * OVERHEAD_GOAL)
+            records, batch_ids = _requests(model, SMALL_PAYLOAD, ContentType.TEXT, count, "p-")
             ids += batch_ids
-            argv = bench.worker_argv(IDENTITY, model, options, profile_path)
-            profiled = await bench.serve_backlog(topics, model, argv, records, batch_ids)
-            profiled_requests = plan.profile_requests
-            timed["profiled_rate"] = profiled["rate"]
-    rate = float(timed["rate"])
-    return {
+            await bench.serve_backlog(topics, model, argv, records, batch_ids, profile=profile_path)
+            profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
+    rates = {name: sorted(float(run["rate"]) for run in done) for name, done in runs.items()}
+    rate = statistics.median(rates["current"])
+    section: dict[str, Any] = {
         "what": "identity model, 16-byte payloads, backlog: first fetch → all results in Redis "
-        "(and acked on the reply topic)",
+        "(and acked on the reply topic); median of the repeats",
         "worker_options": options,
-        **timed,
+        "runs": runs,
+        "rate": rate,
+        "rates": rates["current"],
         "goal": OVERHEAD_GOAL,
         "ratio_to_goal": rate / OVERHEAD_GOAL,
         "met": rate >= OVERHEAD_GOAL,
-        "profile": profile_summary(profile_path, profiled_requests)
-        | {"stats_file": str(profile_path)},
+        "profile": profile,
     }
+    if "previous" in rates:
+        previous = statistics.median(rates["previous"])
+        section |= {
+            "previous_tree": str(bench.baseline_tree),
+            "previous_rates": rates["previous"],
+            "previous_rate": previous,
+            "ratio_to_previous": rate / previous,
+        }
+    return section
+
+
+async def _py_spy(pid: int, out: Path) -> asyncio.subprocess.Process:
+    """py-spy sampling ``pid`` (every thread, 200 Hz) into ``out``, collapsed stacks."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    return await asyncio.create_subprocess_exec(
+        str(py_spy),
+        "record",
+        "--pid",
+        str(pid),
+        "--rate",
+        "200",
+        "--threads",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
 
 
 # -- scenario 4: batching gain, and the peak that scenario 3 loads against -------------------
@@ -414,7 +478,8 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
     bound = DIGITS_DELAY_MS + 2 * at_half["compute_p99_ms"]
     return {
         "what": "demo digits CNN, open-loop producer (record timestamp = due time); latency = "
-        "timings.finished_ms - timings.produced_ms; compute = timings.inference_ms per batch",
+        "timings.published_ms - timings.produced_ms (to the result being sent to Redis); "
+        "compute = timings.inference_ms per batch",
         "peak_rate": peak,
         "max_delay_ms": DIGITS_DELAY_MS,
         "levels": levels,
@@ -476,7 +541,15 @@ async def run(bench: Bench) -> dict[str, Any]:
     async def overhead_scenario() -> None:
         report["overhead"] = await _timed("2/4 per-request overhead", overhead(bench))
 
-    scenarios = (transport_scenario, overhead_scenario, digits_scenarios)
+    scenarios = tuple(
+        scenario
+        for name, scenario in (
+            ("transport", transport_scenario),
+            ("overhead", overhead_scenario),
+            ("digits", digits_scenarios),
+        )
+        if not bench.only or name in bench.only
+    )
     if bench.quick:
         # Only checks that everything runs: side by side, the workers start up together.
         async with asyncio.TaskGroup() as group:
@@ -488,7 +561,11 @@ async def run(bench: Bench) -> dict[str, Any]:
     meta["load_average_after"] = os.getloadavg()
     meta["seconds"] = time.monotonic() - started
     meta["plan"] = asdict(bench.plan)
-    return {key: report[key] for key in ("meta", "transport", "overhead", "latency", "batching")}
+    return {
+        key: report[key]
+        for key in ("meta", "transport", "overhead", "latency", "batching")
+        if key in report
+    }
 
 
 async def _timed(title: str, scenario: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -539,6 +616,16 @@ def print_table(report: dict[str, Any]) -> None:
             _verdict(o["met"], f">= {OVERHEAD_GOAL:,.0f}/s"),
         ),
     ]
+    if "previous_rate" in o:
+        rows.append(
+            (
+                "2 overhead, previous",
+                f"{o['previous_rate']:,.0f} req/s",
+                "same run, earlier design",
+                f"{o['ratio_to_previous']:.2f}x",
+                "",
+            )
+        )
     for level in lat["levels"]:
         goal = ""
         if level["load"] == 0.5:
@@ -626,7 +713,8 @@ def _default_kafka_libs() -> Path:
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
     found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
     version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
-    return REPO / ".cache" / f"kafka-{version}" / "libs"
+    cache = Path(os.environ.get("CONVEYOR_CACHE_DIR") or REPO / ".cache")  # as env.sh reads it
+    return cache / f"kafka-{version}" / "libs"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -641,6 +729,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kafka-libs", type=Path, help="Kafka's jars, for kafka-consumer-perf-test"
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of an earlier version (git worktree add DIR COMMIT): scenario 2 "
+        "runs its worker too, interleaved with this one, and reports the ratio",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated scenarios to run: transport, overhead, digits (3 and 4); "
+        "default all (the table and plot then show only what ran)",
+    )
+    parser.add_argument(
+        "--overhead-options",
+        default="",
+        help="more worker flags for scenario 2, e.g. '--max-in-flight 8192' (both trees)",
+    )
     return parser
 
 
@@ -654,6 +759,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         kafka_libs=args.kafka_libs or _default_kafka_libs(),
         run_id=uuid.uuid4().hex[:8],
         quick=args.quick,
+        baseline_tree=args.baseline_tree.resolve() if args.baseline_tree else None,
+        only=frozenset(name for name in args.only.split(",") if name),
+        overhead_options=tuple(shlex.split(args.overhead_options)),
     )
     # aiokafka logs retries it recovers from (e.g. leader elections on new topics).
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
@@ -661,6 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / "cpu-bench.json", args.out / "cpu-bench.png"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if bench.only:
+        print(json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2))
+        return 0
     plot(report, png_path)
     _say(f"wrote {json_path} and {png_path} in {report['meta']['seconds']:.0f} s")
     print_table(report)

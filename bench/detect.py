@@ -5,10 +5,11 @@ nothing), on the 640x480 JPEG corpus:
 
 - naive: one request at a time, decoded by Pillow, the model called on it, the
   result document built, synchronously: what a tutorial endpoint does, minus HTTP;
-- runner: the worker's path without Kafka: ``preprocess`` in a thread pool (JPEG
-  headers only when the model is on CUDA: nvJPEG decodes in ``collate``),
-  ``ModelRunner.prepare`` of batch k+1 on a staging thread while batch k infers,
-  batches of ``batch`` images, float16 autocast on CUDA.
+- pipeline: the worker's model stage without Kafka (``workers.inference``, as
+  ``bench.gpu``'s ``pipeline`` stage drives it): ``preprocess`` in a thread pool (JPEG
+  headers only when the model is on CUDA: nvJPEG decodes in ``collate``), then
+  prepare, launch and finish overlapped, batches of ``batch`` images, float16
+  autocast on CUDA.
 
 Run it with ``python -m bench.gpu --stages detect`` (``--quick --device cpu`` checks
 that it runs, on tiny inputs).
@@ -38,7 +39,8 @@ QUICK_OPTIONS: Mapping[str, Mapping[str, Any]] = {
     },
 }
 
-RunSplit = Callable[[Handler, ModelRunner, Sequence[bytes], int, int], float]
+RunPipeline = Callable[[Handler, ModelRunner, Sequence[bytes], int, int], float]
+"""(handler, runner, payloads, batch, threads) -> images per second."""
 
 
 def stage_detect(
@@ -47,14 +49,14 @@ def stage_detect(
     payloads: Sequence[bytes],
     *,
     naive_count: int,
-    runner_count: int,
+    pipeline_count: int,
     batch: int,
     threads: int,
     quick: bool,
-    run_split: RunSplit,
+    run_pipeline: RunPipeline,
 ) -> dict[str, Any]:
-    """One row per detector (see the module doc); ``run_split`` is ``bench.gpu``'s
-    thread-pool/staging/infer loop, returning images per second."""
+    """One row per detector (see the module doc); ``run_pipeline`` drives the worker's
+    model stage (``bench.gpu``'s), returning images per second."""
     out: dict[str, Any] = {}
     for arch in detectors:
         options = dict(QUICK_OPTIONS.get(arch, {})) if quick else {}
@@ -65,18 +67,18 @@ def stage_detect(
         served = _load(arch, device, "auto", options) if device != "cpu" else naive
         runner = ModelRunner(served, device)
         runner.warm_up([batch])
-        row["runner_img_s"] = run_split(
+        row["pipeline_img_s"] = run_pipeline(
             served,
             runner,
-            [payloads[n % len(payloads)] for n in range(runner_count)],
+            [payloads[n % len(payloads)] for n in range(pipeline_count)],
             batch,
             threads,
         )
-        row["vs_naive"] = row["runner_img_s"] / row["naive_img_s"]
+        row["vs_naive"] = row["pipeline_img_s"] / row["naive_img_s"]
         out[arch] = row
         print(
             f"  detect {arch}: naive {row['naive_img_s']:,.1f} img/s, "
-            f"runner {row['runner_img_s']:,.1f} img/s ({row['vs_naive']:.1f}x)",
+            f"pipeline {row['pipeline_img_s']:,.1f} img/s ({row['vs_naive']:.1f}x)",
             flush=True,
         )
     return out
@@ -121,9 +123,11 @@ def print_detect_table(results: Mapping[str, Any], card: str) -> None:
     if not rows:
         return
     print(f"\nDetection on {card} (640x480 JPEGs, random weights)")
-    print(f"{'model':<36} {'naive/s':>9} {'p50 ms':>7} {'runner/s':>9} {'batch':>5} {'×naive':>7}")
+    print(
+        f"{'model':<36} {'naive/s':>9} {'p50 ms':>7} {'pipeline/s':>10} {'batch':>5} {'×naive':>7}"
+    )
     for arch, r in rows.items():
         print(
             f"{arch:<36} {r['naive_img_s']:>9,.1f} {r['naive_p50_ms']:>7.1f} "
-            f"{r['runner_img_s']:>9,.1f} {r['batch']:>5} {r['vs_naive']:>7.1f}"
+            f"{r['pipeline_img_s']:>10,.1f} {r['batch']:>5} {r['vs_naive']:>7.1f}"
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import pstats
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -14,24 +13,20 @@ from schemas import Result, Status, Timings
 
 _REPO = str(Path(__file__).resolve().parents[1]) + "/"
 _LIBRARY_ROOT = re.compile(r"^.*/(site-packages|lib/python3\.\d+)/")
-# Threads waiting for work, and the event loop waiting for sockets: time spent
-# idle, not cost. (socket send/recv stay in: on a busy 2-core box their time is
-# mostly the wait to get the GIL back, which is a real per-request cost.)
-_IDLE = (
-    "<method 'get' of '_queue.SimpleQueue' objects>",
-    "<method 'poll' of 'select.epoll' objects>",
-    "<method 'acquire' of '_thread.lock' objects>",
-    "<built-in method time.sleep>",
-)
-_AREAS = (  # (file path fragment, area), first match wins
-    ("/workers/", "workers (pipeline, publisher, consumer)"),
-    ("/schemas/", "schemas (contract codecs)"),
-    ("/aiokafka/", "aiokafka (fetch, produce)"),
-    ("/redis/", "redis client"),
-    ("/pydantic", "pydantic"),
-    ("/torch/", "torch"),
-    ("/bench/", "identity model"),
-    ("/asyncio/", "asyncio event loop"),
+# Frames that wait rather than work, should py-spy catch a thread in one.
+_IDLE_FUNCTIONS = frozenset({"select", "poll", "wait", "_worker", "get"})
+# One frame of py-spy's raw output: "function (path/to/file.py:line)".
+_FRAME = re.compile(r"^(.*) \((.*?)(?::\d+)?\)$")
+_AREAS = (  # (path prefix as py-spy shows it, area), first match wins
+    ("workers/", "workers (pipeline, publisher, consumer)"),
+    ("schemas/", "schemas (contract codecs)"),
+    ("aiokafka/", "aiokafka (fetch, produce)"),
+    ("redis/", "redis client"),
+    ("pydantic", "pydantic"),
+    ("torch/", "torch"),
+    ("bench/", "identity model"),
+    ("asyncio/", "asyncio event loop"),
+    ("selectors.py", "asyncio event loop"),
 )
 
 
@@ -61,8 +56,13 @@ def backlog_rate(results: Sequence[Result], all_seen_at: float) -> float:
 
 
 def latency_summary(results: Sequence[Result]) -> dict[str, float]:
-    """End-to-end (record timestamp → result ready) and batch compute percentiles, in ms."""
-    latencies = [_timings(r).finished_ms - _timings(r).produced_ms for r in results]
+    """End-to-end and batch compute percentiles, in ms.
+
+    End to end is from the record timestamp to the result being sent to Redis
+    (``published_ms``; durable one Redis round trip later); results of workers
+    that predate that field fall back to ``finished_ms`` (model done).
+    """
+    latencies = [_durable_ms(r) - _timings(r).produced_ms for r in results]
     batches = {(r.worker, _timings(r).batch_start_ms): r for r in results}
     compute = [_timings(r).inference_ms for r in batches.values()]
     return {
@@ -85,44 +85,52 @@ def batch_summary(results: Sequence[Result]) -> dict[str, float]:
     }
 
 
-def profile_summary(stats_path: Path, requests: int, top: int = 12) -> dict[str, Any]:
-    """Where a profiled worker spent its busy time, per request.
+def pyspy_summary(samples_path: Path, requests: int, top: int = 12) -> dict[str, Any]:
+    """Where a worker spent its busy time, per request, from py-spy's collapsed stacks.
 
-    Self time (cProfile's ``tottime``) of every function, idle waits left out,
-    divided by ``requests``: the top functions, and the same time summed by area.
-    cProfile slows pure-Python code more than C code, so shares are the thing to
-    read, not the absolute microseconds.
+    Each sample is charged to the innermost frame of its stack (self time); samples
+    of threads waiting for work (idle) are left out by py-spy itself. Shares are
+    exact for the samples taken; microseconds per request assume the samples cover
+    ``requests`` requests (py-spy samples at a fixed rate, so the busy time is the
+    sample count over that rate: see ``rate_hz``).
     """
-    raw: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(str(stats_path)).stats  # type: ignore[attr-defined]
-    busy: list[tuple[float, str, str]] = []
-    for (file, line, func), (_cc, _calls, self_s, _cum_s, callers) in raw.items():
-        if func in _IDLE:
-            continue
-        name = _where(file, line, func)
-        if file == "~" and callers:
-            # A C function alone says little (socket send, for whom?): name its main caller.
-            top_caller = max(callers.items(), key=lambda kv: kv[1][2])[0]
-            name += f" <- {_where(*top_caller)}"
-        busy.append((self_s, name, _area(file)))
-    total_s = sum(s for s, _name, _area_name in busy)
+    rate_hz = 200.0
+    functions: dict[str, float] = defaultdict(float)
     areas: dict[str, float] = defaultdict(float)
-    for self_s, _name, area in busy:
-        areas[area] += self_s
-    busy.sort(reverse=True)
-    per_request_us = 1e6 / requests
+    total = 0.0
+    for line in samples_path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = float(count_text)
+        leaf = stack.rsplit(";", 1)[-1]
+        match = _FRAME.match(leaf)
+        func, file = (match.group(1), match.group(2)) if match else (leaf, "~")
+        if func in _IDLE_FUNCTIONS:
+            continue
+        functions[f"{func} ({_LIBRARY_ROOT.sub('', file).removeprefix(_REPO)})"] += count
+        areas[_area(file)] += count
+        total += count
+    per_request_us = 1e6 / rate_hz / requests
     return {
+        "profiler": f"py-spy record --rate {rate_hz:.0f} --threads (sampling)",
         "requests": requests,
-        "busy_s": total_s,
-        "busy_us_per_request": total_s * per_request_us,
+        "samples": total,
+        "busy_us_per_request": total * per_request_us,
         "top_functions": [
-            {"function": name, "us_per_request": s * per_request_us, "share": s / total_s}
-            for s, name, _area_name in busy[:top]
+            {"function": name, "us_per_request": n * per_request_us, "share": n / total}
+            for name, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]
         ],
         "by_area": [
-            {"area": area, "us_per_request": s * per_request_us, "share": s / total_s}
-            for area, s in sorted(areas.items(), key=lambda kv: -kv[1])
+            {"area": area, "us_per_request": n * per_request_us, "share": n / total}
+            for area, n in sorted(areas.items(), key=lambda kv: -kv[1])
         ],
     }
+
+
+def _durable_ms(result: Result) -> float:
+    timings = _timings(result)
+    return timings.finished_ms if timings.published_ms is None else timings.published_ms
 
 
 def _timings(result: Result) -> Timings:
@@ -131,17 +139,11 @@ def _timings(result: Result) -> Timings:
     return result.timings
 
 
-def _where(file: str, line: int, func: str) -> str:
-    if file == "~":
-        return func  # a C function: its name says what it is
-    short = _LIBRARY_ROOT.sub("", file).removeprefix(_REPO)
-    return f"{short}:{line}({func})"
-
-
 def _area(file: str) -> str:
-    if file == "~":
-        return "C builtins (sockets, json, ...)"
-    for fragment, area in _AREAS:
-        if fragment in file:
+    if file == "~" or not file.endswith(".py"):
+        return "native (C extensions, sockets)"
+    short = _LIBRARY_ROOT.sub("", file).removeprefix(_REPO)
+    for prefix, area in _AREAS:
+        if short.startswith(prefix):
             return area
     return "other Python"

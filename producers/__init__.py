@@ -7,18 +7,20 @@
         print(client.wait(request_id, timeout=10).outputs)
 
 ``AsyncClient`` has the same methods for asyncio code. This package needs no
-torch: a client-only install (``pip install conveyor``) can use it.
+torch: a client-only install (``pip install conveyor-serve``) can use it.
 """
 
 from producers.client import AsyncClient, Client
 from producers.errors import (
     ClientError,
     InvalidInput,
+    RecordTooLarge,
     ResultTimeout,
     ServiceUnavailable,
     UnknownModel,
 )
 from producers.payload import sniff_content_type
+from producers.results import RequestStatus
 from producers.settings import ClientSettings
 from schemas import ContentType, ContractError, Result, Status
 
@@ -30,6 +32,8 @@ __all__ = [
     "ContentType",
     "ContractError",
     "InvalidInput",
+    "RecordTooLarge",
+    "RequestStatus",
     "Result",
     "ResultTimeout",
     "ServiceUnavailable",

@@ -1,8 +1,9 @@
 """The client SDK: submit requests to a model, read and wait for their results.
 
 ``AsyncClient`` holds the logic: ``RequestSender`` (Kafka) sends, ``ResultReader``
-(Redis) reads and waits. ``Client`` offers the same methods to synchronous code
-by running an ``AsyncClient`` on an event loop in a private thread.
+(Redis; ``ClusterResultReader`` with ``redis_cluster``) reads and waits.
+``Client`` offers the same methods to synchronous code by running an
+``AsyncClient`` on an event loop in a private thread.
 
     with Client() as client:
         request_id = client.submit(Path("cat.jpg"), model="resnet50")
@@ -28,9 +29,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from producers.claims import Uploader
+from producers.cluster_results import ClusterResultReader
 from producers.errors import InvalidInput
 from producers.payload import load_payload
-from producers.results import ResultReader
+from producers.results import RequestStatus, ResultReader
 from producers.sender import RequestSender
 from producers.settings import ClientSettings
 from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
@@ -53,7 +56,12 @@ class AsyncClient:
         """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
         self.settings = settings if settings is not None else ClientSettings()
         self._sender = RequestSender(self.settings)
-        self._reader = ResultReader(self.settings)
+        self._reader: ResultReader | ClusterResultReader = (
+            ClusterResultReader(self.settings)
+            if self.settings.redis_cluster
+            else ResultReader(self.settings)
+        )
+        self._uploader = Uploader(self.settings)
 
     async def __aenter__(self) -> Self:
         return self
@@ -71,7 +79,10 @@ class AsyncClient:
         try:
             await self._sender.close()
         finally:
-            await self._reader.close()
+            try:
+                await self._uploader.close()
+            finally:
+                await self._reader.close()
 
     async def submit(
         self,
@@ -87,7 +98,9 @@ class AsyncClient:
         """Send one request to ``model``; returns its request id once the broker has it.
 
         ``content_type`` defaults to what the payload's magic bytes say (JPEG,
-        PNG, WebP, npy). Raises ``InvalidInput`` or ``schemas.ContractError`` for
+        PNG, WebP, npy). A payload larger than ``settings.dataref_threshold_bytes``
+        is stored first (Redis or S3, ``settings.dataref_store``) and sent by
+        reference (``ce_dataref``). Raises ``InvalidInput`` or ``schemas.ContractError`` for
         input a worker would refuse, ``UnknownModel`` when the model has no
         request topic, and ``ServiceUnavailable`` when Kafka cannot be reached;
         in every case nothing was sent.
@@ -121,7 +134,7 @@ class AsyncClient:
         when given, has one id per payload.
         """
         topic = _request_topic(model, self.settings)
-        ids, records = self._encode_all(
+        ids, records, stored = self._encode_all(
             list(payloads),
             params=params,
             deadline=_absolute(deadline),
@@ -129,6 +142,7 @@ class AsyncClient:
             reply_to=reply_to,
             content_type=content_type,
         )
+        await self._uploader.store(stored)
         if records:
             await self._sender.send(model, topic, records)
         return ids
@@ -136,6 +150,21 @@ class AsyncClient:
     async def result(self, request_id: str) -> Result | None:
         """The result of ``request_id`` now, or None while it is pending (one Redis read)."""
         return await self._reader.get(request_id)
+
+    async def status(self, request_id: str) -> RequestStatus:
+        """Where ``request_id`` stands now: ``queued``, ``running`` (when workers track
+        status) or ``done`` (with its result)."""
+        return await self._reader.status(request_id)
+
+    async def cancel(self, request_id: str) -> RequestStatus:
+        """Cancel ``request_id``: a worker that checks cancellations answers it
+        ``cancelled`` instead of running it, unless its batch has started.
+
+        Returns where the request stood when the cancellation was recorded: ``done``
+        means it changes nothing (the first result stays), ``running`` that it is
+        most likely too late. The cancellation is kept ``settings.cancel_ttl_s``.
+        """
+        return await self._reader.cancel(request_id, self.settings.cancel_ttl_s)
 
     # A timeout parameter rather than asyncio.timeout() around the call: the sync
     # Client shares it, and expiry raises ResultTimeout naming the pending ids.
@@ -169,7 +198,8 @@ class AsyncClient:
         request_ids: Sequence[str] | None,
         reply_to: str | None,
         content_type: ContentType | str | None,
-    ) -> tuple[list[str], list[OutgoingRecord]]:
+    ) -> tuple[list[str], list[OutgoingRecord], list[tuple[str, bytes]]]:
+        """Records for every payload, and the payloads to store first (by request id)."""
         if request_ids is not None and len(request_ids) != len(payloads):
             raise InvalidInput(
                 f"request_ids has {len(request_ids)} ids for {len(payloads)} payloads; "
@@ -177,9 +207,16 @@ class AsyncClient:
             )
         ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in payloads]
         limits = self.settings.limits
+        uploader = self._uploader
         records = []
+        stored: list[tuple[str, bytes]] = []
         for payload, request_id in zip(payloads, ids, strict=True):
-            data, media_type = load_payload(payload, content_type, limits)
+            data, media_type = load_payload(payload, content_type, limits, uploader.max_bytes)
+            dataref, dataexpires = None, None
+            if uploader.wants(len(data)):
+                dataref, dataexpires = uploader.reference(request_id)
+                stored.append((request_id, data))
+                data = b""
             records.append(
                 encode_request(
                     data,
@@ -190,10 +227,12 @@ class AsyncClient:
                     deadline=deadline,
                     reply_to=reply_to,
                     time=datetime.now(UTC),
+                    dataref=dataref,
+                    dataexpires=dataexpires,
                     limits=limits,
                 )
             )
-        return ids, records
+        return ids, records, stored
 
 
 class Client:
@@ -291,6 +330,14 @@ class Client:
     def result(self, request_id: str) -> Result | None:
         """See ``AsyncClient.result``."""
         return self._call(self._client.result(request_id))
+
+    def status(self, request_id: str) -> RequestStatus:
+        """See ``AsyncClient.status``."""
+        return self._call(self._client.status(request_id))
+
+    def cancel(self, request_id: str) -> RequestStatus:
+        """See ``AsyncClient.cancel``."""
+        return self._call(self._client.cancel(request_id))
 
     def wait(self, request_id: str, timeout: float = 30.0) -> Result:
         """See ``AsyncClient.wait``."""

@@ -34,8 +34,10 @@ class Status(StrEnum):
     """The model ran; ``outputs`` holds the answer and ``error`` is null."""
     error = "error"
     """A well-formed request could not be answered: its payload did not decode or
-    was too large once decoded (``decode_failed``, ``image_too_large``), or the
-    model or worker failed (``model_error``, ``out_of_memory``, ``internal``)."""
+    was too large once decoded (``decode_failed``, ``image_too_large``), its
+    referenced payload could not be read (``dataref_*``), it was cancelled
+    (``cancelled``), or the model or worker failed (``model_error``,
+    ``out_of_memory``, ``internal``)."""
     expired = "expired"
     """``ce_deadline`` passed before the model ran (code ``expired``); the model was skipped."""
     rejected = "rejected"
@@ -81,11 +83,16 @@ class Timings(BaseModel, frozen=True):
     finished_ms: float
     """When the result was ready to publish."""
     queue_ms: float
-    """From produced to batch start (or to finished, without a batch)."""
+    """From received to batch start (or to finished, without a batch): time waiting in
+    the worker."""
     inference_ms: float
     """Time in the model for the whole batch."""
     batch_size: Annotated[int, Field(ge=0)]
     """Requests in the batch; 0 when it never reached the model."""
+    published_ms: float | None = None
+    """When the worker sent the result to Redis; it is durable there one round trip
+    later, and on the reply topic once the broker acknowledges it. Null in documents
+    of workers older than this field."""
 
 
 class Result(BaseModel, frozen=True):
@@ -106,7 +113,9 @@ class Result(BaseModel, frozen=True):
     worker: str
     """Which worker process wrote the result."""
     attempt: Annotated[int, Field(ge=1)] = 1
-    """1 on first delivery; higher when the request was redelivered and retried."""
+    """How many times a worker started this request, this time included, when the
+    workers track status (``--track-status``); 1 otherwise (a redelivered request is
+    then recognised in Redis, its first answer stays, but not counted)."""
 
     @model_validator(mode="after")
     def _status_matches_error(self) -> Self:

@@ -1,153 +1,179 @@
-"""The final word on each record: result documents and dead letters, built one way.
+"""The final word on each record: result documents and dead letters, one pass per publish.
 
-Every record a worker fetches ends in exactly one ``Answer``: a result (when the
-record has a usable request id) and/or a dead-letter copy (when it could not be
-served). The pipeline decides *which* answer; this module decides what it looks
-like, so every path (ok, expired, bad input, model failure) fills in the same
-fields.
+The pipeline decides *which* answer a record gets (an ``Item`` answered by the
+model, or a ``Refusal``); ``Answers.outbox`` decides what it looks like, so every
+path (ok, expired, bad input, model failure) fills in the same fields. Documents
+are written with ``schemas.fastpath.ResultEncoder`` (equal to the pydantic path
+by property tests), reply headers are built per result, and refused records
+are copied to the dead-letter topic with the reason in their headers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import (
-    ContractError,
-    ErrorCode,
-    RequestMeta,
-    Result,
-    Status,
-    Timings,
-    dlq_headers,
-    encode_result,
-    status_for,
-)
-from workers.consumer import Record
-from workers.publisher import DeadLetter
+from schemas import ContractError, ErrorCode, Status, dlq_headers, status_for
+from schemas.fastpath import ResultEncoder
+from workers.types import DeadLetter, Item, Outbox, Outcome, Refusal
 
 log = logging.getLogger(__name__)
 
+_OK = Status.ok
+
 
 @dataclass(slots=True)
-class Answer:
-    """The final word on one record: a result (if it had a usable id) and/or a dead letter."""
+class Built:
+    """What one publish carries, and what its metrics need."""
 
-    record: Record
-    result: Result | None
-    dead: DeadLetter | None = None
-    traceparent: str | None = None
-    reply_to: str | None = None
+    outbox: Outbox = field(default_factory=Outbox)
+    produced_ms: list[int] = field(default_factory=list)  # per result, for end-to-end time
+    statuses: dict[str, int] = field(default_factory=dict)  # results by status
+    finished: list[Any] = field(default_factory=list)  # the spans of every record answered
 
 
-class AnswerBuilder:
+class Answers:
     """Builds the answers of one worker: its model name and version, its id."""
 
-    def __init__(self, model: str, model_version: str, worker: str) -> None:
-        self._model = model
-        self._version = model_version
+    def __init__(self, model: str, model_version: str, worker: str, max_result_bytes: int) -> None:
+        self._encoder = ResultEncoder(model, model_version, worker)
         self._worker = worker
+        self.max_result_bytes = max_result_bytes
+        """Largest result document the reply topic takes; larger answers become
+        ``result_too_large`` errors in both places."""
 
-    def ok(self, record: Record, meta: RequestMeta, outputs: Any, timings: Timings) -> Answer:
-        result = self._result(meta.id, Status.ok, outputs, None, timings)
-        return Answer(record, result, None, meta.traceparent, meta.reply_to)
+    def outbox(self, outcomes: Sequence[Outcome]) -> Built:
+        """Encode every answer of ``outcomes`` for one publish."""
+        built = Built()
+        now_ms = time.time() * 1000.0
+        for outcome in outcomes:
+            if outcome.answered:
+                self._answered(outcome, now_ms, built)
+            for refusal in outcome.refused:
+                self._refused(refusal, now_ms, built)
+        return built
 
-    def expired(self, record: Record, meta: RequestMeta, received_ms: float) -> Answer:
-        """The deadline passed before the model ran: ``expired``, no dead letter."""
-        timings = _unbatched(record, received_ms, queued=True)
-        deadline = meta.deadline.isoformat() if meta.deadline else "(max age)"
-        error = (ErrorCode.expired, f"deadline {deadline} passed before inference")
-        result = self._result(meta.id, Status.expired, None, error, timings)
-        return Answer(record, result, None, meta.traceparent, meta.reply_to)
+    def _answered(self, outcome: Outcome, now_ms: float, built: Built) -> None:
+        timing = outcome.timing
+        assert timing is not None
+        start_ms, finished_ms = timing.start_ms, timing.finished_ms
+        inference_ms, size = timing.inference_ms, timing.size
+        add, encode, headers = built.outbox.add, self._encoder.encode, self._encoder.headers
+        produced, spans, limit = built.produced_ms, built.finished, self.max_result_bytes
+        ok = 0
+        for item, output in zip(outcome.answered, outcome.outputs, strict=True):
+            record, meta = item.record, item.meta
+            timings = {
+                "produced_ms": record.timestamp,
+                "received_ms": item.received_ms,
+                "batch_start_ms": start_ms,
+                "finished_ms": finished_ms,
+                "queue_ms": start_ms - item.received_ms,
+                "inference_ms": inference_ms,
+                "batch_size": size,
+                "published_ms": now_ms,
+            }
+            try:
+                data = encode(meta.id, _OK, output, None, timings, item.attempt)
+                if len(data) > limit:
+                    data = self._too_large(item, len(data), timings)
+                else:
+                    ok += 1
+            except ContractError as exc:
+                log.error("result for %s cannot be encoded: %s", meta.id, exc)
+                message = f"the model's output could not be encoded: {exc}"
+                data = self._error(meta.id, ErrorCode.internal, message, timings, built)
+            add(meta.id, data, headers(meta.id, meta.traceparent), meta.reply_to, record.partition)
+            produced.append(record.timestamp)
+            spans.append(item.span)
+        if ok:
+            built.statuses[_OK.value] = built.statuses.get(_OK.value, 0) + ok
 
-    def failure(
-        self,
-        record: Record,
-        code: ErrorCode,
-        message: str,
-        *,
-        field: str | None,
-        request_id: str | None,
-        received_ms: float,
-        timings: Timings | None = None,
-    ) -> Answer:
-        """An error result (when the record has a usable id) plus a dead-letter copy."""
-        headers = dlq_headers(
-            record.headers,
-            code=code,
-            message=message,
-            field=field,
-            source_topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            worker=self._worker,
+    def _too_large(self, item: Item, size: int, timings: dict[str, Any]) -> bytes:
+        log.error(
+            "result for %s is %d bytes, more than the reply topic takes (%d)",
+            item.meta.id,
+            size,
+            self.max_result_bytes,
         )
-        dead = DeadLetter(record.key, record.value, headers)
-        result = None
-        if request_id is not None:
-            timings = timings or _unbatched(record, received_ms, queued=False)
-            result = self._result(request_id, status_for(code), None, (code, message), timings)
-        return Answer(record, result, dead, _header(record, "traceparent"), None)
+        message = (
+            f"the answer is {size} bytes, more than the reply topic accepts "
+            f"({self.max_result_bytes}); raise the topic's max.message.bytes or ask for less"
+        )
+        status = status_for(ErrorCode.result_too_large)
+        error = (ErrorCode.result_too_large.value, message)
+        return self._encoder.encode(item.meta.id, status, None, error, timings, item.attempt)
 
-    def encode(self, answer: Answer) -> bytes:
-        """The result document; outputs that JSON cannot carry become an ``internal`` error."""
-        assert answer.result is not None
-        try:
-            return encode_result(answer.result)
-        except ContractError as exc:
-            log.error("result for %s cannot be encoded: %s", answer.result.id, exc)
-            answer.result = self._result(
-                answer.result.id,
-                Status.error,
-                None,
-                (ErrorCode.internal, f"the model's output could not be encoded: {exc}"),
-                answer.result.timings,
-            )
-            return encode_result(answer.result)
-
-    def _result(
+    def _error(
         self,
         request_id: str,
-        status: Status,
-        outputs: Any,
-        error: tuple[ErrorCode, str] | None,
-        timings: Timings | None,
-    ) -> Result:
-        return Result.model_validate(
-            {
-                "id": request_id,
-                "status": status,
-                "model": self._model,
-                "model_version": self._version,
-                "outputs": outputs,
-                "error": None if error is None else {"code": error[0], "message": error[1]},
-                "timings": timings,
-                "worker": self._worker,
-            }
+        code: ErrorCode,
+        message: str,
+        timings: Any,
+        built: Built,
+        attempt: int = 1,
+    ) -> bytes:
+        status = status_for(code)
+        built.statuses[status.value] = built.statuses.get(status.value, 0) + 1
+        return self._encoder.encode(
+            request_id, status, None, (code.value, message), timings, attempt
         )
 
+    def _refused(self, refusal: Refusal, now_ms: float, built: Built) -> None:
+        record = refusal.record
+        if refusal.request_id is not None:
+            timings = _timings(refusal, now_ms)
+            data = self._error(
+                refusal.request_id, refusal.code, refusal.message, timings, built, refusal.attempt
+            )
+            built.outbox.add(
+                refusal.request_id,
+                data,
+                self._encoder.headers(refusal.request_id, refusal.traceparent),
+                refusal.reply_to,
+                record.partition,
+            )
+            built.produced_ms.append(record.timestamp)
+        if refusal.dead_letter:
+            headers = dlq_headers(
+                record.headers,
+                code=refusal.code,
+                message=refusal.message,
+                field=refusal.field,
+                source_topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                worker=self._worker,
+            )
+            built.outbox.dead.append(DeadLetter(record.key, record.value, headers))
+        built.finished.append(refusal.span)
 
-def _unbatched(record: Record, received_ms: float, *, queued: bool) -> Timings:
-    """Timings of an answer given without running the model (batch size 0)."""
-    now_ms = time.time() * 1000.0
-    return Timings(
-        produced_ms=record.timestamp,
-        received_ms=received_ms,
-        batch_start_ms=None,
-        finished_ms=now_ms,
-        queue_ms=now_ms - received_ms if queued else 0.0,
-        inference_ms=0.0,
-        batch_size=0,
-    )
 
-
-def _header(record: Record, name: str) -> str | None:
-    for key, value in record.headers:
-        if key == name:
-            try:
-                return str(value.decode("utf-8"))
-            except (UnicodeDecodeError, AttributeError):
-                return None
-    return None
+def _timings(refusal: Refusal, now_ms: float) -> dict[str, Any]:
+    """Timings of a refusal: its batch's when the model ran on it, else batch size 0."""
+    batch = refusal.batch
+    if batch is not None:
+        start_ms, finished_ms, inference_ms, size = (
+            batch.start_ms,
+            batch.finished_ms,
+            batch.inference_ms,
+            batch.size,
+        )
+        queue_ms = start_ms - refusal.received_ms
+    else:
+        start_ms, finished_ms, inference_ms, size = None, now_ms, 0.0, 0
+        queued = refusal.code is ErrorCode.expired
+        queue_ms = now_ms - refusal.received_ms if queued else 0.0
+    return {
+        "produced_ms": refusal.record.timestamp,
+        "received_ms": refusal.received_ms,
+        "batch_start_ms": start_ms,
+        "finished_ms": finished_ms,
+        "queue_ms": queue_ms,
+        "inference_ms": inference_ms,
+        "batch_size": size,
+        "published_ms": now_ms,
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -10,17 +11,30 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from schemas import consumer_group, topics_for
+import redis.asyncio as aioredis
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from producers.security import kafka_connect_failed, redis_connect_failed, redis_options
+from schemas import ModelTopics, consumer_group, topics_for
+from schemas.fastpath import ResultEncoder
+from workers.admission import Admission
+from workers.answers import Answers
+from workers.claims import Claims
 from workers.consumer import Consumer
 from workers.health import Check, HealthServer
 from workers.loader import load_handler
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
+from workers.preprocess import DecodeBudget
 from workers.publisher import Publisher
-from workers.runner import ModelRunner, batch_buckets
+from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings
+from workers.topics import TopicFacts, check_topics
 
 log = logging.getLogger("conveyor.worker")
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 
 
 @dataclass
@@ -34,8 +48,13 @@ class _Parts:
 
 
 async def run_worker(settings: WorkerSettings) -> None:
-    """Serve ``settings.model`` from its request topic until SIGTERM or SIGINT."""
+    """Serve ``settings.model`` from its request topic until SIGTERM or SIGINT.
+
+    Raises ``ConfigError`` (missing topics, refused ACLs) and ``ConnectFailed``
+    (Kafka or Redis unreachable) for the CLI to report in one line.
+    """
     topics = topics_for(settings.served_name, settings.topic_prefix)
+    _give_large_frees_back()
     stop = _stop_on_signals()  # first, so a stop during start-up is a clean one too
     metrics = Metrics(settings.served_name)
     parts = _Parts(stop)
@@ -45,25 +64,43 @@ async def run_worker(settings: WorkerSettings) -> None:
         await stack.enter_async_context(
             HealthServer(
                 metrics,
-                _readiness_checks(parts),
+                _readiness_checks(parts, settings),
                 host=settings.metrics_host,
                 port=settings.metrics_port,
             )
         )
+        facts = await _preflight(settings, topics)
         runner = parts.runner = await asyncio.to_thread(_load_model, settings)
         if stop.is_set():
             return
+        handler = runner.handler
+        encoder = ResultEncoder(settings.served_name, handler.version, settings.worker_id)
         publisher = parts.publisher = await stack.enter_async_context(
-            Publisher(settings, topics.results, topics.dlq)
+            Publisher(settings, topics, facts, encoder, metrics=metrics)
         )
         consumer = parts.consumer = await stack.enter_async_context(
             Consumer(
                 settings,
                 topics.requests,
                 consumer_group(settings.served_name, settings.topic_prefix),
+                metrics,
             )
         )
-        pipeline = Pipeline(settings, consumer, publisher, runner, runner.handler, topics, metrics)
+        answers = Answers(
+            settings.served_name, handler.version, settings.worker_id, publisher.max_result_bytes
+        )
+        claims = await stack.enter_async_context(Claims.open(settings, metrics))
+        admission = await stack.enter_async_context(Admission.open(settings, metrics))
+        pipeline = Pipeline(
+            settings,
+            consumer,
+            publisher,
+            runner,
+            answers,
+            metrics,
+            claims=claims,
+            admission=admission,
+        )
         log.info(
             "worker %s ready: serving %s from %s",
             settings.worker_id,
@@ -71,22 +108,57 @@ async def run_worker(settings: WorkerSettings) -> None:
             topics.requests,
         )
         await pipeline.run(stop)
+        stats = pipeline.stats
         log.info(
-            "drained and stopping: %d answered (%s), %d duplicates left unchanged",
-            pipeline.stats.answered,
-            pipeline.stats.by_status,
-            pipeline.stats.duplicates,
+            "drained and stopping: %d answered (%s), %d duplicates left unchanged, "
+            "%d handed back on rebalances",
+            stats.answered,
+            stats.by_status,
+            stats.duplicates,
+            stats.handed_back,
         )
 
 
-def _readiness_checks(parts: _Parts) -> dict[str, Check]:
+async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
+    """Before the model loads: Redis answers, Kafka answers and the model's topics exist.
+
+    Raises ``ConnectFailed`` naming the service that refused, ``TopicProblem`` for
+    missing or forbidden topics.
+    """
+    redis = aioredis.Redis.from_url(
+        settings.redis_url.get_secret_value(), socket_connect_timeout=5, **redis_options(settings)
+    )
+    try:
+        await redis.ping()
+    except (RedisError, OSError) as exc:
+        raise redis_connect_failed(settings.redis_url, exc) from None
+    finally:
+        await redis.aclose()
+    try:
+        return await check_topics(settings, topics)
+    except (KafkaError, OSError) as exc:
+        raise await kafka_connect_failed(settings.kafka_bootstrap, settings, exc) from None
+
+
+def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Check]:
     async def redis_reachable() -> bool:
         return parts.publisher is not None and await parts.publisher.ping()
+
+    def results_durable() -> bool:
+        # False while results have failed to become durable for a while (an outage,
+        # or a configuration error that will end the worker unless fixed in time).
+        publisher = parts.publisher
+        return publisher is not None and publisher.stalled_for() < settings.unready_after_s
+
+    def kafka_reads() -> bool:
+        return parts.consumer is not None and parts.consumer.config_problem is None
 
     return {
         "model_loaded": lambda: parts.runner is not None,
         "partitions_assigned": lambda: parts.consumer is not None and parts.consumer.assigned(),
         "redis_reachable": redis_reachable,
+        "results_durable": results_durable,
+        "kafka_reads": kafka_reads,
         "not_draining": lambda: not parts.stop.is_set(),
     }
 
@@ -102,11 +174,26 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         limits=settings.limits,
         decode=settings.decode,
         allow_pickle=settings.allow_pickle_models,
+        decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
-    buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
-    runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)
+    cuda = resolve_device(settings.device).type == "cuda"
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
+    graphs = graphs and not settings.compile
+    if settings.compile:
+        buckets = batch_buckets(settings.max_batch_size)
+    elif graphs:
+        buckets = batch_buckets(settings.max_batch_size, step=GRAPH_BUCKET_STEP)
+    else:
+        buckets = ()
+    runner = ModelRunner(
+        handler,
+        device=settings.device,
+        compile=settings.compile,
+        buckets=buckets,
+        cuda_graphs=graphs,
+    )
     sizes = sorted(
         {1, settings.max_batch_size}
         | {
@@ -117,13 +204,32 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
     )
     runner.warm_up(sizes)
     log.info(
-        "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s",
+        "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s%s",
         settings.model,
         handler.version,
         sizes,
         time.monotonic() - started,
+        f"; CUDA graphs for {list(runner.graphed_sizes)}" if runner.graphed_sizes else "",
     )
     return runner
+
+
+def _give_large_frees_back() -> None:
+    """On glibc, serve allocations of 1 MiB and more with mmap, so freeing one gives it
+    back to the system at once.
+
+    glibc's default threshold grows to 32 MiB as large blocks are freed, after which
+    decoded images (Pillow allocates them in 16 MiB blocks) come from per-thread heaps
+    that keep the memory after it is freed: with 8 decode threads the process would
+    hold 8 images' worth however the decode budget spaces them. With the fixed
+    threshold, resident memory follows the budget (tests/faults/test_reliability.py).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator has its own policy
+    if not libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20):
+        log.warning("could not set glibc's mmap threshold; decode memory may stay resident")
 
 
 def _stop_on_signals() -> asyncio.Event:

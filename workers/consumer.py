@@ -1,41 +1,61 @@
-"""The worker's Kafka side: fetch records, pause for backpressure, commit what is finished.
+"""The worker's Kafka side: a consumer-group member that fetches, pauses and commits.
 
-Offsets follow one rule, kept here and nowhere else: a partition's committed
-position only moves past a record once that record's result is durable (written
-to Redis and acknowledged on the reply topic) — see ``finish`` and
-``commit_finished``. A partition revoked in a rebalance is drained and committed
-before it is released (``_Rebalance.on_partitions_revoked``).
+``Consumer`` is the ``RecordSource`` of the pipeline (``workers.types``): it hands
+out records per partition, pauses for backpressure, commits the positions it is
+given, and before the group takes partitions away it waits for the pipeline to
+drain and commit them (``on_revoke``). Which positions are safe to commit is the
+pipeline's business (``workers.offsets``), not this adapter's.
+
+No record can stop it: fetch responses are read with ``workers.kafka_records``
+(a record aiokafka's parser refuses is read leniently and refused by the worker),
+and any other error of a fetch is logged, counted and retried, never raised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    IllegalStateError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 
 from producers.security import kafka_connect_failed, kafka_options
-from workers.offsets import OffsetTracker
+from workers import kafka_records
+from workers.metrics import Metrics
 from workers.settings import WorkerSettings
+from workers.types import ConfigError, Record, Revoked
+from workers.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
 
-Record = Any  # aiokafka.structs.ConsumerRecord[bytes, bytes]; aiokafka ships no type hints
+_FETCH_BACKOFF_MAX_S = 5.0
+_FORBIDDEN = (TopicAuthorizationFailedError, GroupAuthorizationFailedError)
+
+
+class FetchConfigError(ConfigError):
+    """Kafka refuses this worker's reads, and kept refusing past the grace period."""
 
 
 class Consumer:
     """A consumer-group member on one model's request topic, with manual commits."""
 
-    def __init__(self, settings: WorkerSettings, topic: str, group: str) -> None:
+    def __init__(
+        self, settings: WorkerSettings, topic: str, group: str, metrics: Metrics | None = None
+    ) -> None:
+        kafka_records.install()
+        self._metrics = metrics
         self._topic = topic
-        self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._next_offset: dict[TopicPartition, int] = {}  # per partition, after the last fetched
-        self._progress = asyncio.Condition()
-        self._drain_timeout_s = settings.max_drain_ms / 1000.0
         self._settings = settings
+        self._revoked: Revoked | None = None
+        self._next_offset: dict[TP, int] = {}  # per partition, after the last record fetched
         self._kafka = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             group_id=group,
@@ -52,6 +72,10 @@ class Consumer:
             **kafka_options(settings),
         )
         self.paused = False
+        self._failures = 0  # fetches failed in a row
+        self.config_problem: str | None = None
+        """Why Kafka refuses this worker's reads right now, if it does."""
+        self._failing_since: float | None = None
 
     async def start(self) -> None:
         """Join the group; raises ``ConnectFailed`` naming the cause if Kafka refuses us."""
@@ -65,11 +89,8 @@ class Consumer:
             ) from None
 
     async def stop(self) -> None:
-        """Commit what is finished and leave the group."""
-        try:
-            await self.commit_finished()
-        finally:
-            await self._kafka.stop()
+        """Leave the group (with static membership, keep the place for a restart)."""
+        await self._kafka.stop()
 
     async def __aenter__(self) -> Consumer:
         await self.start()
@@ -78,94 +99,99 @@ class Consumer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def fetch(self, timeout_ms: int, max_records: int) -> list[Record]:
-        """Fetch the next records (tracked as in flight from here on)."""
-        batches = await self._kafka.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        records: list[Record] = []
-        for tp, recs in batches.items():
-            for rec in recs:
-                self._tracker.track(tp, rec.offset)
-            if recs:
-                self._next_offset[tp] = recs[-1].offset + 1
-            records.extend(recs)
-        return records
+    def on_revoke(self, handler: Revoked) -> None:
+        self._revoked = handler
 
-    def in_flight(self) -> int:
-        return self._tracker.in_flight()
+    async def fetch(self, timeout_ms: int, max_records: int) -> Mapping[TP, Sequence[Record]]:
+        """The next records per partition; after an error, none (it is retried next time)."""
+        try:
+            batches: dict[TP, list[Record]] = await self._kafka.getmany(
+                timeout_ms=timeout_ms, max_records=max_records
+            )
+        except Exception as exc:  # whatever a fetch raises, the fetch loop must go on
+            await self._fetch_failed(exc)
+            return {}
+        self._failing_since = self.config_problem = None
+        self._failures = 0
+        for tp, records in batches.items():
+            if records:
+                self._next_offset[tp] = records[-1].offset + 1
+        return batches
+
+    async def _fetch_failed(self, exc: Exception) -> None:
+        self._failures += 1
+        if self._metrics is not None:
+            self._metrics.fetch_error()
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        failing_for = now - self._failing_since
+        if isinstance(exc, _FORBIDDEN):
+            self.config_problem = f"Kafka refuses this worker's reads ({exc}): grant its ACLs"
+            if failing_for >= self._settings.permanent_error_grace_s:
+                raise FetchConfigError(
+                    f"{self.config_problem} (still refused after {failing_for:.0f} s)"
+                ) from exc
+        log.error("fetch failed (%r); retrying", exc, exc_info=not isinstance(exc, KafkaError))
+        await asyncio.sleep(min(_FETCH_BACKOFF_MAX_S, 0.05 * 2 ** min(self._failures, 7)))
 
     def assigned(self) -> bool:
         """Whether the group gave this worker at least one partition (readiness)."""
         return bool(self._kafka.assignment())
 
-    def lag(self) -> dict[tuple[str, int], int]:
-        """Per assigned partition, records not yet answered: not fetched, plus in flight.
+    def lag(self) -> dict[TP, int]:
+        """Per assigned partition, records not fetched yet (by this worker's position).
 
         Partitions not fetched from since their assignment are left out: their
         position is unknown without a request, and a caught-up one adds 0 anyway.
         """
-        lag: dict[tuple[str, int], int] = {}
+        lag: dict[TP, int] = {}
         for tp in self._kafka.assignment():
             end, fetched = self._kafka.highwater(tp), self._next_offset.get(tp)
             if end is not None and fetched is not None:
-                lag[(tp.topic, tp.partition)] = max(0, end - fetched) + self._tracker.in_flight(tp)
+                lag[tp] = max(0, end - fetched)
         return lag
 
     def set_paused(self, paused: bool) -> None:
         """Pause or resume fetching from every assigned partition (backpressure)."""
         if paused == self.paused:
             return
-        assigned = list(self._kafka.assignment())
         if paused:
-            self._kafka.pause(*assigned)
+            self._kafka.pause(*self._kafka.assignment())
         else:
             self._kafka.resume(*self._kafka.paused())
         self.paused = paused
 
-    async def finish(self, done: Sequence[tuple[TopicPartition, int]]) -> None:
-        """Mark records whose results are durable; wakes anyone draining a partition."""
-        for tp, offset in done:
-            self._tracker.done(tp, offset)
-        async with self._progress:
-            self._progress.notify_all()
-
-    async def commit_finished(self) -> None:
-        """Commit, per partition, the position below which every result is durable."""
-        positions = self._tracker.committable()
+    async def commit(self, positions: Mapping[TP, int]) -> bool:
+        """Commit positions of partitions still assigned; False when Kafka refused."""
         assigned = self._kafka.assignment()
-        positions = {tp: pos for tp, pos in positions.items() if tp in assigned}
-        if not positions:
-            return
+        mine = {
+            TopicPartition(*tp): position for tp, position in positions.items() if tp in assigned
+        }
+        if not mine:
+            return True
         try:
-            await self._kafka.commit(positions)
+            await self._kafka.commit(mine)
         except (CommitFailedError, IllegalStateError) as exc:
             # The group moved on: these partitions belong to someone else now, who
-            # starts from the last commit; results are idempotent by request id.
-            log.warning("commit of %s failed after a rebalance: %s", positions, exc)
+            # starts from the last commit; results are first-final-wins by request id.
+            log.warning("commit of %s failed after a rebalance: %s", _names(mine), exc)
+            return False
         except KafkaError as exc:
-            log.warning("commit failed, will retry with the next batch: %s", exc)
-            return
-        self._tracker.mark_committed(positions)
+            log.warning("commit failed, will retry: %s", exc)
+            return False
+        return True
 
-    async def drain(self, partitions: set[TopicPartition]) -> None:
-        """Wait until every fetched record of these partitions is answered, then commit."""
-
-        def drained() -> bool:
-            return all(self._tracker.in_flight(tp) == 0 for tp in partitions)
-
-        async with self._progress:
-            try:
-                await asyncio.wait_for(self._progress.wait_for(drained), self._drain_timeout_s)
-            except TimeoutError:
-                log.error(
-                    "partitions %s not drained in %.0f s; releasing them uncommitted "
-                    "(their records will be redelivered)",
-                    partitions,
-                    self._drain_timeout_s,
-                )
-        await self.commit_finished()
-        for tp in partitions:
-            self._tracker.forget(tp)
+    async def _revoke(self, revoked: set[TopicPartition]) -> None:
+        if self._revoked is not None:
+            await self._revoked({(tp.topic, tp.partition) for tp in revoked})
+        for tp in revoked:
             self._next_offset.pop(tp, None)
+
+    def _keep_paused(self, assigned: set[TopicPartition]) -> None:
+        if self.paused and assigned:
+            # New partitions start paused too while backpressure holds.
+            self._kafka.pause(*assigned)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -175,14 +201,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         if revoked:
             log.info("partitions revoked: %s; draining them", _names(revoked))
-            await self._consumer.drain(set(revoked))
+            await self._consumer._revoke(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("partitions assigned: %s", _names(assigned))
-        if self._consumer.paused:
-            # New partitions start paused too while backpressure holds.
-            self._consumer._kafka.pause(*assigned)
+        self._consumer._keep_paused(assigned)
 
 
-def _names(tps: set[TopicPartition]) -> str:
+def _names(tps: Mapping[TopicPartition, int] | set[TopicPartition]) -> str:
     return ", ".join(sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)) or "none"

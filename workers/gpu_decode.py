@@ -2,7 +2,7 @@
 
 A CPU core decodes and resizes about 200 photos (640x480) a second, so feeding a
 GPU that classifies 15,000 a second from Pillow takes a machine's worth of cores;
-nvJPEG decodes a whole batch in one call at GPU speed (see docs/gpu-bench.md).
+nvJPEG decodes a whole batch in one call at GPU speed (measured in docs/benchmarks.md).
 The split of work:
 
 - ``BatchDecoder.encoded`` runs in the decode thread pool. It reads only the JPEG
@@ -39,12 +39,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from PIL import Image
+from torch.utils.dlpack import from_dlpack
 
-from schemas import ContentType
+from schemas import ContentType, Limits
 from workers.preprocess import (
     ImageSpec,
     check_pixels,
@@ -55,9 +56,13 @@ from workers.preprocess import (
     reference_size,
 )
 
-DecodeOption = Literal["auto", "cpu", "gpu"]
+DecodeOption = Literal["auto", "cpu", "gpu", "gpu-hw"]
 """Where images are decoded: ``cpu`` (Pillow, in the decode threads), ``gpu`` (nvJPEG on
-the model's device, in batches), or ``auto`` (``gpu`` when the model is on CUDA)."""
+the model's device, in batches, through torchvision), ``gpu-hw`` (the GPU's hardware
+JPEG engine through nvImageCodec, CUDA nvJPEG where the engine declines an image;
+needs the ``nvidia-nvimgcodec-cu13`` package), or ``auto`` (``gpu`` on CUDA)."""
+
+JpegBackend = Literal["nvjpeg", "nvimgcodec"]
 
 READ_MODES = {"RGB": 3, "L": 1}
 """``torchvision.io.ImageReadMode`` values by Pillow mode, for ``decode_jpegs``."""
@@ -146,14 +151,17 @@ class BatchDecoder:
     Thread-safety: ``encoded`` holds no state; ``collate`` is called by one thread at a time.
     """
 
-    def __init__(self, spec: ImageSpec, *, max_pixels: int) -> None:
+    def __init__(
+        self, spec: ImageSpec, *, max_pixels: int, backend: JpegBackend = "nvjpeg"
+    ) -> None:
         """Raises ``ValueError`` when ``spec`` cannot be served this way
-        (``device_decode_supported`` says why)."""
+        (``device_decode_supported`` says why), or nvImageCodec is missing for it."""
         reason = device_decode_supported(spec)
         if reason is not None:
             raise ValueError(f"decode='gpu' is not available: {reason}; use decode='cpu'")
         self.spec = spec
         self._max_pixels = max_pixels
+        self._hardware = _HardwareJpeg(spec.mode) if backend == "nvimgcodec" else None
         self._mode = READ_MODES[spec.mode]
         self._filter = _FILTERS[spec.resample]
         self._matrices: dict[
@@ -184,10 +192,13 @@ class BatchDecoder:
         if not encoded:
             return None
         spec = self.spec
+        pixels = self._decode([items[n] for n in encoded], device)
+        whole = self._fit_whole(pixels, len(items))
+        if whole is not None:
+            return whole
         out = torch.empty(
             (len(items), spec.channels, spec.height, spec.width), dtype=torch.uint8, device=device
         )
-        pixels = _decode_each([items[n] for n in encoded], self._mode, device)
         on_host = [(n, item) for n, item in enumerate(items) if item.ndim != 1]
         by_size: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = defaultdict(list)
         for n, image in zip(encoded, pixels, strict=True):
@@ -209,6 +220,29 @@ class BatchDecoder:
             host = torch.stack([item for _, item in on_host])
             out.index_copy_(0, _indices(on_host, device), host.to(device))
         return out
+
+    def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
+        if self._hardware is not None and device.type == "cuda":
+            return self._hardware.decode(data, device)
+        return _decode_each(data, self._mode, device)
+
+    def _fit_whole(self, pixels: list[torch.Tensor | None], count: int) -> torch.Tensor | None:
+        """The common case in one piece: every item a JPEG the device decoded, all of one
+        size (frames of a camera, a corpus of one source), few enough to resample at
+        once; then no index bookkeeping (and no blocking index upload) is needed."""
+        if len(pixels) != count or not pixels:
+            return None
+        first = pixels[0]
+        if first is None:
+            return None
+        shape = first.shape
+        if any(image is None or image.shape != shape for image in pixels):
+            return None
+        height, width = int(shape[1]), int(shape[2])
+        if count * self.spec.channels * height * width > _FLOATS_PER_CHUNK:
+            return None
+        return self._fit(torch.stack(pixels), width, height)  # type: ignore[arg-type]
 
     def _fit(self, batch: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """Center-crop and resize a uint8 (N, C, height, width) batch to the target size.
@@ -273,9 +307,11 @@ class ImageListDecoder:
     device in item order, items already decoded on the CPU copied over as they are.
     """
 
-    def __init__(self, mode: Literal["RGB", "L"], *, max_pixels: int) -> None:
+    def __init__(
+        self, mode: Literal["RGB", "L"], *, max_pixels: int, backend: JpegBackend = "nvjpeg"
+    ) -> None:
         """``mode`` is ``RGB`` or ``L``. Raises ``ValueError`` where torchvision has no
-        JPEG decoding operators."""
+        JPEG decoding operators, or nvImageCodec is missing for its ``backend``."""
         if not _image_ops():
             raise ValueError(
                 "decode='gpu' is not available: torchvision is not installed, or this build "
@@ -284,6 +320,7 @@ class ImageListDecoder:
         self.mode = mode
         self._read_mode = READ_MODES[mode]
         self._max_pixels = max_pixels
+        self._hardware = _HardwareJpeg(mode) if backend == "nvimgcodec" else None
 
     def encoded(self, payload: bytes) -> torch.Tensor | None:
         """As ``BatchDecoder.encoded``."""
@@ -300,7 +337,11 @@ class ImageListDecoder:
         for a JPEG that neither nvJPEG nor Pillow can decode."""
         encoded = [n for n, item in enumerate(items) if item.ndim == 1]
         out = [item if item.ndim == 1 else item.to(device, non_blocking=True) for item in items]
-        decoded = _decode_each([items[n] for n in encoded], self._read_mode, device)
+        data = [items[n] for n in encoded]
+        if self._hardware is not None and device.type == "cuda" and data:
+            decoded = self._hardware.decode(data, device)
+        else:
+            decoded = _decode_each(data, self._read_mode, device)
         for n, image in zip(encoded, decoded, strict=True):
             if image is None:  # refused by the device decoder: Pillow decides
                 payload = items[n].numpy().tobytes()
@@ -309,6 +350,17 @@ class ImageListDecoder:
                 ).to(device)
             out[n] = image
         return out
+
+
+def image_list_decoder(
+    decode: DecodeOption, mode: Literal["RGB", "L"], device: torch.device, limits: Limits
+) -> ImageListDecoder | None:
+    """The device decoder ``decode`` asks for (``auto``: nvJPEG on CUDA), or ``None`` when
+    images are decoded on the CPU."""
+    if decode == "cpu" or (decode == "auto" and device.type != "cuda"):
+        return None
+    backend: JpegBackend = "nvimgcodec" if decode == "gpu-hw" else "nvjpeg"
+    return ImageListDecoder(mode, max_pixels=limits.max_pixels, backend=backend)
 
 
 def encoded_jpeg(payload: bytes, max_pixels: int) -> torch.Tensor | None:
@@ -426,4 +478,42 @@ def _image_ops() -> bool:
 
 
 def _indices(members: Sequence[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    return torch.tensor([n for n, _ in members], dtype=torch.long, device=device)
+    """Item positions on ``device``, uploaded without blocking the host (pinned memory)."""
+    positions = torch.tensor([n for n, _ in members], dtype=torch.long)
+    if device.type != "cuda":
+        return positions
+    return positions.pin_memory().to(device, non_blocking=True)
+
+
+class _HardwareJpeg:
+    """The GPU's hardware JPEG engine through nvImageCodec, CUDA nvJPEG behind it for the
+    images the engine declines (progressive ones, say). Images come back in device
+    memory owned by nvImageCodec and are taken over through DLPack on the current
+    stream, so later work on it is ordered after the decode."""
+
+    def __init__(self, mode: str) -> None:
+        try:
+            from nvidia import nvimgcodec
+        except ImportError as exc:
+            raise ValueError(
+                "decode='gpu-hw' needs nvImageCodec: pip install nvidia-nvimgcodec-cu13"
+            ) from exc
+        self._nvimgcodec = nvimgcodec
+        self._decoders: dict[int, Any] = {}
+        color = nvimgcodec.ColorSpec.SRGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
+        self._params = nvimgcodec.DecodeParams(color_spec=color, allow_any_depth=False)
+
+    def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        nvimgcodec = self._nvimgcodec
+        index = device.index or 0
+        decoder = self._decoders.get(index)
+        if decoder is None:
+            backends = [
+                nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
+                nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
+            ]
+            decoder = self._decoders[index] = nvimgcodec.Decoder(device_id=index, backends=backends)
+        stream = torch.cuda.current_stream(device)
+        sources = [nvimgcodec.CodeStream(one.numpy()) for one in data]
+        images = decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
+        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]

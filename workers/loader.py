@@ -55,7 +55,7 @@ from workers.model_files import (
     sha256,
     sidecar_labels,
 )
-from workers.preprocess import ImageSpec
+from workers.preprocess import DecodeBudget, ImageSpec
 from workers.runner import resolve_device
 from workers.torchvision_models import Preprocess, Serving, load_torchvision
 
@@ -96,6 +96,7 @@ def load_handler(
     limits: Limits,
     decode: DecodeOption = "auto",
     allow_pickle: bool = False,
+    decode_budget: DecodeBudget | None = None,
     preprocess: Preprocess = "auto",
     options: Mapping[str, Any] | None = None,
 ) -> Handler:
@@ -106,10 +107,12 @@ def load_handler(
 
     ``dtype`` is a name in ``DTYPES`` or ``auto``; ``channels_last=None`` is automatic
     (see the module doc); ``decode`` is passed to image models (the demo model's
-    PNGs are always decoded on the CPU); ``preprocess`` is ``auto``, ``reference`` or
-    ``fast`` for models of a fixed input size; ``options`` are model options for
-    ``torchvision:`` and ``embedding:`` specs (``workers.torchvision_models``) and are
-    passed to a class of yours as ``model_options`` if it takes them.
+    PNGs are always decoded on the CPU); ``decode_budget`` bounds the memory of their
+    CPU decodes running at once, and is offered to user classes that take it;
+    ``preprocess`` is ``auto``, ``reference`` or ``fast`` for models of a fixed input
+    size; ``options`` are model options for ``torchvision:`` and ``embedding:`` specs
+    (``workers.torchvision_models``) and are passed to a class of yours as
+    ``model_options`` if it takes them.
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
     file, options the model does not take, or a class that is not a handler;
@@ -127,7 +130,9 @@ def load_handler(
     fast = kind in ("torchvision", "embedding") and dev.type == "cuda"
     torch_dtype = DTYPES[dtype] if dtype != AUTO else (torch.float16 if fast else torch.float32)
     if kind in ("torchvision", "embedding") and rest:
-        serving = Serving(dev, torch_dtype, channels_last, limits, decode, preprocess, options)
+        serving = Serving(
+            dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
+        )
         return load_torchvision(
             rest, embedding=kind == "embedding", weights=weights, serving=serving
         )
@@ -139,6 +144,7 @@ def load_handler(
             "channels_last": bool(channels_last),
             "limits": limits,
             "decode": decode,
+            "decode_budget": decode_budget,
             "model_options": options,
         }
         return _user_class(spec, given)
@@ -156,7 +162,12 @@ def load_handler(
             )
         path = Path(weights) if weights else None
         return load_digits_handler(
-            path, device=dev, dtype=torch_dtype, channels_last=channels_last, limits=limits
+            path,
+            device=dev,
+            dtype=torch_dtype,
+            channels_last=channels_last,
+            limits=limits,
+            decode_budget=decode_budget,
         )
     if kind in ("torchscript", "export") and rest:
         _no_weights(spec, weights)
@@ -164,7 +175,9 @@ def load_handler(
             _check_pickle_allowed(spec, allow_pickle)
         load = _torchscript if kind == "torchscript" else _exported
         image = replace(IMAGENET_IMAGE, fit="reference" if preprocess == "reference" else "fast")
-        return load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode, image)
+        handler = load(Path(rest), spec, dev, torch_dtype, channels_last, limits, decode, image)
+        handler.decode_budget = decode_budget
+        return handler
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")
 
 

@@ -229,10 +229,47 @@ class Metrics:
         self._dead_letters = counter(
             "conveyor_dead_letters_total", "Records copied to the dead-letter topic."
         ).labels(model)
+        self._unreadable = counter(
+            "conveyor_unreadable_records_total",
+            "Records the Kafka client could not parse (e.g. header names that are not UTF-8): "
+            "read leniently, refused and dead-lettered.",
+        ).labels(model)
+        self._fetch_errors = counter(
+            "conveyor_fetch_errors_total", "Fetches from Kafka that failed and were retried."
+        ).labels(model)
+        self._handed_back = counter(
+            "conveyor_handed_back_total",
+            "Records of revoked partitions not finished within max_drain_ms: left to the "
+            "partition's next owner (redelivered).",
+        ).labels(model)
+        self._reply_fallbacks = counter(
+            "conveyor_reply_topic_fallbacks_total",
+            "Results sent to the model's results topic because their ce_replyto topic "
+            "does not exist.",
+        ).labels(model)
         self._redeliveries = counter(
             "conveyor_redeliveries_total",
             "Redelivered requests whose result was already in Redis (left unchanged).",
         ).labels(model)
+        self._cancelled = counter(
+            "conveyor_cancelled_total",
+            "Requests answered 'cancelled' before their batch ran: the model never saw them.",
+        ).labels(model)
+        self._admission_failures = counter(
+            "conveyor_admission_failures_total",
+            "Batches run without their cancellation and status check (Redis did not answer).",
+        ).labels(model)
+        self._dataref_objects = counter(
+            "conveyor_dataref_objects_total", "Payloads read by reference (ce_dataref)."
+        ).labels(model)
+        self._dataref_bytes = counter(
+            "conveyor_dataref_bytes_total", "Bytes of payloads read by reference."
+        ).labels(model)
+        self._dataref_retries = counter(
+            "conveyor_dataref_retries_total",
+            "Calls to a payload store that failed (unreachable, time-out) and were retried.",
+            "store",
+        )
         self._batch_size = Histogram(
             "conveyor_batch_size",
             "Requests per batch sent to the model.",
@@ -310,10 +347,42 @@ class Metrics:
         self._e2e.observe_many(e2e_s)
         self._throughput.add(total, self._clock())
 
+    def cancelled(self, count: int) -> None:
+        """``count`` requests were cancelled before their batch ran."""
+        self._cancelled.inc(count)
+
+    def admission_failed(self) -> None:
+        self._admission_failures.inc()
+
+    def dataref_fetched(self, objects: int, nbytes: int) -> None:
+        """``objects`` payloads of ``nbytes`` in all were read by reference."""
+        if objects:
+            self._dataref_objects.inc(objects)
+            self._dataref_bytes.inc(nbytes)
+
+    def dataref_retry(self, store: str) -> None:
+        self._dataref_retries.labels(self._model, store).inc()
+
     def dead_letters(self, count: int) -> None:
         """``count`` records were written to the dead-letter topic."""
         if count:
             self._dead_letters.inc(count)
+
+    def unreadable_records(self, count: int = 1) -> None:
+        """``count`` records could only be read leniently (and were refused)."""
+        self._unreadable.inc(count)
+
+    def fetch_error(self) -> None:
+        self._fetch_errors.inc()
+
+    def handed_back(self, count: int) -> None:
+        """``count`` records of revoked partitions were left to their next owner."""
+        if count:
+            self._handed_back.inc(count)
+
+    def reply_fallbacks(self, count: int) -> None:
+        if count:
+            self._reply_fallbacks.inc(count)
 
     def duplicates(self, count: int) -> None:
         """``count`` redelivered requests already had a result in Redis."""

@@ -3,12 +3,20 @@
 A record is *in flight* from the moment the consumer hands it over until its
 result is durable (written to Redis and acknowledged on the reply topic). Kafka
 commits a single position per partition, "everything below this is done", so the
-position may only advance up to the lowest offset still in flight. Committing
-any further would lose that record if the worker died; committing less only
-causes redelivery, which is harmless because results are idempotent by request id.
+position may only advance past records that are all finished. Committing any
+further would lose a record if the worker died; committing less only causes
+redelivery, which is harmless because results are first-final-wins by request id.
 
-This module is pure bookkeeping: no Kafka client, no clock, no I/O. The consumer
-calls `track`, the publisher calls `done`, and the commit step asks for
+The unit of bookkeeping is the *span*: the records of one partition that one
+fetch returned, an offset range with a count of records still open. Finishing a
+record is one decrement on its span, and a partition's position moves from span
+to span, so the cost per record is a few attribute operations whatever the batch
+sizes. The price is granularity: a partition's position stops at the first span
+with an open record, so after a crash up to one fetch's worth of finished records
+per partition is redelivered, the same order as one batch.
+
+This module is pure bookkeeping: no Kafka client, no clock, no I/O. The fetch stage
+calls `open`, the publish stage calls `finish`, and the commit step asks for
 `committable()` positions and reports back with `mark_committed`.
 """
 
@@ -16,85 +24,103 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["OffsetTracker"]
+__all__ = ["OffsetTracker", "Span"]
 
 TP = TypeVar("TP", bound=Hashable)
 
 
-@dataclass(slots=True)
 class _Partition:
-    """Offsets of one partition."""
+    """Spans of one partition, oldest first, and its positions."""
 
-    # Tracked offsets in arrival (= ascending) order; finished ones are popped only
-    # once they reach the front, so the front is always the lowest unfinished offset.
-    order: deque[int] = field(default_factory=deque)
-    # Offsets still in flight, for O(1) membership checks and counting.
-    pending: set[int] = field(default_factory=set)
-    # Highest offset ever tracked; the position is highest + 1 once nothing is in flight.
-    highest: int = -1
-    # Position last reported by mark_committed (or the first tracked offset,
-    # where the consumer started reading: nothing new to commit until it moves).
-    committed: int = -1
+    __slots__ = ("committed", "end", "forgotten", "open", "spans")
+
+    def __init__(self, first: int) -> None:
+        self.spans: deque[Span] = deque()
+        self.end = first  # the offset after the last record fetched
+        self.committed = first  # last position acknowledged (or where reading started)
+        self.open = 0  # records in flight over all spans
+        self.forgotten = False
 
     def position(self) -> int:
-        return self.order[0] if self.order else self.highest + 1
+        spans = self.spans
+        while spans and spans[0].open == 0:
+            spans.popleft()
+        return spans[0].first if spans else self.end
+
+
+class Span:
+    """Records ``first`` up to ``end`` (exclusive) of one partition, fetched together."""
+
+    __slots__ = ("end", "first", "open", "partition")
+
+    def __init__(self, partition: _Partition, first: int, end: int, count: int) -> None:
+        self.partition = partition
+        self.first = first
+        self.end = end
+        self.open = count  # records of this span not finished yet
+
+    @property
+    def released(self) -> bool:
+        """Whether its partition was forgotten (revoked): its records are not ours."""
+        return self.partition.forgotten
 
 
 class OffsetTracker(Generic[TP]):
-    """Per-partition in-flight offsets and the commit position they allow.
+    """Per-partition spans in flight and the commit positions they allow.
 
     Partitions are keyed by any hashable value (an aiokafka ``TopicPartition``, or a
-    ``(topic, partition)`` tuple). Every operation is amortised O(1).
+    ``(topic, partition)`` tuple). Every operation is amortised O(1) per record.
     """
 
     def __init__(self) -> None:
         self._partitions: dict[TP, _Partition] = {}
 
-    def track(self, tp: TP, offset: int) -> None:
-        """Record that ``offset`` of ``tp`` was received and is now in flight.
+    def open(self, tp: TP, first: int, last: int, count: int) -> Span:
+        """Track ``count`` records of ``tp`` with offsets ``first`` to ``last`` (inclusive,
+        gaps allowed: compaction and transaction markers leave them), now in flight.
 
-        Offsets of one partition must arrive in increasing order; gaps are fine
-        (compacted topics and transaction markers leave them).
-        Raises ``ValueError`` for an offset at or below one already tracked, since
-        that means the consumer re-read records without `forget` in between.
+        Spans of one partition must come in offset order. Raises ``ValueError`` for a
+        span that starts at or before the end of the last one: the consumer re-read
+        records without `forget` in between.
         """
+        if count < 1 or last < first:
+            raise ValueError(f"a span needs records: {count} from {first} to {last}")
         part = self._partitions.get(tp)
         if part is None:
-            part = self._partitions[tp] = _Partition(committed=offset)
-        if offset <= part.highest:
+            part = self._partitions[tp] = _Partition(first)
+        elif first < part.end:
             raise ValueError(
-                f"offset {offset} of {tp!r} arrived after offset {part.highest}; "
-                "offsets of a partition must increase (call forget() after a seek or rebalance)"
+                f"offset {first} of {tp!r} arrived after offset {part.end - 1}; offsets of "
+                "a partition must increase (call forget() after a seek or rebalance)"
             )
-        part.order.append(offset)
-        part.pending.add(offset)
-        part.highest = offset
+        span = Span(part, first, last + 1, count)
+        part.spans.append(span)
+        part.end = last + 1
+        part.open += count
+        return span
 
-    def done(self, tp: TP, offset: int) -> bool:
-        """Record that the result of ``offset`` of ``tp`` is durably written.
+    @staticmethod
+    def finish(span: Span, count: int = 1) -> None:
+        """Record that ``count`` records of ``span`` have durable results.
 
-        Calls may come in any order. Returns False, and changes nothing, when the
-        offset is not in flight: already done, never tracked, or its partition was
-        forgotten (a result that finished after its partition was revoked or lost).
+        A span of a forgotten partition (revoked, or lost) is left alone: its records
+        belong to another worker now.
         """
-        part = self._partitions.get(tp)
-        if part is None or offset not in part.pending:
-            return False
-        part.pending.remove(offset)
-        # Each offset is appended and popped once, so this loop is amortised O(1).
-        order = part.order
-        while order and order[0] not in part.pending:
-            order.popleft()
-        return True
+        part = span.partition
+        if part.forgotten:
+            return
+        if count > span.open:
+            raise ValueError(f"{count} records finished, but only {span.open} are open")
+        span.open -= count
+        part.open -= count
 
     def committable(self) -> dict[TP, int]:
-        """Positions to commit: per partition, the lowest in-flight offset, or the
-        highest tracked offset + 1 when none is in flight (Kafka's "next offset to
-        read"). Only partitions whose position moved past the last `mark_committed`
-        value are listed, so an idle worker commits nothing.
+        """Positions to commit: per partition, the first offset of its oldest span with
+        an open record, or the end of the last span when none is open. Only partitions
+        whose position moved past the last `mark_committed` value are listed, so an
+        idle worker commits nothing.
         """
         positions: dict[TP, int] = {}
         for tp, part in self._partitions.items():
@@ -117,17 +143,15 @@ class OffsetTracker(Generic[TP]):
     def in_flight(self, tp: TP | None = None) -> int:
         """Records in flight in ``tp``, or in all partitions when ``tp`` is None."""
         if tp is None:
-            return sum(len(part.pending) for part in self._partitions.values())
+            return sum(part.open for part in self._partitions.values())
         part = self._partitions.get(tp)
-        return 0 if part is None else len(part.pending)
-
-    def pending_partitions(self) -> set[TP]:
-        """Partitions that still have records in flight."""
-        return {tp for tp, part in self._partitions.items() if part.pending}
+        return 0 if part is None else part.open
 
     def forget(self, tp: TP) -> None:
         """Drop all state of ``tp``: call it once a revoked partition is drained and
-        committed. Records of ``tp`` still in flight are dropped too (their later
-        `done` calls return False); that is only right for a partition already lost.
+        committed. Its records still in flight are dropped too (finishing them later
+        changes nothing); that is only right for a partition no longer ours.
         """
-        self._partitions.pop(tp, None)
+        part = self._partitions.pop(tp, None)
+        if part is not None:
+            part.forgotten = True

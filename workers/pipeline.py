@@ -1,15 +1,26 @@
-"""The worker's stages, wired as asyncio tasks around a pure batcher.
+"""The worker's stages, wired as asyncio tasks around a pure batcher; the unit is the batch.
 
-    fetch ──▶ decode + preprocess (thread pool) ──▶ collect ──▶ batch ──▶ infer (model thread)
-                                                                                │
-    commit ◀── finish offsets ◀── publish (Redis, reply topic, DLQ) ◀───────────┘
+    fetch ─▶ parse (loop) ─▶ preprocess (pool or inline) ─▶ collect ─▶ batch ─▶ infer (thread)
+                   │ refusals                                                     │
+    commit ◀─ finish spans ◀─ publish (Redis script + producer batches) ◀─ outcomes ◀┘
 
-Every record fetched ends in exactly one ``Answer`` (ok, error or expired result,
-and/or a dead letter), and its offset is finished only after the publisher made
-that answer durable. Inference runs in one dedicated thread, at most
-``_MODEL_SLOTS`` batches deep, so the next batch forms (and the previous one is
-published) while the current one runs; while the model is busy, arrivals pile up
-and the next batch comes out fuller: adaptive batching without a tuning knob.
+Every record fetched ends in exactly one answer (an item the model answered, or a
+refusal: bad input, expired, model failure), and its span is finished only after
+the publisher made that answer durable (``workers.offsets``); ``workers.commits``
+decides when positions go to Kafka. Work crosses stages as typed messages
+(``workers.types``), and per-record Python is kept to a minimum: a strict header
+parse, the handler's preprocess, one encoded document per result, one decrement
+per finished record. Everything else (Redis, the producer, metrics, commits)
+happens once per batch or per publish.
+
+The pipeline depends on ports, not on aiokafka and redis-py: ``RecordSource``
+(``workers.consumer.Consumer`` in production) and ``ResultSink``
+(``workers.publisher.Publisher``), so tests drive it in-process with fakes.
+
+Backpressure: fetching pauses while the records in flight exceed what the model
+gets through in ``in_flight_target_ms`` (measured), capped by ``max_in_flight``,
+never below two batches; so a revoked partition drains in about that long,
+well inside the group's rebalance timeout.
 """
 
 from __future__ import annotations
@@ -18,56 +29,48 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
 
-import torch
-from aiokafka import TopicPartition
-
-from schemas import (
-    ContractError,
-    ErrorCode,
-    ModelTopics,
-    Request,
-    Timings,
-    decode_request,
-    result_headers,
-)
-from workers.answers import Answer, AnswerBuilder
+from workers.admission import Admission
+from workers.answers import Answers
 from workers.batcher import Batch, Batcher
-from workers.consumer import Consumer, Record
+from workers.claims import Claims
+from workers.commits import Committer
 from workers.handlers import Handler
+from workers.inference import Inference, expired_refusal
+from workers.ingest import INLINE_BYTES, Ingest
 from workers.metrics import Metrics
-from workers.publisher import Outgoing, Publisher
+from workers.offsets import OffsetTracker
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
+from workers.types import (
+    ConfigError,
+    Item,
+    Outcome,
+    Record,
+    RecordSource,
+    Refusal,
+    ResultSink,
+    TopicPartition,
+)
 
 log = logging.getLogger(__name__)
 
-_MODEL_SLOTS = 2  # batches queued on the model thread: one running, one ready to go
 _FETCH_TIMEOUT_MS = 100
-_DECODE_CHUNK = 64  # records per thread-pool job: amortises the hand-off cost
+_PREPROCESS_CHUNK = 64  # items per thread-pool job: amortises the hand-off cost
+
+Decoded = tuple[list[Item], list[Refusal]]
 
 
 @dataclass(slots=True)
-class Item:
-    """A decoded request on its way to the model."""
+class Stats:
+    """What the worker did, for its last log line."""
 
-    record: Record
-    request: Request
-    received_ms: float  # wall clock, epoch ms: comparable with the producer's timestamp
-    received_at: float  # monotonic seconds: for waiting and deadlines
-    deadline_at: float | None  # monotonic seconds
-    tensor: torch.Tensor
-
-
-@dataclass(slots=True)
-class _Stats:
     answered: int = 0
     duplicates: int = 0
+    handed_back: int = 0  # records of revoked partitions left to their next owner
     by_status: dict[str, int] = field(default_factory=dict)
 
 
@@ -77,35 +80,41 @@ class Pipeline:
     def __init__(
         self,
         settings: WorkerSettings,
-        consumer: Consumer,
-        publisher: Publisher,
+        source: RecordSource,
+        sink: ResultSink,
         runner: ModelRunner,
-        handler: Handler,
-        topics: ModelTopics,
+        answers: Answers,
         metrics: Metrics,
+        *,
+        claims: Claims | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        """``claims`` reads payloads by reference (none: every reference is refused);
+        ``admission`` checks each batch for cancellations and marks it running (none: off)."""
         self._s = settings
+        self._source = source
+        self._sink = sink
+        self._answers = answers
         self._metrics = metrics
-        self._consumer = consumer
-        self._publisher = publisher
-        self._runner = runner
-        self._handler = handler
-        self._topics = topics
-        self._answers = AnswerBuilder(settings.served_name, handler.version, settings.worker_id)
+        handler: Handler = runner.handler
+        self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self._committer = Committer(self._tracker, source)
+        self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
+        self._claims = claims or Claims.from_settings(settings, metrics, {})
+        self._admission = admission
+        self._inference = Inference(runner, self._finished)
         self._batcher: Batcher[Item] = Batcher(
-            settings.max_batch_size, settings.max_delay_s, deadline_of=lambda item: item.deadline_at
+            settings.max_batch_size, settings.max_delay_s, deadline_of=_deadline
         )
-        self._decode_pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
-        self._model_thread = ThreadPoolExecutor(1, "conveyor-model")
-        self._model_slots = asyncio.Semaphore(_MODEL_SLOTS)
-        self._decoding: asyncio.Queue[asyncio.Future[list[Item | Answer]] | None] = asyncio.Queue()
+        self._pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
+        self._decoding: asyncio.Queue[Awaitable[Decoded] | None] = asyncio.Queue()
         self._ready: deque[Item] = deque()
         self._arrived = asyncio.Event()
         self._input_done = False
-        self._to_publish: asyncio.Queue[asyncio.Future[list[Answer]] | list[Answer] | None] = (
-            asyncio.Queue()
-        )
-        self.stats = _Stats()
+        self._outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
+        self._progress = asyncio.Event()  # set after every publish
+        self.stats = Stats()
+        source.on_revoke(self._release)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then finish everything already fetched."""
@@ -115,111 +124,96 @@ class Pipeline:
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._batch_loop(), name="batch")
                 tasks.create_task(self._publish_loop(), name="publish")
+            await self._committer.flush()
+        except BaseExceptionGroup as group:
+            # A configuration error ends the worker with its own message (exit status 3).
+            config = [exc for exc in group.exceptions if isinstance(exc, ConfigError)]
+            if config:
+                raise config[0] from None
+            raise
         finally:
-            self._decode_pool.shutdown(wait=False, cancel_futures=True)
-            self._model_thread.shutdown(wait=False, cancel_futures=True)
+            await self._committer.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._inference.close()
 
-    # -- fetch and decode ---------------------------------------------------------------
+    def in_flight_cap(self) -> int:
+        """Records fetched ahead at most: ``in_flight_target_ms`` of measured model time."""
+        floor = 2 * self._s.max_batch_size  # a batch running and the next one forming
+        per_item = self._inference.seconds_per_item
+        if per_item is None:  # nothing measured yet
+            target = floor
+        elif per_item <= 0:
+            target = self._s.max_in_flight
+        else:
+            target = max(floor, int(self._s.in_flight_target_ms / 1000.0 / per_item))
+        return min(self._s.max_in_flight, target)
+
+    # -- fetch, parse, preprocess -------------------------------------------------------
 
     async def _fetch_loop(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
-                self._consumer.set_paused(self._consumer.in_flight() >= self._s.max_in_flight)
+                in_flight = self._tracker.in_flight()
+                self._source.set_paused(in_flight >= self.in_flight_cap())
                 fetch = asyncio.ensure_future(
-                    self._consumer.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
+                    self._source.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
                 )
                 await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                records = await fetch  # a fetch in progress still completes: its records count
-                self._metrics.set_in_flight(self._consumer.in_flight())
-                self._metrics.set_lag(self._consumer.lag())
-                if not records:
-                    # Idle: retry a commit that failed earlier (e.g. during a broker outage).
-                    await self._consumer.commit_finished()
-                for start in range(0, len(records), _DECODE_CHUNK):
-                    chunk = records[start : start + _DECODE_CHUNK]
-                    await self._decoding.put(
-                        loop.run_in_executor(self._decode_pool, self._decode, chunk)
-                    )
+                chunks = await fetch  # a fetch in progress still completes: its records count
+                self._metrics.set_in_flight(in_flight)
+                self._metrics.set_lag(self._lag())
+                if not chunks:
+                    await self._committer.flush()  # idle: retry a commit that failed before
+                for tp, records in chunks.items():
+                    if records:
+                        self._ingest_chunk(tp, records)
         finally:
             stopping.cancel()
             await self._decoding.put(None)
 
-    def _decode(self, records: Sequence[Record]) -> list[Item | Answer]:
-        """Thread pool: contract-decode and preprocess each record; failures become answers."""
-        out: list[Item | Answer] = []
-        now_ms, now = time.time() * 1000.0, time.monotonic()
-        for record in records:
-            request_id = None
-            try:
-                request = decode_request(
-                    record.headers, record.key, record.value, record.timestamp, self._s.limits
+    def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
+        span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
+        items, refused, referenced = self._ingest.parse(records, span)
+        if refused:
+            self._outcomes.put_nowait(Outcome(refused=refused))
+        if referenced:  # payloads stored elsewhere: fetch them, then preprocess
+            self._decoding.put_nowait(
+                asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
+            )
+            return
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(items), _PREPROCESS_CHUNK):
+            chunk = items[start : start + _PREPROCESS_CHUNK]
+            size = sum(len(item.record.value or b"") for item in chunk)
+            if size <= INLINE_BYTES:  # a thread hop would cost more than the work
+                done: asyncio.Future[Decoded] = loop.create_future()
+                done.set_result(self._ingest.preprocess(chunk))
+                self._decoding.put_nowait(done)
+            else:
+                self._decoding.put_nowait(
+                    loop.run_in_executor(self._pool, self._ingest.preprocess, chunk)
                 )
-                meta = request.meta
-                request_id = meta.id
-                tensor = self._handler.preprocess(request.payload, meta.content_type, meta.params)
-            except ContractError as exc:
-                request_id = exc.request_id or request_id
-                log.warning(
-                    "request %s failed: %s: %s",
-                    request_id,
-                    exc.code.value,
-                    exc,
-                    extra={"request_id": request_id},
-                )
-                out.append(
-                    self._answers.failure(
-                        record,
-                        exc.code,
-                        str(exc),
-                        field=exc.field,
-                        request_id=request_id,
-                        received_ms=now_ms,
-                    )
-                )
-                continue
-            except Exception as exc:  # a handler bug fails this record, never the worker
-                log.exception(
-                    "preprocess failed on record %s", request_id, extra={"request_id": request_id}
-                )
-                message = f"the model's preprocess failed on this input: {exc!r}"
-                out.append(
-                    self._answers.failure(
-                        record,
-                        ErrorCode.model_error,
-                        message,
-                        field=None,
-                        request_id=request_id,
-                        received_ms=now_ms,
-                    )
-                )
-                continue
-            deadline_at = self._deadline(meta.deadline, record.timestamp, now, now_ms)
-            out.append(Item(record, request, now_ms, now, deadline_at, tensor))
-        return out
 
-    def _deadline(
-        self, deadline: datetime | None, produced_ms: int, now: float, now_ms: float
-    ) -> float | None:
-        """The request's deadline on the monotonic clock: ce_deadline or the max age, if set."""
-        limits_ms = []
-        if deadline is not None:
-            limits_ms.append(deadline.timestamp() * 1000.0)
-        if self._s.max_age_ms is not None:
-            limits_ms.append(produced_ms + self._s.max_age_ms)
-        if not limits_ms:
-            return None
-        return now + (min(limits_ms) - now_ms) / 1000.0
+    async def _preprocess_fetched(self, items: list[Item], payloads: list[bytes]) -> Decoded:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, self._ingest.preprocess_payloads, items, payloads
+        )
+
+    def _lag(self) -> dict[tuple[str, int], int]:
+        """Per partition: records not fetched yet plus those in flight."""
+        return {
+            tp: behind + self._tracker.in_flight(tp) for tp, behind in self._source.lag().items()
+        }
 
     async def _collect_loop(self) -> None:
-        """Take decoded chunks in fetch order; items go to the batcher, failures to publish."""
+        """Take preprocessed chunks in fetch order: items to the batcher, refusals out."""
         while (chunk := await self._decoding.get()) is not None:
-            decoded = await chunk
-            failures = [a for a in decoded if isinstance(a, Answer)]
-            if failures:
-                await self._to_publish.put(failures)
-            self._ready.extend(i for i in decoded if isinstance(i, Item))
+            items, refused = await chunk
+            if refused:
+                self._outcomes.put_nowait(Outcome(refused=refused))
+            self._ready.extend(items)
             self._arrived.set()
         self._input_done = True
         self._arrived.set()
@@ -227,29 +221,37 @@ class Pipeline:
     # -- batch and infer ----------------------------------------------------------------
 
     async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._model_slots.acquire()
+                await self._inference.wait_for_slot()
                 batch = await self._next_batch()
                 if batch is None:
-                    self._model_slots.release()
+                    self._inference.release_slot()
                     return
                 self._metrics.batch_closed(batch.reason)
                 if batch.expired:
-                    expired = [
-                        self._answers.expired(i.record, i.request.meta, i.received_ms)
-                        for i in batch.expired
-                    ]
-                    await self._to_publish.put(expired)
-                if not batch.items:
-                    self._model_slots.release()
-                    continue
-                future = loop.run_in_executor(self._model_thread, self._infer, batch)
-                future.add_done_callback(lambda _: self._model_slots.release())
-                await self._to_publish.put(future)
+                    self._outcomes.put_nowait(
+                        Outcome(refused=[expired_refusal(i) for i in batch.expired])
+                    )
+                # Items of partitions revoked meanwhile are left to their new owner.
+                items = [item for item in batch.items if not item.span.released]
+                if items and self._admission is not None:
+                    items = await self._admit(items)
+                if items:
+                    self._inference.submit(items)
+                else:
+                    self._inference.release_slot()
         finally:
-            await self._to_publish.put(None)
+            await self._inference.wait_idle()
+            self._outcomes.put_nowait(None)
+
+    async def _admit(self, items: list[Item]) -> list[Item]:
+        """The batch less its cancelled requests, which are answered at once."""
+        assert self._admission is not None
+        admitted, cancelled = await self._admission.admit(items)
+        if cancelled:
+            self._outcomes.put_nowait(Outcome(refused=cancelled))
+        return admitted
 
     async def _next_batch(self) -> Batch[Item] | None:
         """Wait for the batcher to close a batch; None once the input is done and drained."""
@@ -273,121 +275,80 @@ class Pipeline:
             except TimeoutError:
                 pass
 
-    def _infer(self, batch: Batch[Item]) -> list[Answer]:
-        """Model thread: run the batch; a failing batch is bisected so bad items fail alone."""
-        start_ms, start = time.time() * 1000.0, time.monotonic()
-        outcomes = self._run_isolated(batch.items)
-        inference_ms = (time.monotonic() - start) * 1000.0
-        finished_ms = time.time() * 1000.0
-        queue_s = [start - item.received_at for item in batch.items]
-        self._metrics.observe_batch(len(batch.items), queue_s, inference_ms / 1000)
-        answers = []
-        for item, outcome in zip(batch.items, outcomes, strict=True):
-            timings = Timings(
-                produced_ms=item.record.timestamp,
-                received_ms=item.received_ms,
-                batch_start_ms=start_ms,
-                finished_ms=finished_ms,
-                queue_ms=start_ms - item.received_ms,
-                inference_ms=inference_ms,
-                batch_size=len(batch.items),
-            )
-            if isinstance(outcome, _Failure):
-                answers.append(
-                    self._answers.failure(
-                        item.record,
-                        outcome.code,
-                        outcome.message,
-                        field=None,
-                        request_id=item.request.meta.id,
-                        received_ms=item.received_ms,
-                        timings=timings,
-                    )
-                )
-            else:
-                answers.append(self._answers.ok(item.record, item.request.meta, outcome, timings))
-        return answers
+    def _finished(self, outcome: Outcome) -> None:
+        """On the loop, when the model thread is done with a batch."""
+        timing = outcome.timing
+        if timing is not None:
+            start_ms = timing.start_ms
+            queue_s = [(start_ms - item.received_ms) / 1000.0 for item in outcome.answered]
+            self._metrics.observe_batch(timing.size, queue_s, timing.inference_ms / 1000.0)
+        self._outcomes.put_nowait(outcome)
 
-    def _run_isolated(self, items: Sequence[Item]) -> list[Any]:
-        try:
-            return self._runner.run(
-                [i.tensor for i in items], [i.request.meta.params for i in items]
-            )
-        except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()  # give the halves the memory the failed batch held
-            if len(items) == 1:
-                return [_Failure(ErrorCode.out_of_memory, f"out of memory even alone: {exc}")]
-        except ContractError as exc:  # e.g. a JPEG that only fails when decoded in batch
-            if len(items) == 1:
-                return [_Failure(exc.code, str(exc))]
-        except Exception as exc:
-            if len(items) == 1:
-                request_id = items[0].request.meta.id
-                log.warning(
-                    "model failed on request %s: %r",
-                    request_id,
-                    exc,
-                    extra={"request_id": request_id},
-                )
-                return [_Failure(ErrorCode.model_error, f"model failed on this input: {exc!r}")]
-        half = len(items) // 2
-        return self._run_isolated(items[:half]) + self._run_isolated(items[half:])
-
-    # -- publish and commit ---------------------------------------------------------------
+    # -- publish and commit -------------------------------------------------------------
 
     async def _publish_loop(self) -> None:
-        while True:
-            unit = await self._to_publish.get()
-            if unit is None:
-                return
-            answers = list(await unit) if isinstance(unit, asyncio.Future) else list(unit)
-            # Publish everything already waiting in one round-trip.
-            while not self._to_publish.empty():
-                more = self._to_publish.get_nowait()
+        """Publish whatever is finished, all of it in one call; never wait for more."""
+        while (first := await self._outcomes.get()) is not None:
+            outcomes, last = [first], False
+            while not self._outcomes.empty():
+                more = self._outcomes.get_nowait()
                 if more is None:
-                    await self._publish(answers)
-                    return
-                answers.extend(await more if isinstance(more, asyncio.Future) else more)
-            await self._publish(answers)
+                    last = True
+                    break
+                outcomes.append(more)
+            await self._publish(outcomes)
+            if last:
+                return
 
-    async def _publish(self, answers: Sequence[Answer]) -> None:
-        outgoing, dead = [], []
-        counts: dict[str, int] = {}
-        for answer in answers:
-            if answer.result is not None:
-                data = self._answers.encode(answer)
-                outgoing.append(
-                    Outgoing(
-                        answer.result.id,
-                        data,
-                        result_headers(answer.result, answer.traceparent),
-                        answer.reply_to or self._topics.results,
-                    )
-                )
-                status = answer.result.status.value
-                counts[status] = counts.get(status, 0) + 1
-                self.stats.by_status[status] = self.stats.by_status.get(status, 0) + 1
-            if answer.dead is not None:
-                dead.append(answer.dead)
-        report = await self._publisher.publish(outgoing, dead)
+    async def _publish(self, outcomes: list[Outcome]) -> None:
+        built = self._answers.outbox(outcomes)
+        report = await self._sink.publish(built.outbox)
         durable_ms = time.time() * 1000.0
+        finish = self._tracker.finish
+        for span in built.finished:
+            finish(span)
         self._metrics.observe_results(
-            counts,
-            [(durable_ms - a.record.timestamp) / 1000 for a in answers if a.result is not None],
+            built.statuses, [(durable_ms - produced) / 1000.0 for produced in built.produced_ms]
         )
-        self._metrics.dead_letters(len(dead))
+        self._metrics.dead_letters(len(built.outbox.dead))
         self._metrics.duplicates(report.duplicates)
-        self.stats.answered += len(answers)
-        self.stats.duplicates += report.duplicates
-        await self._consumer.finish([(_tp(a.record), a.record.offset) for a in answers])
-        await self._consumer.commit_finished()
+        stats = self.stats
+        stats.answered += len(built.finished)
+        stats.duplicates += report.duplicates
+        for status, count in built.statuses.items():
+            stats.by_status[status] = stats.by_status.get(status, 0) + count
+        self._progress.set()
+        self._committer.request()
+
+    # -- rebalance ----------------------------------------------------------------------
+
+    async def _release(self, partitions: Collection[TopicPartition]) -> None:
+        """Before ``partitions`` go to another worker: let their work in flight finish
+        (up to ``max_drain_ms``), commit, and hand back whatever is still unfinished."""
+        deadline = time.monotonic() + self._s.max_drain_ms / 1000.0
+        while any(self._tracker.in_flight(tp) for tp in partitions):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), left)
+            except TimeoutError:
+                break
+        await self._committer.flush(partitions)
+        handed_back = sum(self._tracker.in_flight(tp) for tp in partitions)
+        if handed_back:
+            self.stats.handed_back += handed_back
+            self._metrics.handed_back(handed_back)
+            log.warning(
+                "%d records of revoked partitions not finished in %d ms; their next owner "
+                "answers them (first answer wins)",
+                handed_back,
+                self._s.max_drain_ms,
+            )
+        for tp in partitions:
+            self._tracker.forget(tp)
 
 
-@dataclass(slots=True)
-class _Failure:
-    code: ErrorCode
-    message: str
-
-
-def _tp(record: Record) -> TopicPartition:
-    return TopicPartition(record.topic, record.partition)
+def _deadline(item: Item) -> float | None:
+    return item.deadline_at

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import io
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -83,14 +86,20 @@ class ImageSpec:
 
 
 def decode(
-    payload: bytes, content_type: ContentType, spec: ImageSpec, *, max_pixels: int
+    payload: bytes,
+    content_type: ContentType,
+    spec: ImageSpec,
+    *,
+    max_pixels: int,
+    budget: DecodeBudget | None = None,
 ) -> torch.Tensor:
     """Decode an image or ``.npy`` payload to a uint8 tensor of shape (C, H, W) per ``spec``.
 
     Raises ``ContractError`` with ``unsupported_media_type`` for other content types.
+    Images wait for room in ``budget`` before their pixels are decoded.
     """
     if content_type in IMAGE_TYPES:
-        return decode_image(payload, content_type, spec, max_pixels=max_pixels)
+        return decode_image(payload, content_type, spec, max_pixels=max_pixels, budget=budget)
     if content_type == ContentType.NPY:
         return decode_npy(payload, spec, max_pixels=max_pixels)
     raise _unsupported(content_type)
@@ -106,30 +115,88 @@ def _unsupported(content_type: ContentType) -> ContractError:
     )
 
 
+class DecodeBudget:
+    """A bound on the bytes of images being decoded at once, shared by the decode threads.
+
+    Each decode holds an estimate of its peak memory (the decoded pixels plus their
+    conversion to the model's mode) while it runs; a decode that does not fit waits
+    until others finish, so ``limit`` bounds the sum however many threads decode.
+    One image larger than the whole budget waits until it can run alone. Nothing is
+    ever refused here: ``max_pixels`` refuses, the budget only makes requests wait.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        if limit_bytes < 1:
+            raise ValueError(f"a decode budget needs at least 1 byte, got {limit_bytes}")
+        self.limit = limit_bytes
+        self._used = 0
+        self._room = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Wait for ``nbytes`` of room (all of it, above the limit) and hold it."""
+        nbytes = min(max(nbytes, 0), self.limit)
+        with self._room:
+            self._room.wait_for(lambda: self._used + nbytes <= self.limit)
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            with self._room:
+                self._used -= nbytes
+                self._room.notify_all()
+
+    @property
+    def used(self) -> int:
+        """Bytes held now (for tests and metrics)."""
+        return self._used
+
+
 def decode_image(
-    payload: bytes, content_type: ContentType, spec: ImageSpec, *, max_pixels: int
+    payload: bytes,
+    content_type: ContentType,
+    spec: ImageSpec,
+    *,
+    max_pixels: int,
+    budget: DecodeBudget | None = None,
 ) -> torch.Tensor:
     """Decode a JPEG, PNG or WebP payload to a uint8 (C, H, W) tensor fitted to ``spec``.
 
     The declared size is checked against ``max_pixels`` from the header alone, before
     any pixel is decoded; with the ``fast`` fit, JPEGs are decoded at a reduced scale
-    when the target is much smaller.
+    when the target is much smaller. With ``budget``, the decode waits for room for its
+    pixels first.
     """
+    fmt = IMAGE_TYPES[content_type]
     draft = spec if spec.fit == "fast" else None
-    with _load_image(payload, IMAGE_TYPES[content_type], draft, max_pixels) as img:
+    with (
+        _open_image(payload, fmt, draft, max_pixels) as img,
+        _held(budget, img, spec.channels),
+    ):
+        _decode_pixels(img, fmt, max_pixels)
         return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
 
 
 def decode_full(
-    payload: bytes, content_type: ContentType, mode: Literal["RGB", "L"], *, max_pixels: int
+    payload: bytes,
+    content_type: ContentType,
+    mode: Literal["RGB", "L"],
+    *,
+    max_pixels: int,
+    budget: DecodeBudget | None = None,
 ) -> torch.Tensor:
     """Decode an image or ``.npy`` payload to a uint8 (C, H, W) tensor of its own size,
     converted to ``mode``: for models that resize inside and answer in image pixels.
 
-    Raises ``ContractError`` as ``decode`` does.
+    Raises ``ContractError`` as ``decode`` does; images wait for room in ``budget``.
     """
     if content_type in IMAGE_TYPES:
-        with _load_image(payload, IMAGE_TYPES[content_type], None, max_pixels) as img:
+        fmt = IMAGE_TYPES[content_type]
+        with (
+            _open_image(payload, fmt, None, max_pixels) as img,
+            _held(budget, img, 3 if mode == "RGB" else 1),
+        ):
+            _decode_pixels(img, fmt, max_pixels)
             return _to_tensor(np.asarray(img.convert(mode)))
     if content_type == ContentType.NPY:
         pixels = _npy_pixels(payload, max_pixels)
@@ -139,10 +206,23 @@ def decode_full(
     raise _unsupported(content_type)
 
 
-def _load_image(payload: bytes, fmt: str, draft: ImageSpec | None, max_pixels: int) -> Image.Image:
-    """Open, check the declared size, and decode the pixels; codec failures become errors.
+def _held(
+    budget: DecodeBudget | None, img: Image.Image, channels: int
+) -> AbstractContextManager[None]:
+    """Room in ``budget`` for decoding ``img`` to ``channels``, or nothing without one."""
+    return budget.hold(_peak_bytes(img, channels)) if budget is not None else nullcontext()
 
-    With ``draft``, a JPEG much larger than that target decodes at a reduced scale."""
+
+def _peak_bytes(img: Image.Image, channels: int) -> int:
+    """Memory of a decode at its peak: the pixels as stored, then converted to the model's mode."""
+    pixels = img.width * img.height  # after draft(): the reduced size libjpeg decodes to
+    return pixels * (len(img.getbands()) + channels)
+
+
+def _open_image(payload: bytes, fmt: str, draft: ImageSpec | None, max_pixels: int) -> Image.Image:
+    """Open and check the declared size, no pixels decoded yet; codec failures become errors.
+
+    With ``draft``, a JPEG much larger than that target will decode at a reduced scale."""
     try:
         img = Image.open(io.BytesIO(payload), formats=[fmt])
         check_pixels(img.width, img.height, max_pixels)
@@ -151,30 +231,39 @@ def _load_image(payload: bytes, fmt: str, draft: ImageSpec | None, max_pixels: i
             # smaller: most of the decode cost of a large photo never happens.
             scale = _scale(img.width, img.height, draft)
             img.draft(draft.mode, (math.ceil(img.width * scale), math.ceil(img.height * scale)))
-        img.load()
     except ContractError:
         raise
-    except UnidentifiedImageError as exc:
-        raise ContractError(
+    except Exception as exc:
+        raise _image_error(exc, fmt, max_pixels) from exc
+    return img
+
+
+def _decode_pixels(img: Image.Image, fmt: str, max_pixels: int) -> None:
+    try:
+        img.load()
+    except Exception as exc:
+        raise _image_error(exc, fmt, max_pixels) from exc
+
+
+def _image_error(exc: Exception, fmt: str, max_pixels: int) -> ContractError:
+    """The ContractError for a codec's failure to open or decode an image."""
+    if isinstance(exc, UnidentifiedImageError):
+        return ContractError(
             ErrorCode.decode_failed, _VALUE, f"not a {fmt} image (its header is not one)"
-        ) from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        )
+    if isinstance(exc, Image.DecompressionBombError | Image.DecompressionBombWarning):
         # Pillow's own guard fires inside Image.open for sizes past its global limit
         # (an error, or a warning that pytest and strict deployments turn into one),
         # before our check can see the size: it is the same refusal.
-        raise ContractError(
+        return ContractError(
             ErrorCode.image_too_large,
             _VALUE,
             f"the image's declared size is far too large to decode ({exc})",
             limit=max_pixels,
-        ) from exc
-    except Exception as exc:
-        # Codecs report bad bytes as OSError, SyntaxError, ValueError, struct.error,
-        # zlib.error and more; on untrusted input every one of them means the same thing.
-        raise ContractError(
-            ErrorCode.decode_failed, _VALUE, f"not a valid {fmt} image: {exc}"
-        ) from exc
-    return img
+        )
+    # Codecs report bad bytes as OSError, SyntaxError, ValueError, struct.error,
+    # zlib.error and more; on untrusted input every one of them means the same thing.
+    return ContractError(ErrorCode.decode_failed, _VALUE, f"not a valid {fmt} image: {exc}")
 
 
 def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Tensor:

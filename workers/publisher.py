@@ -1,13 +1,31 @@
 """Make results durable: Redis first (first final result wins), then the reply topic.
 
-One Redis pipeline round-trip and one batch of Kafka sends per call of
-``publish``. A result whose key already exists in Redis (a redelivered request
-after a crash) is never overwritten: the stored bytes are re-sent on the reply
-topic instead, so both places keep showing the first answer.
+One ``publish`` call writes a whole outbox: one script call on the result store
+(``workers.store``) and one producer batch per reply partition, all acknowledged
+(``acks=all``) before it returns, which is what lets the caller commit offsets
+afterwards. A result whose id already had one in Redis (a redelivered request)
+is never overwritten: the stored bytes go to the reply topic instead, so both
+places keep showing the first answer.
 
-Outages are retried with capped backoff and never skipped: ``publish`` returns
-only once everything it was given is durable, which is what lets the caller
-commit offsets afterwards.
+Placement on the reply topic: a request's result goes to partition
+``p mod N`` of its reply topic, where ``p`` is the request's partition and ``N``
+the reply topic's partition count. Results of one request partition (and so of
+one video stream, whose frames share a partition) stay in order on one reply
+partition, and no per-record hashing is needed.
+
+Errors are sorted by what retrying can do (``_Failures``):
+- outages (connection refused or reset, time-outs, leader elections, Redis
+  loading or read-only during a failover) are retried with capped backoff and
+  never skipped, while the worker's backpressure pauses consumption;
+- a record the broker refuses as too large is not retried as it is: a dead-letter
+  copy is cut to fit (its original size and SHA-256 in headers), and a result is
+  replaced on the reply topic by a ``result_too_large`` error (results are sized
+  against the results topic before they are written, so only a ``ce_replyto``
+  topic with a smaller limit gets there);
+- configuration errors (authorization refused by Kafka or Redis, a topic that
+  went missing) make the worker unready at once and, if they persist for
+  ``permanent_error_grace_s``, end it with ``PublishConfigError``, never a
+  silent stall.
 """
 
 from __future__ import annotations
@@ -15,23 +33,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
-from redis.exceptions import RedisError
-
-from producers.security import (
-    kafka_connect_failed,
-    kafka_options,
-    redis_connect_failed,
-    redis_options,
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    ProducerClosed,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
 )
-from schemas import result_key
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+
+from producers.security import kafka_connect_failed, kafka_options, redis_connect_failed
+from schemas import ErrorCode, ModelTopics, Status
+from schemas.dlq import truncated
+from schemas.fastpath import ResultEncoder
+from workers.metrics import Metrics
+from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
+from workers.store import ResultStore
+from workers.topics import TopicFacts, max_message_bytes
+from workers.types import ConfigError, DeadLetter, Outbox, PublishReport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,47 +69,38 @@ _BACKOFF_START_S = 0.1
 _BACKOFF_MAX_S = 5.0
 _TOPIC_CHECK_TIMEOUT_S = 5.0
 _UNKNOWN_TOPIC_RECHECK_S = 60.0
+_BATCH_BYTES = 512 * 1024  # fill a producer batch up to this (or the topic's limit)
+_RECORD_OVERHEAD = 512  # record and batch framing beside key, value and headers
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+_KAFKA_CONFIG = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
+_REDIS_CONFIG = (NoPermissionError, AuthenticationError)
 
 
-@dataclass(slots=True)
-class Outgoing:
-    """One encoded result, bound for Redis and a reply topic."""
-
-    request_id: str
-    data: bytes
-    headers: list[tuple[str, bytes]]
-    reply_topic: str
-
-
-@dataclass(slots=True)
-class DeadLetter:
-    """A copy of a record that could not be served, with the reason in its headers."""
-
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes | None]]
-
-
-@dataclass(slots=True)
-class PublishReport:
-    written: int
-    duplicates: int  # results already in Redis (redelivered requests): left unchanged
+class PublishConfigError(ConfigError):
+    """Results cannot become durable until an operator changes the configuration."""
 
 
 class Publisher:
     """Writes results to Redis and the reply topic, and dead letters to the DLQ topic."""
 
-    def __init__(self, settings: WorkerSettings, results_topic: str, dlq_topic: str) -> None:
-        self._ttl_s = settings.result_ttl_s
-        self._results_topic = results_topic
-        self._dlq_topic = dlq_topic
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        topics: ModelTopics,
+        facts: TopicFacts,
+        encoder: ResultEncoder,
+        store: ResultStore | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._metrics = metrics
         self._settings = settings
-        self._redis = aioredis.Redis.from_url(
-            settings.redis_url.get_secret_value(),
-            socket_timeout=10,
-            socket_connect_timeout=5,
-            **redis_options(settings),
-        )
+        self._results_topic = topics.results
+        self._dlq_topic = topics.dlq
+        self._store = store or open_result_store(settings)
+        results_limit = max_message_bytes(facts, topics.results)
+        self._dlq_limit = max_message_bytes(facts, topics.dlq)
+        self.max_result_bytes = results_limit - _RECORD_OVERHEAD - 1024  # 1 KiB of headers
+        """The largest result document the results topic takes, with its headers."""
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap,
             client_id=settings.worker_id,
@@ -89,25 +109,30 @@ class Publisher:
             # which is harmless (same bytes, same key), while an idempotent producer
             # can end in a fatal sequence error after a broker restart.
             enable_idempotence=False,
-            linger_ms=1,
-            max_request_size=max(1 << 20, settings.limits.max_payload_bytes + 65536),
+            linger_ms=0,  # batches are built here, whole; nothing to wait for
+            max_batch_size=min(_BATCH_BYTES, results_limit),
+            max_request_size=max(results_limit, self._dlq_limit, 1 << 20) + 65536,
             **kafka_options(settings),
         )
-        self._known_topics: set[str] = {results_topic, dlq_topic}
+        self._partitions: dict[str, int] = {
+            name: count for name, count in facts.partitions.items() if name != topics.requests
+        }
         self._unknown_topics: dict[str, float] = {}
+        self._failures = _Failures(settings.permanent_error_grace_s)
+        self._encoder = encoder  # for result_too_large errors in place of refused records
 
     async def start(self) -> None:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
         try:
-            await self._redis.ping()
+            await self._store.ping()
         except (RedisError, OSError) as exc:
-            await self._redis.aclose()
+            await self._store.aclose()
             raise redis_connect_failed(self._settings.redis_url, exc) from None
         try:
             await self._producer.start()
         except KafkaError as exc:
             await self._producer.stop()
-            await self._redis.aclose()
+            await self._store.aclose()
             bootstrap = self._settings.kafka_bootstrap
             raise await kafka_connect_failed(bootstrap, self._settings, exc) from None
 
@@ -115,11 +140,7 @@ class Publisher:
         try:
             await self._producer.stop()
         finally:
-            await self._redis.aclose()
-
-    async def ping(self) -> bool:
-        """Whether Redis answers now (readiness); raises on a connection error."""
-        return bool(await self._redis.ping())
+            await self._store.aclose()
 
     async def __aenter__(self) -> Publisher:
         await self.start()
@@ -128,93 +149,277 @@ class Publisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def publish(
-        self, results: Sequence[Outgoing], dead: Sequence[DeadLetter]
-    ) -> PublishReport:
-        """Return once every result is in Redis and acked on Kafka, and every dead letter acked."""
-        stored = await _retry("redis", lambda: self._write_redis(results))
-        await _retry("kafka", lambda: self._send(results, stored, dead))
-        duplicates = sum(
-            1 for item, value in zip(results, stored, strict=True) if value is not item.data
-        )
-        return PublishReport(written=len(results) - duplicates, duplicates=duplicates)
+    async def ping(self) -> bool:
+        """Whether Redis answers now (readiness); raises on a connection error."""
+        return await self._store.ping()
 
-    async def _write_redis(self, results: Sequence[Outgoing]) -> list[bytes]:
-        """SET NX each result; return the bytes each key now holds (ours, or the first answer)."""
-        if not results:
-            return []
-        pipe = self._redis.pipeline(transaction=False)
-        for item in results:
-            pipe.set(result_key(item.request_id), item.data, nx=True, ex=self._ttl_s)
-        for item in results:
-            # Wakes callers waiting on this id (they subscribe, then GET: no lost wake-ups).
-            pipe.publish(result_key(item.request_id), b"")
-        created = (await pipe.execute())[: len(results)]
-        stored = [item.data for item in results]
-        losers = [i for i, ok in enumerate(created) if not ok]
-        if losers:
-            existing = await self._redis.mget([result_key(results[i].request_id) for i in losers])
-            for i, value in zip(losers, existing, strict=True):
-                # None: the first answer expired between SET and GET; ours stands in.
-                stored[i] = value if isinstance(value, bytes) else results[i].data
-        return stored
+    def stalled_for(self) -> float:
+        """Seconds results have been failing to become durable (0 while they do)."""
+        return self._failures.stalled_for()
 
-    async def _send(
-        self, results: Sequence[Outgoing], stored: Sequence[bytes], dead: Sequence[DeadLetter]
+    async def publish(self, outbox: Outbox) -> PublishReport:
+        """Return once every result is in Redis and acked on Kafka, and every dead letter acked.
+
+        Raises ``PublishConfigError`` when a configuration error outlasted its grace.
+        """
+        ids, values = outbox.ids, outbox.values
+        stored = await self._failures.retry("redis", lambda: self._store.write_first(ids, values))
+        duplicates = 0
+        sent = values
+        if any(value is not None for value in stored):
+            sent = [
+                mine if first is None else first for mine, first in zip(values, stored, strict=True)
+            ]
+            duplicates = sum(1 for first in stored if first is not None)
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, (reply_to, partition) in enumerate(
+            zip(outbox.reply_to, outbox.partitions, strict=True)
+        ):
+            topic = self._results_topic if reply_to is None else await self._reply_topic(reply_to)
+            groups[(topic, partition % self._partitions[topic])].append(i)
+        await self._failures.retry("kafka", lambda: self._send_all(groups, outbox, sent))
+        if outbox.dead:
+            await self._failures.retry("kafka", lambda: self._dead_letters(outbox.dead))
+        return PublishReport(duplicates=duplicates)
+
+    # -- the reply topic ------------------------------------------------------------------
+
+    async def _send_all(
+        self, groups: dict[tuple[str, int], list[int]], outbox: Outbox, values: Sequence[bytes]
     ) -> None:
-        futures = []
-        for item, value in zip(results, stored, strict=True):
-            topic = await self._reply_topic(item.reply_topic)
-            futures.append(
-                await self._producer.send(
-                    topic, value, key=item.request_id.encode(), headers=item.headers
+        """Send every group as producer batches; groups acknowledged are removed, so a
+        retry after an outage sends only what is left."""
+        pending = []
+        for (topic, partition), indices in groups.items():
+            for batch in self._batches(indices, outbox, values):
+                pending.append(((topic, partition), batch))
+        results = await asyncio.gather(
+            *(
+                self._send_batch(batch, topic, partition)
+                for (topic, partition), (batch, _) in pending
+            ),
+            return_exceptions=True,
+        )
+        failed: dict[tuple[str, int], list[int]] = defaultdict(list)
+        first_error: BaseException | None = None
+        for ((topic, partition), (_, indices)), result in zip(pending, results, strict=True):
+            if not isinstance(result, BaseException):
+                continue
+            if isinstance(result, _TOO_LARGE):
+                await self._refused_as_too_large(topic, partition, indices, outbox, values)
+                continue
+            failed[(topic, partition)].extend(indices)
+            first_error = first_error or result
+        groups.clear()
+        groups.update(failed)
+        if first_error is not None:
+            raise first_error
+
+    async def _send_batch(self, batch: Any, topic: str, partition: int) -> None:
+        """Queue one producer batch and wait for the broker's acknowledgement."""
+        delivered = await self._producer.send_batch(batch, topic, partition=partition)
+        await delivered
+
+    def _batches(
+        self, indices: list[int], outbox: Outbox, values: Sequence[bytes]
+    ) -> list[tuple[Any, list[int]]]:
+        batches = []
+        members: list[int] = []
+        batch = self._producer.create_batch()
+        ids, headers = outbox.ids, outbox.headers
+        for i in indices:
+            key = ids[i].encode()
+            if batch.append(key=key, value=values[i], timestamp=None, headers=headers[i]) is None:
+                batches.append((batch, members))
+                batch, members = self._producer.create_batch(), []
+                batch.append(key=key, value=values[i], timestamp=None, headers=headers[i])
+            members.append(i)
+        batches.append((batch, members))
+        return batches
+
+    async def _refused_as_too_large(
+        self,
+        topic: str,
+        partition: int,
+        indices: list[int],
+        outbox: Outbox,
+        values: Sequence[bytes],
+    ) -> None:
+        """The broker refused a batch as too large: send its records one by one, and put
+        a ``result_too_large`` error in place of any record it refuses alone."""
+        for i in indices:
+            key = outbox.ids[i].encode()
+            try:
+                await self._send_one(topic, partition, key, values[i], outbox.headers[i])
+            except _TOO_LARGE:
+                log.error(
+                    "reply topic %s refused the %d-byte result of %s as too large; "
+                    "sending a result_too_large error there instead (Redis keeps the answer)",
+                    topic,
+                    len(values[i]),
+                    outbox.ids[i],
                 )
-            )
-        for letter in dead:
-            futures.append(
-                await self._producer.send(
-                    self._dlq_topic, letter.value, key=letter.key, headers=letter.headers
+                error = self._encoder.encode(
+                    outbox.ids[i],
+                    Status.error,
+                    None,
+                    (
+                        ErrorCode.result_too_large.value,
+                        f"the answer is {len(values[i])} bytes, more than topic {topic} "
+                        "accepts; read it from Redis, or raise the topic's max.message.bytes",
+                    ),
+                    None,
                 )
-            )
-        await asyncio.gather(*futures)
+                await self._send_one(topic, partition, key, error, outbox.headers[i])
+
+    async def _send_one(
+        self,
+        topic: str,
+        partition: int | None,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Sequence[tuple[str, bytes | None]],
+    ) -> None:
+        future = await self._producer.send(
+            topic, value, key=key, partition=partition, headers=list(headers)
+        )
+        await future
 
     async def _reply_topic(self, topic: str) -> str:
         """The requested reply topic if it exists, else the model's results topic.
 
-        With automatic topic creation off, a send to a missing topic would block for
-        the producer's whole request timeout; checking once (and caching) keeps one
-        bad ``ce_replyto`` from stalling everyone's results.
+        With automatic topic creation off, a send to a missing topic would wait for
+        the producer's whole request timeout; checking once (and caching) keeps one bad
+        ``ce_replyto`` from stalling everyone's results. The fallback is documented
+        (docs/contract.md) and counted (``conveyor_reply_topic_fallbacks_total``).
         """
-        if topic in self._known_topics:
+        if topic in self._partitions:
             return topic
         checked_at = self._unknown_topics.get(topic)
-        if checked_at is not None and time.monotonic() - checked_at < _UNKNOWN_TOPIC_RECHECK_S:
-            return self._results_topic
-        try:
-            await asyncio.wait_for(self._producer.partitions_for(topic), _TOPIC_CHECK_TIMEOUT_S)
-        except (TimeoutError, KafkaError):
+        if checked_at is None or time.monotonic() - checked_at >= _UNKNOWN_TOPIC_RECHECK_S:
+            try:
+                partitions = await asyncio.wait_for(
+                    self._producer.partitions_for(topic), _TOPIC_CHECK_TIMEOUT_S
+                )
+            except (TimeoutError, KafkaError):
+                partitions = None
+            if partitions:
+                self._partitions[topic] = len(partitions)
+                self._unknown_topics.pop(topic, None)
+                return topic
             log.warning(
                 "reply topic %r does not exist; sending its replies to %s",
                 topic,
                 self._results_topic,
             )
             self._unknown_topics[topic] = time.monotonic()
-            return self._results_topic
-        self._known_topics.add(topic)
-        return topic
+        if self._metrics is not None:
+            self._metrics.reply_fallbacks(1)
+        return self._results_topic
+
+    # -- dead letters ---------------------------------------------------------------------
+
+    async def _dead_letters(self, letters: list[DeadLetter]) -> None:
+        """Send every dead letter, cut to fit the topic; acknowledged ones leave the list."""
+        while letters:
+            letter = self._fit(letters[0])
+            try:
+                await self._send_one(
+                    self._dlq_topic, None, letter.key, letter.value, letter.headers
+                )
+            except _TOO_LARGE:
+                # The topic's limit is lower than it said at start-up: keep headers only.
+                log.error("dead-letter topic refused a copy as too large; sending it empty")
+                value, cut = truncated(letter.value or b"", 0)
+                headers = [*letter.headers, *cut]
+                await self._send_one(self._dlq_topic, None, letter.key, value, headers)
+            letters.pop(0)
+
+    def _fit(self, letter: DeadLetter) -> DeadLetter:
+        """The letter, its value cut to what the dead-letter topic accepts if need be."""
+        value = letter.value
+        if value is None:
+            return letter
+        others = sum(len(n) + len(v or b"") for n, v in letter.headers) + len(letter.key or b"")
+        room = self._dlq_limit - _RECORD_OVERHEAD - others - 256  # 256: the two size headers
+        if len(value) <= room:
+            return letter
+        cut, headers = truncated(value, room)
+        log.warning(
+            "dead-letter copy of %d bytes cut to %d to fit topic %s",
+            len(value),
+            len(cut),
+            self._dlq_topic,
+        )
+        return DeadLetter(letter.key, cut, [*letter.headers, *headers])
 
 
-async def _retry(what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-    """Run ``attempt`` until it succeeds, backing off (capped) between outage errors.
+class _Failures:
+    """Retries outages forever, and gives configuration errors a bounded grace."""
 
-    Never gives up: results that are not durable must not be skipped, and the
-    worker's backpressure pauses consumption while this waits.
-    """
-    delay = _BACKOFF_START_S
-    while True:
-        try:
-            return await attempt()
-        except (RedisError, KafkaError, OSError) as exc:
-            log.warning("%s unavailable (%s); retrying in %.1f s", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _BACKOFF_MAX_S)
+    def __init__(self, grace_s: float) -> None:
+        self._grace_s = grace_s
+        self._failing_since: float | None = None
+        self._config_since: float | None = None
+        self.config_problem: str | None = None
+
+    def stalled_for(self) -> float:
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    async def retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` until it succeeds, backing off (capped) between failures."""
+        delay = _BACKOFF_START_S
+        while True:
+            try:
+                result = await attempt()
+            except (RedisError, KafkaError, OSError) as exc:
+                self._failed(what, exc)
+                log.warning("%s failed (%s); retrying in %.1f s", what, _describe(exc), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            self._failing_since = self._config_since = self.config_problem = None
+            return result
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        problem = _config_problem(what, exc)
+        if problem is None:
+            return
+        if self._config_since is None:
+            self._config_since = now
+            log.error("%s; the worker is unready until it is fixed", problem)
+        self.config_problem = problem
+        if now - self._config_since >= self._grace_s:
+            raise PublishConfigError(
+                f"{problem} (still failing after {self._grace_s:.0f} s)"
+            ) from exc
+
+
+def _config_problem(what: str, exc: BaseException) -> str | None:
+    """A sentence for an error only an operator can fix, else None (an outage)."""
+    if isinstance(exc, RedisError):
+        refused = isinstance(exc, _REDIS_CONFIG) or (
+            isinstance(exc, ResponseError) and str(exc).startswith(("NOPERM", "WRONGPASS"))
+        )
+        return (
+            f"Redis refused this worker's writes ({_describe(exc)}): grant its ACL"
+            if (refused)
+            else None
+        )
+    if not isinstance(exc, KafkaError):
+        return None  # OSError: the network
+    if isinstance(exc, _KAFKA_CONFIG):
+        return f"Kafka refused this worker's writes ({_describe(exc)}): grant its ACLs"
+    if isinstance(exc, UnknownTopicOrPartitionError):
+        return f"a topic results go to does not exist ({_describe(exc)}): create it again"
+    if exc.retriable or isinstance(exc, KafkaTimeoutError | ProducerClosed):
+        return None
+    return f"Kafka refused results ({_describe(exc)})"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -49,7 +49,7 @@ from workers.model_files import (
     sidecar_labels,
     torchvision_cached,
 )
-from workers.preprocess import ImageSpec
+from workers.preprocess import DecodeBudget, ImageSpec
 
 Kind = Literal["classification", "detection", "segmentation"]
 Preprocess = Literal["auto", "reference", "fast"]
@@ -64,6 +64,7 @@ class Serving:
     channels_last: bool | None  # None: on for classifiers and embeddings on CUDA only
     limits: Limits
     decode: DecodeOption
+    decode_budget: DecodeBudget | None  # bounds the memory of CPU decodes running at once
     preprocess: Preprocess  # for fixed-size image models; auto means reference here
     options: Mapping[str, Any]
 
@@ -232,6 +233,7 @@ def _classifier(
         "channels_last": _channels_last(serving, fixed_size=True),
         "limits": serving.limits,
         "decode": serving.decode,
+        "decode_budget": serving.decode_budget,
     }
     if not embedding:
         return ImageClassifier(module, labels=found.labels, **common)
@@ -276,6 +278,7 @@ def _detector(spec: str, arch: str, found: _Weights, published: Any, serving: Se
         channels_last=_channels_last(serving, fixed_size=False),
         limits=serving.limits,
         decode=serving.decode,
+        decode_budget=serving.decode_budget,
         score_threshold=float(threshold),
     )
 
@@ -311,6 +314,7 @@ def _segmenter(spec: str, arch: str, found: _Weights, published: Any, serving: S
         channels_last=_channels_last(serving, fixed_size=False),
         limits=serving.limits,
         decode=serving.decode,
+        decode_budget=serving.decode_budget,
     )
 
 

@@ -8,32 +8,53 @@ KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_HEAP=${KAFKA_HEAP:-"-Xms256m -Xmx1g"}
 REDIS_HOST=127.0.0.1
 REDIS_PORT=${REDIS_PORT:-6379}
+# SeaweedFS's S3 gateway, the S3-compatible object store of the tests (Apache-2.0),
+# built from its Go module; the other ports follow S3_PORT as in SeaweedFS's defaults
+# (S3 8333: filer 8888, master 9333, volume 8080; gRPC on each port + 10000).
+SEAWEEDFS_VERSION=${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
+S3_HOST=127.0.0.1
+S3_PORT=${S3_PORT:-8333}
+SEAWEEDFS_FILER_PORT=${SEAWEEDFS_FILER_PORT:-$((S3_PORT + 555))}
+SEAWEEDFS_MASTER_PORT=${SEAWEEDFS_MASTER_PORT:-$((S3_PORT + 1000))}
+SEAWEEDFS_VOLUME_PORT=${SEAWEEDFS_VOLUME_PORT:-$((S3_PORT - 253))}
+# Credentials of the local store only (tests and the demo); never a real secret.
+S3_ACCESS_KEY=${S3_ACCESS_KEY:-conveyor-local}
+S3_SECRET_KEY=${S3_SECRET_KEY:-conveyor-local-secret}
 CACHE_DIR=${CONVEYOR_CACHE_DIR:-$ROOT/.cache}
 RUN_DIR=${CONVEYOR_RUN_DIR:-$ROOT/.run}
 KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
 KAFKA_DIR=$RUN_DIR/kafka-$KAFKA_PORT
 REDIS_DIR=$RUN_DIR/redis-$REDIS_PORT
+WEED_BIN=$CACHE_DIR/seaweedfs-$SEAWEEDFS_VERSION/weed
+SEAWEEDFS_DIR=$RUN_DIR/seaweedfs-$S3_PORT
 READY_TIMEOUT=${READY_TIMEOUT:-90}
 
 log() { printf '[conveyor] %s\n' "$*" >&2; }
 die() { printf '[conveyor] ERROR: %s\n' "$*" >&2; exit 1; }
 
-# Broker settings shared by kafka.sh and secure.sh: one node, topics created
-# explicitly (a typo in a model name is an error, not a new topic), fast group
-# joins for tests, and room for the contract's largest payload (16 MiB) plus headers.
-kafka_single_node_config() {
+# Broker settings of every local broker: topics created explicitly (a typo in a
+# model name is an error, not a new topic), fast group joins for tests, and room
+# for the contract's largest payload (16 MiB) plus headers.
+kafka_common_config() {
   cat <<CFG
 num.partitions=3
 auto.create.topics.enable=false
+group.initial.rebalance.delay.ms=0
+group.consumer.min.session.timeout.ms=1000
+group.classic.min.session.timeout.ms=1000
+message.max.bytes=20971520
+CFG
+}
+
+# kafka.sh and secure.sh: one node, so every internal topic has a single replica.
+kafka_single_node_config() {
+  kafka_common_config
+  cat <<CFG
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.min.session.timeout.ms=1000
-group.classic.min.session.timeout.ms=1000
-message.max.bytes=20971520
 CFG
 }
 
@@ -101,4 +122,31 @@ fail_start() {
     tail -n 25 "$3" 2>/dev/null || true
   } >&2
   exit 1
+}
+
+# kafka_random_id: a new cluster id, from Kafka's own StorageTool.
+kafka_random_id() {
+  java -cp "$KAFKA_LIBS/*" kafka.tools.StorageTool random-uuid 2>/dev/null \
+    || die "Kafka's StorageTool failed (java: $(command -v java)); run it by hand: java -cp '$KAFKA_LIBS/*' kafka.tools.StorageTool random-uuid"
+}
+
+# kafka_format CONFIG CLUSTER_ID LOG_DIR [STORAGE TOOL ARGS...]: format the storage named
+# in CONFIG for the cluster CLUSTER_ID (once: callers check meta.properties first).
+kafka_format() {
+  local config=$1 cluster_id=$2 logs=$3
+  shift 3
+  java -cp "$KAFKA_LIBS/*" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+    -Dkafka.logs.dir="$logs" \
+    kafka.tools.StorageTool format -t "$cluster_id" -c "$config" "$@" >"$logs/format.log" 2>&1 \
+    || { tail -n 20 "$logs/format.log" >&2; die "formatting Kafka storage for $config failed (log: $logs/format.log)"; }
+}
+
+# kafka_launch CONFIG LOG_DIR PIDFILE HEAP: start a broker in the background; its pid goes to PIDFILE.
+kafka_launch() {
+  # shellcheck disable=SC2086
+  nohup java $4 -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+    -Dkafka.logs.dir="$2" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$1" >"$2/stdout.log" 2>&1 </dev/null &
+  echo $! >"$3"
 }

@@ -1,8 +1,10 @@
-"""Fault-test fixtures: count what each scenario lost, and services a test may stop.
+"""Fault-test fixtures: services a test may stop, and the workers of a test.
 
 Every scenario produces N requests, injects its fault, and records a row of
-produced / answered / lost / duplicate-visible in the table printed at the end
-of the run (and written to .run/fault-report.txt).
+produced / answered / lost / duplicate-visible with ``tally`` in the table
+printed at the end of the run (and written to .run/fault-report.txt). The
+helpers live in tests/integration/harness.py, shared with tests/cluster; the
+fault tests import them from here.
 """
 
 from __future__ import annotations
@@ -10,96 +12,28 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
-from schemas import result_key, topics_for
-from tests.integration.harness import REPO, read_topic, wait_for_results
-
-
-@dataclass(frozen=True)
-class Row:
-    scenario: str
-    produced: int
-    answered: int
-    lost: int
-    duplicate_visible: int  # ids whose answer differs between Redis and reply records
-    redelivered: int  # ids answered more than once on the reply topic (same bytes)
-
-    def line(self) -> str:
-        return (
-            f"| {self.scenario:<40} | {self.produced:>8} | {self.answered:>8} | "
-            f"{self.lost:>4} | {self.duplicate_visible:>17} | {self.redelivered:>11} |"
-        )
-
-
-ROWS: list[Row] = []
-HEADER = (
-    f"| {'scenario':<40} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
-    f"{'duplicate-visible':>17} | {'redelivered':>11} |"
+from tests.integration.harness import (
+    REPO,
+    Workers,
+    admin_for,
+    check,
+    free_port,
+    tally,
+    until_answered,
 )
+from tests.integration.harness import setup_model as setup
+from workers.demo_model import build_digits_model, heldout_digits
+
+__all__ = ["LocalService", "Workers", "admin_for", "check", "setup", "tally", "until_answered"]
 
 
-async def tally(
-    scenario: str,
-    bootstrap: str,
-    redis_url: str,
-    model: str,
-    ids: Sequence[str],
-    timeout: float = 120,
-) -> Row:
-    """Wait for every id's answer, then count what reached Redis and the reply topic."""
-    await wait_for_results(redis_url, ids, timeout)
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        stored = await client.mget([result_key(i) for i in ids])
-    finally:
-        await client.aclose()
-    in_redis = {i: v for i, v in zip(ids, stored, strict=True) if v is not None}
-    replies = await read_topic(
-        bootstrap, topics_for(model).results, expect=len(in_redis), timeout=60
-    )
-    documents: dict[str, set[bytes]] = defaultdict(set)
-    copies: dict[str, int] = defaultdict(int)
-    for record in replies:
-        key = record.key.decode()
-        documents[key].add(record.value)
-        copies[key] += 1
-    answered = [i for i in ids if i in in_redis and i in documents]
-    row = Row(
-        scenario=scenario,
-        produced=len(ids),
-        answered=len(answered),
-        lost=len(ids) - len(answered),
-        duplicate_visible=sum(1 for i in answered if documents[i] != {in_redis[i]}),
-        redelivered=sum(1 for i in answered if copies[i] > 1),
-    )
-    ROWS.append(row)
-    return row
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not ROWS:
-        return
-    lines = [HEADER, "|" + "|".join("-" * (len(c)) for c in HEADER.split("|")[1:-1]) + "|"]
-    lines += [row.line() for row in ROWS]
-    terminalreporter.write_sep("=", "fault scenarios")
-    for line in lines:
-        terminalreporter.write_line(line)
-    report = REPO / ".run" / "fault-report.txt"
-    report.parent.mkdir(exist_ok=True)
-    report.write_text("\n".join(lines) + "\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_PORT_VARIABLE = {"kafka.sh": "KAFKA_PORT", "redis.sh": "REDIS_PORT", "seaweedfs.sh": "S3_PORT"}
 
 
 @dataclass
@@ -115,7 +49,7 @@ class LocalService:
         env = {
             **os.environ,
             "CONVEYOR_RUN_DIR": str(self.run_dir),
-            "KAFKA_PORT" if self.script == "kafka.sh" else "REDIS_PORT": str(self.port),
+            _PORT_VARIABLE[self.script]: str(self.port),
             **self.env,
         }
         subprocess.run(
@@ -143,7 +77,7 @@ class LocalService:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[LocalService]:
     # Snapshots on: a real deployment's Redis keeps its data across a restart.
-    service = LocalService("redis.sh", _free_port(), tmp_path / "run", {"REDIS_SAVE": "3600 1"})
+    service = LocalService("redis.sh", free_port(), tmp_path / "run", {"REDIS_SAVE": "3600 1"})
     service.start()
     yield service
     service.stop()
@@ -153,7 +87,7 @@ def private_redis(tmp_path: Path) -> Iterator[LocalService]:
 def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     # The controller listens on port + 1: pick a port whose neighbour is free too.
     while True:
-        port = _free_port()
+        port = free_port()
         try:
             socket.create_connection(("127.0.0.1", port + 1), timeout=0.2).close()
         except OSError:
@@ -162,3 +96,41 @@ def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     service.start()
     yield service
     service.stop()
+
+
+@pytest.fixture
+def private_s3(tmp_path: Path) -> Iterator[LocalService]:
+    """SeaweedFS of this test's own: its S3 port and the ports derived from it are free."""
+    while True:
+        port = free_port()
+        derived = (port + 555, port + 1000, port - 253)
+        wanted = [*derived, *(p + 10000 for p in derived)]
+        if all(1024 < p < 65536 and not _listening(p) for p in wanted):
+            break
+    service = LocalService("seaweedfs.sh", port, tmp_path / "run")
+    service.start()
+    yield service
+    service.stop()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def digits() -> list[tuple[bytes, int]]:
+    build_digits_model()
+    return heldout_digits()
+
+
+@pytest.fixture
+def workers(
+    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
+) -> Iterator[Workers]:
+    group = Workers(model_name, kafka_bootstrap, redis_url, tmp_path)
+    yield group
+    group.stop_all()

@@ -4,13 +4,17 @@ Loaded by the worker as ``--model tests.faults.faulty:FaultyDigits``:
 - an all-white image (pixel value 255, which no real digit has: they stop at
   240) makes ``forward`` raise, wherever it sits in a batch;
 - with ``CONVEYOR_TEST_OOM_ABOVE=k``, any batch larger than k raises the
-  framework's out-of-memory error, as a GPU would.
+  framework's out-of-memory error, as a GPU would;
+- with ``CONVEYOR_TEST_SLOW_MS=t``, every batch takes at least t ms (a slow model);
+- a request's ``ce_params`` ``{"pad": n}`` adds an n-character string to its
+  answer (a large result).
 Warm-up batches (all equal to ``example_item``) never fail: start-up must succeed.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +31,7 @@ class FaultyDigits:
         self.version = "digits-faulty"
         oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")
         self._oom_above = int(oom_above) if oom_above else None
+        self._slow_s = float(os.environ.get("CONVEYOR_TEST_SLOW_MS", "0")) / 1000.0
 
     def example_item(self) -> torch.Tensor:
         return self._inner.example_item()
@@ -34,7 +39,7 @@ class FaultyDigits:
     def preprocess(
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
-        return self._inner.preprocess(payload, content_type, params)
+        return self._inner.preprocess(payload, content_type, {"top_k": params.get("top_k", 5)})
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self._is_warm_up(batch):  # faults are for requests; start-up must succeed
@@ -43,6 +48,8 @@ class FaultyDigits:
             raise torch.cuda.OutOfMemoryError(f"injected: batch of {batch.shape[0]}")
         if bool((batch.flatten(1) == 255).all(dim=1).any()):
             raise RuntimeError("injected: a poison item is in this batch")
+        if self._slow_s:
+            time.sleep(self._slow_s)
         return self._inner.forward(batch)
 
     def _is_warm_up(self, batch: torch.Tensor) -> bool:
@@ -50,7 +57,11 @@ class FaultyDigits:
         return bool((batch == example).flatten(1).all(dim=1).all())
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return self._inner.postprocess(outputs, params)
+        answers = self._inner.postprocess(outputs, [{"top_k": p.get("top_k", 5)} for p in params])
+        return [
+            {"top": answer, "pad": "x" * int(p["pad"])} if "pad" in p else answer
+            for answer, p in zip(answers, params, strict=True)
+        ]
 
 
 def poison_png() -> bytes:

@@ -7,15 +7,10 @@ json`` logs are machine-readable and tie lines about a request to its id.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
 import json
-import re
 import signal
 import socket
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +22,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from schemas import ContentType, Status, consumer_group, encode_request, topics_for
 from tests.integration.harness import (
     WorkerProcess,
+    assigned_partitions,
     count_results,
     create_model_topics,
     digit_requests,
+    free_port,
+    http_get,
     produce,
     redis_results,
+    until,
     wait_for_results,
 )
 from workers.demo_model import build_digits_model, heldout_digits
-
-_ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +51,7 @@ class Fleet:
 
     def start(self, *extra: str) -> tuple[WorkerProcess, int]:
         """Start one worker; returns it and its metrics port (listening on 127.0.0.1)."""
-        port = _free_port()
+        port = free_port()
         worker = WorkerProcess(
             self.model,
             self.bootstrap,
@@ -78,37 +75,10 @@ def fleet(kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path)
         worker.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker_id(worker: WorkerProcess) -> str:
     """The id the worker writes into each result's ``worker`` field (the default one)."""
     assert worker.proc is not None
     return f"{socket.gethostname()}-{worker.proc.pid}"
-
-
-def _assigned_now(log: str) -> set[int] | None:
-    """The partitions of the worker's latest assignment; None before its first one."""
-    lines = _ASSIGNED.findall(log)
-    return {int(p) for p in re.findall(r"\[(\d+)\]", lines[-1])} if lines else None
-
-
-async def _http_get(port: int, path: str) -> tuple[int, bytes]:
-    """(status, body) of one GET; raises OSError while nothing listens on the port."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
 
 
 def _requests_total(exposition: str, model: str) -> dict[str, float]:
@@ -119,24 +89,6 @@ def _requests_total(exposition: str, model: str) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "conveyor_requests_total" and sample.labels.get("model") == model
     }
-
-
-async def _until(
-    condition: Callable[[], bool | Awaitable[bool]],
-    what: str,
-    timeout: float,
-    logs: Callable[[], str],
-) -> None:
-    """Poll ``condition()`` (sync or async) until true; fail naming ``what`` with the logs."""
-    deadline = time.monotonic() + timeout
-    while True:
-        outcome = condition()
-        if inspect.isawaitable(outcome):
-            outcome = await outcome
-        if outcome:
-            return
-        assert time.monotonic() < deadline, f"{what} within {timeout} s\n{logs()[-5000:]}"
-        await asyncio.sleep(0.1)  # polling interval, not a wait for readiness
 
 
 @pytest.mark.timeout(180)
@@ -158,13 +110,13 @@ async def test_three_workers_share_partitions_and_survive_a_sigkill(
     def settled() -> bool:
         # Eager rebalancing: each worker's latest assignment is its current one. Only
         # once all three joined do the latest ones split the six partitions exactly.
-        now = [_assigned_now(w.log()) for w in workers]
+        now = [assigned_partitions(w.log()) for w in workers]
         if any(not parts for parts in now):
             return False
         owned = [p for parts in now if parts for p in parts]
         return sorted(owned) == list(range(6))
 
-    await _until(settled, "every worker gets partitions", 90, fleet.logs)
+    await until(settled, "every worker gets partitions", 90, fleet.logs)
     await produce(kafka_bootstrap, topic, records[600:1800])  # spread over all six partitions
     worker_ids = {_worker_id(w) for w in workers}
 
@@ -172,7 +124,7 @@ async def test_three_workers_share_partitions_and_survive_a_sigkill(
         results = await redis_results(redis_url, ids[600:1800])
         return worker_ids <= {r.worker for r in results.values()}
 
-    await _until(all_answered_some, "every worker answers", 60, fleet.logs)
+    await until(all_answered_some, "every worker answers", 60, fleet.logs)
     workers[0].signal(signal.SIGKILL)
     workers[0].wait()
     # Its share of these can only be answered once its partitions move to the others.
@@ -210,12 +162,12 @@ async def test_metrics_count_the_results_written(
 
     async def counted() -> bool:
         nonlocal counts
-        status, body = await _http_get(port, "/metrics")
+        status, body = await http_get(port, "/metrics")
         assert status == 200
         counts = _requests_total(body.decode(), model_name)
         return counts.get("ok") == ok
 
-    await _until(
+    await until(
         counted, f"conveyor_requests_total ok={ok}", 10, lambda: f"last: {counts}\n{worker.log()}"
     )
     assert sum(counts.values()) == len(ids)  # and nothing counted under another status
@@ -262,29 +214,29 @@ async def test_readyz_503_until_serving_then_200(
             assert worker.proc is not None
             assert worker.proc.poll() is None, worker.log()
             try:
-                status, body = await _http_get(port, "/readyz")
+                status, body = await http_get(port, "/readyz")
             except OSError:
                 return False  # not listening yet
             probes.append(_Probe(status, json.loads(body)["checks"]))
             joined = "partitions assigned: none" in worker.log()
             return joined and probes[-1].checks["model_loaded"] == "ok"
 
-        await _until(probe, "the worker loads its model and joins", 60, worker.log)
+        await until(probe, "the worker loads its model and joins", 60, worker.log)
         assert holder.assignment(), "the holder must still own the partition"
         assert all(p.status == 503 for p in probes), probes
         assert probes[-1].checks["partitions_assigned"] == "failed", probes[-1]
-        assert (await _http_get(port, "/healthz"))[0] == 200  # alive, merely not ready
+        assert (await http_get(port, "/healthz"))[0] == 200  # alive, merely not ready
     finally:
         await holder.stop()  # leaves the group: the partition moves to the worker
 
     async def ready() -> bool:
-        status, body = await _http_get(port, "/readyz")
+        status, body = await http_get(port, "/readyz")
         probes.append(_Probe(status, json.loads(body)["checks"]))
         return status == 200
 
-    await _until(ready, "/readyz turns 200 once the worker owns a partition", 30, worker.log)
+    await until(ready, "/readyz turns 200 once the worker owns a partition", 30, worker.log)
     assert set(probes[-1].checks.values()) == {"ok"}
-    assert (await _http_get(port, "/healthz"))[0] == 200
+    assert (await http_get(port, "/healthz"))[0] == 200
 
 
 @pytest.mark.timeout(120)
@@ -311,7 +263,7 @@ async def test_json_logs_parse_and_carry_request_ids(
     async def answered() -> bool:
         return await count_results(redis_url, ids) == len(ids)
 
-    await _until(answered, "every request answered", 60, worker.log)
+    await until(answered, "every request answered", 60, worker.log)
     assert (await redis_results(redis_url, [bad_id]))[bad_id].status is Status.error
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0  # the drain's lines are in the log too

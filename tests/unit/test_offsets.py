@@ -12,131 +12,108 @@ TP = ("conveyor.m.requests", 0)
 TP2 = ("conveyor.m.requests", 1)
 
 
-def test_position_is_lowest_unfinished_offset() -> None:
+def test_position_waits_for_the_oldest_open_span() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    for offset in (10, 11, 12):
-        tracker.track(TP, offset)
+    first = tracker.open(TP, 10, 12, 3)
+    second = tracker.open(TP, 13, 14, 2)
     assert tracker.committable() == {}  # nothing finished yet
-    assert tracker.done(TP, 12)
-    assert tracker.done(TP, 11)
-    assert tracker.committable() == {}  # 10 still in flight
-    assert tracker.done(TP, 10)
-    assert tracker.committable() == {TP: 13}
+    tracker.finish(second, 2)
+    assert tracker.committable() == {}  # the first span is still open
+    tracker.finish(first, 2)
+    assert tracker.committable() == {}
+    assert tracker.in_flight(TP) == 1
+    tracker.finish(first)
+    assert tracker.committable() == {TP: 15}
     assert tracker.in_flight(TP) == 0
+
+
+def test_a_finished_span_lets_the_position_move_to_the_next_one() -> None:
+    tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
+    first = tracker.open(TP, 0, 9, 10)
+    tracker.open(TP, 10, 19, 10)
+    tracker.finish(first, 10)
+    assert tracker.committable() == {TP: 10}
 
 
 def test_gaps_in_offsets() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    for offset in (3, 7, 20):  # compacted away or transaction markers in between
-        tracker.track(TP, offset)
-    tracker.done(TP, 3)
-    assert tracker.committable() == {TP: 7}
-    tracker.done(TP, 20)
-    assert tracker.committable() == {TP: 7}
-    tracker.done(TP, 7)
+    span = tracker.open(TP, 3, 20, 3)  # 3, 7 and 20: compacted away or markers between
+    tracker.finish(span, 3)
     assert tracker.committable() == {TP: 21}
 
 
 def test_only_advanced_partitions_are_committable() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    tracker.track(TP, 0)
-    tracker.track(TP2, 100)
-    tracker.done(TP, 0)
-    tracker.done(TP2, 100)
+    tracker.finish(tracker.open(TP, 0, 0, 1))
+    tracker.finish(tracker.open(TP2, 100, 100, 1))
     assert tracker.committable() == {TP: 1, TP2: 101}
     tracker.mark_committed({TP: 1, TP2: 101})
     assert tracker.committable() == {}
-    tracker.track(TP, 1)
-    tracker.done(TP, 1)
+    tracker.finish(tracker.open(TP, 1, 1, 1))
     assert tracker.committable() == {TP: 2}
 
 
 def test_late_commit_ack_does_not_move_back() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    for offset in range(3):
-        tracker.track(TP, offset)
-        tracker.done(TP, offset)
+    tracker.finish(tracker.open(TP, 0, 2, 3), 3)
     tracker.mark_committed({TP: 3})
     tracker.mark_committed({TP: 1})  # an older commit acknowledged after the newer one
     assert tracker.committable() == {}
 
 
-def test_done_of_unknown_offset_changes_nothing() -> None:
+def test_spans_must_not_go_back() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    tracker.track(TP, 5)
-    assert not tracker.done(TP, 4)  # never tracked
-    assert not tracker.done(TP2, 5)  # unknown partition
-    assert tracker.done(TP, 5)
-    assert not tracker.done(TP, 5)  # twice
-    assert tracker.committable() == {TP: 6}
-
-
-def test_offsets_must_increase() -> None:
-    tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    tracker.track(TP, 5)
+    tracker.open(TP, 5, 9, 5)
     with pytest.raises(ValueError, match="must increase"):
-        tracker.track(TP, 5)
+        tracker.open(TP, 9, 12, 4)
+    with pytest.raises(ValueError, match="needs records"):
+        tracker.open(TP2, 1, 0, 1)
 
 
-def test_in_flight_and_pending_partitions() -> None:
+def test_finishing_more_than_is_open_is_a_bug() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    tracker.track(TP, 0)
-    tracker.track(TP, 1)
-    tracker.track(TP2, 0)
-    assert tracker.in_flight() == 3
-    assert tracker.in_flight(TP) == 2
-    assert tracker.in_flight(("other", 0)) == 0
-    tracker.done(TP2, 0)
-    assert tracker.pending_partitions() == {TP}
+    span = tracker.open(TP, 0, 1, 2)
+    with pytest.raises(ValueError, match="only 2 are open"):
+        tracker.finish(span, 3)
 
 
-def test_forget_drops_the_partition() -> None:
+def test_forget_drops_a_partition_and_ignores_its_late_finishes() -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    tracker.track(TP, 0)
-    tracker.track(TP2, 0)
-    tracker.done(TP2, 0)
+    old = tracker.open(TP, 0, 4, 5)
     tracker.forget(TP)
-    assert not tracker.done(TP, 0)  # finished after its partition was lost
-    assert tracker.committable() == {TP2: 1}
-    assert tracker.pending_partitions() == set()
-    tracker.mark_committed({TP: 1})  # ignored for a forgotten partition
-    tracker.track(TP, 0)  # reassigned later: starts afresh, re-reading from 0 is allowed
-    assert tracker.in_flight(TP) == 1
+    assert tracker.in_flight() == 0
+    assert tracker.committable() == {}
+    # The partition comes back (re-assigned): reading restarts at the committed offset.
+    new = tracker.open(TP, 0, 4, 5)
+    tracker.finish(old, 5)  # a result of the old reading became durable late: ignored
+    assert tracker.in_flight(TP) == 5
+    tracker.finish(new, 5)
+    assert tracker.committable() == {TP: 5}
+    tracker.mark_committed({TP: 5})
+    tracker.forget(TP2)  # unknown partitions are fine
 
 
 @given(
-    first=st.integers(min_value=0, max_value=10**12),
-    gaps=st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=60),
-    commit_as_we_go=st.booleans(),
-    data=st.data(),
+    sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=12),
+    order=st.randoms(use_true_random=False),
 )
-def test_never_commits_past_an_unfinished_offset(
-    first: int, gaps: list[int], commit_as_we_go: bool, data: st.DataObject
-) -> None:
-    """Random interleavings of track and out-of-order done over offsets with gaps."""
-    offsets = [first + sum(gaps[:i]) for i in range(len(gaps))]
-    to_track = list(offsets)
-    unfinished: list[int] = []
+def test_position_never_passes_an_unfinished_record(sizes: list[int], order: object) -> None:
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
-    last_committed = first
-    while to_track or unfinished:
-        if to_track and (not unfinished or data.draw(st.booleans())):
-            offset = to_track.pop(0)
-            tracker.track(TP, offset)
-            unfinished.append(offset)
-        else:
-            offset = unfinished.pop(data.draw(st.integers(0, len(unfinished) - 1)))
-            assert tracker.done(TP, offset)
-        assert tracker.in_flight(TP) == len(unfinished)
-        expected = (
-            min(unfinished) if unfinished else max(offsets[: len(offsets) - len(to_track)]) + 1
-        )
+    records = []
+    offset = 0
+    for size in sizes:
+        span = tracker.open(TP, offset, offset + size - 1, size)
+        records += [(span, offset + i) for i in range(size)]
+        offset += size
+    order.shuffle(records)  # type: ignore[attr-defined]
+    unfinished = {o for _, o in records}
+    for span, record_offset in records:
+        tracker.finish(span)
+        unfinished.discard(record_offset)
         position = tracker.committable().get(TP)
-        if position is None:
-            assert expected <= last_committed  # nothing new, and nothing held back
-        else:
-            assert position == expected > last_committed
-            if commit_as_we_go:
-                tracker.mark_committed({TP: position})
-                last_committed = position
-    assert tracker.committable().get(TP, last_committed) == offsets[-1] + 1
+        if position is not None:
+            assert all(o >= position for o in unfinished)
+            tracker.mark_committed({TP: position})
+    assert tracker.committable() == {}
+    assert tracker.in_flight() == 0
+    assert tracker.open(TP, offset, offset, 1).first == offset

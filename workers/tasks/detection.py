@@ -32,9 +32,9 @@ import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, Limits
 from schemas.outputs import DETECTION_V1, INSTANCE_SEGMENTATION_V1, KEYPOINTS_V1
-from workers.gpu_decode import DecodeOption, ImageListDecoder
+from workers.gpu_decode import DecodeOption, image_list_decoder
 from workers.handlers import DeviceInput
-from workers.preprocess import decode_full
+from workers.preprocess import DecodeBudget, decode_full
 from workers.tasks.groups import ShapeKey, group_indices
 from workers.tasks.params import DetectionParams
 from workers.tasks.rle import encode_columns
@@ -69,6 +69,7 @@ class Detector:
         channels_last: bool = False,
         limits: Limits = DEFAULT_LIMITS,
         decode: DecodeOption = "auto",
+        decode_budget: DecodeBudget | None = None,
         score_threshold: float = DEFAULT_SCORE_THRESHOLD,
         mode: Literal["RGB", "L"] = "RGB",
     ) -> None:
@@ -78,14 +79,14 @@ class Detector:
         models, ``weights.meta["categories"]``: index 0 is the background); an index
         past its end is reported as its number. ``task`` picks the result document;
         ``keypoints`` needs ``keypoint_names``. ``dtype`` other than float32 runs the
-        forward under autocast. ``decode`` is as for ``ImageModel``.
+        forward under autocast. ``decode`` and ``decode_budget`` are as for ``ImageModel``.
         """
         if task not in OUTPUT_TYPES:
             raise ValueError(f"task must be one of {', '.join(OUTPUT_TYPES)}, not {task!r}")
         if task == "keypoints" and not keypoint_names:
             raise ValueError("a keypoint model needs its keypoint names")
-        if decode not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"decode must be auto, cpu or gpu, not {decode!r}")
+        if decode not in ("auto", "cpu", "gpu", "gpu-hw"):
+            raise ValueError(f"decode must be auto, cpu, gpu or gpu-hw, not {decode!r}")
         self.name = name
         self.version = version
         self.labels: tuple[str, ...] = tuple(labels)
@@ -96,6 +97,8 @@ class Detector:
         self.mode: Literal["RGB", "L"] = mode
         self.score_threshold = score_threshold
         self._limits = limits
+        self.decode_budget = decode_budget
+        """Bounds the memory of CPU decodes running at once (shared by the threads)."""
         module = module.to(self.device).eval()
         if channels_last:
             module = module.to(memory_format=torch.channels_last)
@@ -103,8 +106,7 @@ class Detector:
         self.max_detections = _detections_per_image(module)
         """The most detections the module returns per image: the cap on ``max_detections``."""
         self._shape_key = ShapeKey(module)
-        gpu = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
-        self.batch_decoder = ImageListDecoder(mode, max_pixels=limits.max_pixels) if gpu else None
+        self.batch_decoder = image_list_decoder(decode, mode, self.device, limits)
         """The device JPEG path, or ``None`` when every image is decoded on the CPU."""
 
     def example_item(self) -> torch.Tensor:
@@ -131,7 +133,13 @@ class Detector:
             encoded = self.batch_decoder.encoded(payload)
             if encoded is not None:
                 return encoded
-        return decode_full(payload, content_type, self.mode, max_pixels=self._limits.max_pixels)
+        return decode_full(
+            payload,
+            content_type,
+            self.mode,
+            max_pixels=self._limits.max_pixels,
+            budget=self.decode_budget,
+        )
 
     def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         if self.batch_decoder is not None:

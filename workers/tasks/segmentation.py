@@ -26,9 +26,9 @@ from PIL import Image
 
 from schemas import DEFAULT_LIMITS, ContentType, Limits
 from schemas.outputs import SEMANTIC_SEGMENTATION_V1
-from workers.gpu_decode import DecodeOption, ImageListDecoder
+from workers.gpu_decode import DecodeOption, image_list_decoder
 from workers.handlers import DeviceInput
-from workers.preprocess import decode_full
+from workers.preprocess import DecodeBudget, decode_full
 from workers.tasks.groups import group_indices
 from workers.tasks.params import SegmentationParams
 from workers.tasks.rle import encode_columns
@@ -55,6 +55,7 @@ class SemanticSegmenter:
         channels_last: bool = False,
         limits: Limits = DEFAULT_LIMITS,
         decode: DecodeOption = "auto",
+        decode_budget: DecodeBudget | None = None,
         mode: Literal["RGB", "L"] = "RGB",
     ) -> None:
         """Wrap ``module`` (moved to ``device``, in eval mode).
@@ -62,12 +63,13 @@ class SemanticSegmenter:
         ``labels`` names the module's classes in output order; ``resize_size`` is the
         shorter side's length the model takes (torchvision's weights: 520), ``None`` to
         take images as submitted; ``mean``/``std`` normalize the scaled pixels.
-        ``dtype`` other than float32 runs the forward under autocast.
+        ``dtype`` other than float32 runs the forward under autocast; ``decode`` and
+        ``decode_budget`` are as for ``ImageModel``.
         """
         if not labels:
             raise ValueError("a segmentation model needs at least one label")
-        if decode not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"decode must be auto, cpu or gpu, not {decode!r}")
+        if decode not in ("auto", "cpu", "gpu", "gpu-hw"):
+            raise ValueError(f"decode must be auto, cpu, gpu or gpu-hw, not {decode!r}")
         self.name = name
         self.version = version
         self.labels: tuple[str, ...] = tuple(labels)
@@ -78,13 +80,14 @@ class SemanticSegmenter:
         self.dtype = dtype
         self.mode: Literal["RGB", "L"] = mode
         self._limits = limits
+        self.decode_budget = decode_budget
+        """Bounds the memory of CPU decodes running at once (shared by the threads)."""
         self._channels_last = channels_last
         module = module.to(self.device).eval()
         if channels_last:
             module = module.to(memory_format=torch.channels_last)
         self.module = module
-        gpu = decode == "gpu" or (decode == "auto" and self.device.type == "cuda")
-        self.batch_decoder = ImageListDecoder(mode, max_pixels=limits.max_pixels) if gpu else None
+        self.batch_decoder = image_list_decoder(decode, mode, self.device, limits)
 
     def example_item(self) -> torch.Tensor:
         width, height = EXAMPLE_SIZE
@@ -100,7 +103,13 @@ class SemanticSegmenter:
             encoded = self.batch_decoder.encoded(payload)
             if encoded is not None:
                 return encoded
-        return decode_full(payload, content_type, self.mode, max_pixels=self._limits.max_pixels)
+        return decode_full(
+            payload,
+            content_type,
+            self.mode,
+            max_pixels=self._limits.max_pixels,
+            budget=self.decode_budget,
+        )
 
     def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         if self.batch_decoder is not None:

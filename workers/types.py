@@ -1,0 +1,189 @@
+"""The worker's shared types: what flows between the stages, and the ports they talk through.
+
+A leaf module: the stages (ingest, batcher, inference, publish) and the adapters
+(``workers.consumer`` for Kafka, ``workers.publisher`` for Redis and the reply
+topic) import it; it imports none of them.
+
+The flow of one record::
+
+    Record ──ingest──▶ Item ──batcher──▶ inference ──▶ Outcome ──publish──▶ Outbox ──▶ ResultSink
+       └──────────────▶ Refusal (bad input, expired, model failure) ──▶ Outcome ─┘
+
+Every record fetched ends in exactly one ``Item`` answered ``ok`` or one
+``Refusal``, and its span in ``workers.offsets`` is finished only once that
+answer is durable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schemas import ErrorCode
+from schemas.fastpath import FastMeta
+from workers.offsets import Span
+
+
+class ConfigError(Exception):
+    """Only an operator can fix this (a missing topic, a refused ACL): the worker exits
+    with status 3 and this message, rather than stall or retry forever."""
+
+
+TopicPartition = tuple[str, int]
+"""A partition of a topic; aiokafka's ``TopicPartition`` is such a named tuple."""
+
+
+class Record(Protocol):
+    """A fetched Kafka record: what the pipeline reads of aiokafka's ``ConsumerRecord``."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> int:
+        """When the record was produced (or appended), epoch milliseconds."""
+
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes | None]]: ...
+    @property
+    def checksum(self) -> int | None:
+        """``workers.kafka_records.REPAIRED`` for a record read leniently, else None."""
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """A request on its way to the model."""
+
+    record: Record
+    span: Span
+    meta: FastMeta
+    received_ms: float  # wall clock, epoch ms: comparable with the record timestamp
+    received_at: float  # monotonic seconds: for waiting and deadlines
+    deadline_at: float | None  # monotonic seconds
+    tensor: Any = None  # what the handler's preprocess made of the payload
+    attempt: int = 1  # counted in Redis when status is tracked (workers.admission)
+
+
+@dataclass(slots=True, eq=False)
+class Refusal:
+    """A record answered without an output: bad input, expired, or the model failed on it.
+
+    With a usable ``request_id`` it gets an error result; when ``dead_letter`` is set
+    its original record is copied to the dead-letter topic as well.
+    """
+
+    record: Record
+    span: Span
+    code: ErrorCode
+    message: str
+    field: str | None
+    request_id: str | None
+    received_ms: float
+    reply_to: str | None = None
+    traceparent: str | None = None
+    dead_letter: bool = True
+    batch: BatchTiming | None = None  # set when the model ran on it (model failures)
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTiming:
+    """When one batch ran on the model: epoch ms and its size."""
+
+    start_ms: float
+    finished_ms: float
+    inference_ms: float
+    size: int
+
+
+@dataclass(slots=True, eq=False)
+class Outcome:
+    """A unit of finished work for the publish stage: answered items and refusals.
+
+    ``outputs[i]`` is the model's answer for ``answered[i]``; ``timing`` says how
+    the batch ran (None for refusals that never reached the model).
+    """
+
+    answered: list[Item] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    timing: BatchTiming | None = None
+    refused: list[Refusal] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """A copy of a record that could not be served, with the reason in its headers."""
+
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+
+
+@dataclass(slots=True)
+class Outbox:
+    """One publish call's results, in parallel lists, and its dead letters."""
+
+    ids: list[str] = field(default_factory=list)
+    values: list[bytes] = field(default_factory=list)
+    headers: list[list[tuple[str, bytes]]] = field(default_factory=list)
+    reply_to: list[str | None] = field(default_factory=list)  # None: the results topic
+    partitions: list[int] = field(default_factory=list)  # the request's partition
+    dead: list[DeadLetter] = field(default_factory=list)
+
+    def add(
+        self,
+        request_id: str,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        reply_to: str | None,
+        partition: int,
+    ) -> None:
+        self.ids.append(request_id)
+        self.values.append(value)
+        self.headers.append(headers)
+        self.reply_to.append(reply_to)
+        self.partitions.append(partition)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    duplicates: int  # results already in Redis (redelivered requests): left unchanged
+
+
+Revoked = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+class RecordSource(Protocol):
+    """Where requests come from: a consumer-group member (``workers.consumer.Consumer``)."""
+
+    async def fetch(
+        self, timeout_ms: int, max_records: int
+    ) -> Mapping[TopicPartition, Sequence[Record]]:
+        """The next records per partition, in offset order; empty after ``timeout_ms``."""
+
+    def set_paused(self, paused: bool) -> None:
+        """Stop or resume fetching (backpressure)."""
+
+    async def commit(self, positions: Mapping[TopicPartition, int]) -> bool:
+        """Commit these positions; False when it failed (retried later by the caller)."""
+
+    def on_revoke(self, handler: Revoked) -> None:
+        """Call ``handler`` with partitions about to be taken away, and wait for it."""
+
+    def lag(self) -> Mapping[TopicPartition, int]:
+        """Per partition, records not fetched yet."""
+
+
+class ResultSink(Protocol):
+    """Where answers go: Redis and the reply topic (``workers.publisher.Publisher``)."""
+
+    async def publish(self, outbox: Outbox) -> PublishReport:
+        """Return once every result and dead letter in ``outbox`` is durable."""
