@@ -304,14 +304,17 @@ def test_keypoints_served_equal_direct(images: list[bytes]) -> None:
         keypoint_predictor=KeypointRCNNPredictor(32, len(names)),
     )
     calibrate_detector(module, images[:16])
+    # Keypoint R-CNN turns each detection's heatmaps into points one detection at a
+    # time: fewer, surer detections keep the test quick.
+    module.roi_heads.score_thresh = 0.7
     handler = Detector(
         module, name="poses", version="v", labels=["no person", "person"], task="keypoints",
         keypoint_names=names, decode="cpu", score_threshold=0.0,
     )  # fmt: skip
 
-    agreement = compare_detections(handler, images, floor=0.5)
+    agreement = compare_detections(handler, images, floor=0.7)
 
-    agreement.check(at_least=2 * IMAGES)
+    agreement.check(at_least=IMAGES)
     close = total = 0
     for detection, j, direct in agreement.strict:
         points = np.array(detection["keypoints"])
