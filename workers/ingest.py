@@ -153,6 +153,7 @@ def _from_meta(meta: RequestMeta) -> FastMeta:
         meta.stream,
         meta.seq,
         meta.traceparent,
+        meta.supersede,
     )
 
 

@@ -45,6 +45,7 @@ OPTIONAL = [
     "ce_params",
     "ce_stream",
     "ce_seq",
+    "ce_supersede",
     "traceparent",
 ]
 near_valid = st.builds(
@@ -88,6 +89,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
         meta.stream,
         meta.seq,
         meta.traceparent,
+        meta.supersede,
     )
 
 
@@ -102,6 +104,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
     reply_to=st.none() | topics,
     stream=st.none() | ids,
     seq=st.integers(min_value=0, max_value=2**63 - 1),
+    supersede=st.none() | st.booleans(),
     traceparent=st.none() | traceparents,
 )
 def test_fast_parse_takes_every_record_the_sdk_writes(
@@ -115,6 +118,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
     reply_to: str | None,
     stream: str | None,
     seq: int,
+    supersede: bool | None,
     traceparent: str | None,
 ) -> None:
     record = encode_request(
@@ -128,6 +132,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
         reply_to=reply_to,
         stream=stream,
         seq=seq if stream is not None else None,
+        supersede=supersede if stream is not None else None,
         traceparent=traceparent,
     )
     fast = parse_request(record.headers, record.value, Limits())
@@ -135,13 +140,14 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
     assert fast is not None
     assert fast.id == meta.id
     assert fast.params == meta.params
-    assert (fast.deadline, fast.reply_to, fast.stream, fast.seq, fast.traceparent) == (
-        meta.deadline,
-        meta.reply_to,
-        meta.stream,
-        meta.seq,
-        meta.traceparent,
-    )
+    assert (
+        fast.deadline,
+        fast.reply_to,
+        fast.stream,
+        fast.seq,
+        fast.traceparent,
+        fast.supersede,
+    ) == (meta.deadline, meta.reply_to, meta.stream, meta.seq, meta.traceparent, meta.supersede)
 
 
 @given(
