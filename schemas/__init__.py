@@ -10,6 +10,7 @@ from schemas.dlq import dlq_headers
 from schemas.errors import ContractError, ErrorCode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.naming import (
+    DEFAULT_LANE,
     ModelTopics,
     consumer_group,
     is_valid_request_id,
@@ -44,6 +45,7 @@ from schemas.result import (
 )
 
 __all__ = [
+    "DEFAULT_LANE",
     "DEFAULT_LIMITS",
     "REQUEST_TYPE",
     "RESULT_TYPE",
