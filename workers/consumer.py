@@ -204,6 +204,8 @@ class Consumer:
 
     async def _take_over(self, partitions: set[TopicPartition]) -> None:
         """Hold ``partitions``, run the assignment handler, fetch from committed positions."""
+        # Never for a partition no longer ours: its producer would fence the new owner's.
+        partitions &= self._kafka.assignment()
         if self._assigned is None or not partitions:
             return
         self._held |= partitions

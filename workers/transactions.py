@@ -128,6 +128,7 @@ class Transactions:
             )
             await producer.commit_transaction()
         except ProducerFenced:
+            _read_failure(producer)
             log.warning(
                 "the producer of %s[%d] was fenced (the partition has another owner, or the "
                 "transaction outlived transaction_timeout_ms); reading it again from its "
@@ -138,8 +139,9 @@ class Transactions:
         except (KafkaError, OSError, AssertionError) as exc:
             # AssertionError: aiokafka's transaction state machine refuses a step after
             # a fatal error. Whatever failed, this producer is not used again.
+            _read_failure(producer)
             if isinstance(exc, KafkaError | OSError):
-                self._publisher.note_failure("kafka", exc)
+                self._publisher.note_failure("kafka", _cause(exc))
             log.warning(
                 "transaction on %s[%d] failed (%r); reading the partition again from its "
                 "committed position",
@@ -169,7 +171,7 @@ class Transactions:
                 await producer.start()
             except (KafkaError, OSError) as exc:
                 await self._stop(producer)
-                self._publisher.note_failure("kafka", exc)  # raises for a lasting config error
+                self._publisher.note_failure("kafka", _cause(exc))  # raises past its grace
                 log.warning("starting the producer of %s[%d] failed (%r); retrying", *tp, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
@@ -187,3 +189,21 @@ class Transactions:
             log.warning("a transactional producer did not stop in %.0f s", _STOP_TIMEOUT_S)
         except KafkaError as exc:
             log.warning("stopping a transactional producer failed: %r", exc)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error behind aiokafka's wrappers: its sender dies with "Unexpected error during
+    batch delivery" raised from, e.g., a lost connection, which is an outage to retry
+    rather than a refusal to report."""
+    while isinstance(exc.__cause__, KafkaError | OSError):
+        exc = exc.__cause__
+    return exc
+
+
+def _read_failure(producer: AIOKafkaProducer) -> None:
+    """Read the failed transaction's outcome, which aiokafka leaves unread when its sender
+    dies: asyncio would log it as an error ("never retrieved") once it is collected."""
+    manager = getattr(producer, "_txn_manager", None)
+    waiter = None if manager is None else manager.wait_for_transaction_end()
+    if isinstance(waiter, asyncio.Future) and waiter.done() and not waiter.cancelled():
+        waiter.exception()

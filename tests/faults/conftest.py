@@ -65,8 +65,10 @@ async def tally(
     model: str,
     ids: Sequence[str],
     timeout: float = 120,
+    isolation_level: str = "read_uncommitted",
 ) -> Row:
-    """Wait for every id's answer, then count what reached Redis and the reply topic."""
+    """Wait for every id's answer, then count what reached Redis and the reply topic
+    (as a reader with ``isolation_level`` sees it)."""
     await wait_for_results(redis_url, ids, timeout)
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -75,7 +77,7 @@ async def tally(
         await client.aclose()
     in_redis = {i: v for i, v in zip(ids, stored, strict=True) if v is not None}
     replies = await read_topic(
-        bootstrap, topics_for(model).results, expect=len(in_redis), timeout=60
+        bootstrap, topics_for(model).results, len(in_redis), 60, isolation_level
     )
     documents: dict[str, set[bytes]] = defaultdict(set)
     copies: dict[str, int] = defaultdict(int)

@@ -126,12 +126,23 @@ async def wait_for_results(
     return found
 
 
-async def read_topic(bootstrap: str, topic: str, expect: int, timeout: float) -> list[Any]:
+async def read_topic(
+    bootstrap: str,
+    topic: str,
+    expect: int,
+    timeout: float,
+    isolation_level: str = "read_uncommitted",
+) -> list[Any]:
     """Every record of ``topic`` from the beginning: at least ``expect`` of them (or as
     many as came before ``timeout``), then on to the end offsets as they stand then,
-    so a duplicate never hides a record that is there."""
+    so a duplicate never hides a record that is there. ``read_committed`` skips records
+    of aborted transactions and reads only up to the last stable offset."""
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level=isolation_level,
     )
     await consumer.start()
     records: list[Any] = []
