@@ -1,22 +1,26 @@
 """Exactly-once delivery: a read_committed reader of the reply topic sees each request once.
 
-Workers run with ``--delivery exactly-once``; faults land mid-stream; then every
-request must have its answer in Redis, and a ``read_committed`` reader of the reply
-topic must see each request id exactly once, with the bytes Redis holds. The
-``read_uncommitted`` count of extra records (from transactions the faults aborted)
-is reported alongside, to show the faults did hit open transactions.
+Workers run with ``--delivery exactly-once``; faults land mid-stream (a SIGKILL
+while the worker has a transaction open, its records already on the reply topic);
+then every request must have its answer in Redis, and a ``read_committed`` reader
+of the reply topic must see each request id exactly once, with the bytes Redis
+holds. The ``read_uncommitted`` count of extra records (from transactions the
+faults aborted) is printed alongside.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import time
 from collections import Counter
 
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import topics_for
 from tests.faults.conftest import LocalService, Row, Workers, setup, tally, until_answered
-from tests.integration.harness import produce, read_topic, redis_results
+from tests.integration.harness import WorkerProcess, produce, read_topic, redis_results
 
 EXACTLY_ONCE = ("--delivery", "exactly-once", "--max-batch-size", "8")
 FAULTY = "tests.faults.faulty:FaultyDigits"
@@ -28,6 +32,43 @@ async def extra_records_uncommitted(bootstrap: str, model: str, ids: list[str]) 
     records = await read_topic(bootstrap, topics_for(model).results, len(ids), 60)
     counts = Counter(record.key.decode() for record in records)
     return sum(count - 1 for count in counts.values())
+
+
+async def kill_inside_a_transaction(
+    worker: WorkerProcess, bootstrap: str, topic: str, partitions: int = 3
+) -> bool:
+    """SIGKILL ``worker`` while it has a transaction open on ``topic`` (records there past
+    the last stable offset), if it opens one within 30 s: the worker is stopped
+    (SIGSTOP) whenever one looks open, checked again while it cannot finish it, then
+    killed or let go on. Returns whether the kill left a transaction open."""
+    readers = [
+        AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level=level)
+        for level in ("read_committed", "read_uncommitted")
+    ]
+    for reader in readers:
+        await reader.start()
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+
+    async def open_transaction() -> bool:
+        stable, ends = [await reader.end_offsets(tps) for reader in readers]
+        return any(ends[tp] > stable[tp] for tp in tps)
+
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if await open_transaction():
+                worker.signal(signal.SIGSTOP)
+                await asyncio.sleep(0.2)  # let a commit already sent complete
+                if await open_transaction():
+                    break
+                worker.signal(signal.SIGCONT)
+            await asyncio.sleep(0.002)  # polling the broker, not waiting for readiness
+        worker.signal(signal.SIGKILL)
+        worker.wait()
+        return await open_transaction()
+    finally:
+        for reader in readers:
+            await reader.stop()
 
 
 def check_exactly_once(row: Row, logs: str) -> None:
@@ -46,16 +87,15 @@ async def test_exactly_once_across_worker_sigkills(
 ) -> None:
     records, ids = await setup(kafka_bootstrap, model_name, digits, 3000)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
+    results = topics_for(model_name).results
     first = workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
     await until_answered(redis_url, ids, 300)
-    first.signal(signal.SIGKILL)
-    first.wait()
+    left_open = [await kill_inside_a_transaction(first, kafka_bootstrap, results)]
     second = workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
     workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
     answered = len(await redis_results(redis_url, ids))
     await until_answered(redis_url, ids, answered + 600)
-    second.signal(signal.SIGKILL)
-    second.wait()
+    left_open.append(await kill_inside_a_transaction(second, kafka_bootstrap, results))
     assert len(await redis_results(redis_url, ids)) < len(ids), "the kills must land mid-stream"
     row = await tally(
         "exactly-once: 2 worker SIGKILLs (read_committed)",
@@ -67,7 +107,11 @@ async def test_exactly_once_across_worker_sigkills(
     )
     check_exactly_once(row, workers.logs())
     aborted = await extra_records_uncommitted(kafka_bootstrap, model_name, ids)
-    print(f"read_uncommitted sees {aborted} extra reply records from aborted transactions")
+    print(
+        f"kills left a transaction open: {left_open}; read_uncommitted sees {aborted} extra "
+        "reply records from aborted transactions"
+    )
+    assert any(left_open), "no kill landed inside a transaction: the abort path went untested"
 
 
 @pytest.mark.timeout(300)
