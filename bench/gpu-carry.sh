@@ -9,7 +9,23 @@ out=.gpu
 rm -rf "$out" && mkdir -p "$out/wheels" "$out/debs"
 python3 -m pip download -q -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  aiokafka redis pydantic pydantic-settings orjson prometheus-client "setuptools>=77" wheel
+  aiokafka redis hiredis uvloop pydantic pydantic-settings orjson prometheus-client py-spy \
+  "setuptools>=77" wheel
+# nvImageCodec (the hardware JPEG engine) for Python 3.12 only: its wheel carries builds for
+# every Python and codecs Conveyor does not use, 70 MB unpacked; the part used is ~14 MB.
+# No nvidia/__init__.py: "nvidia" stays a namespace package shared with torch's CUDA libraries.
+python3 -m pip download -q --no-deps -d "$out/nvimg-wheel" --python-version 3.12 --only-binary=:all: \
+  --platform manylinux_2_28_x86_64 nvidia-nvimgcodec-cu13
+mkdir -p "$out/nvimgcodec"
+unzip -q "$out"/nvimg-wheel/*.whl -d "$out/nvimg-all"
+mkdir -p "$out/nvimgcodec/nvidia/nvimgcodec/extensions"
+cp "$out"/nvimg-all/nvidia/nvimgcodec/__init__.py "$out"/nvimg-all/nvidia/nvimgcodec/libnvimgcodec.so.0 \
+  "$out"/nvimg-all/nvidia/nvimgcodec/nvimgcodec_impl.cpython-312-x86_64-linux-gnu.so \
+  "$out/nvimgcodec/nvidia/nvimgcodec/"
+cp "$out"/nvimg-all/nvidia/nvimgcodec/extensions/libnvjpeg_ext.so.* \
+  "$out"/nvimg-all/nvidia/nvimgcodec/extensions/libjpeg_turbo_ext.so.* \
+  "$out/nvimgcodec/nvidia/nvimgcodec/extensions/"
+rm -rf "$out/nvimg-all" "$out/nvimg-wheel"
 (cd "$out/debs" && apt-get download redis-server redis-tools libjemalloc2 liblzf1)
 
 work=$(mktemp -d)

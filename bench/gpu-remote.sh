@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 if [ ! -f /tmp/conveyor-deps-installed ]; then
   python3 -c "import torch, torchvision" || { echo "no torch on this machine's python3" >&2; exit 1; }
   python3 -m pip install -q --no-index --find-links .gpu/wheels \
-    aiokafka redis pydantic pydantic-settings orjson prometheus-client "setuptools>=77" wheel
+    aiokafka redis hiredis uvloop pydantic pydantic-settings orjson prometheus-client py-spy \
+    "setuptools>=77" wheel
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
   touch /tmp/conveyor-deps-installed
 fi
@@ -22,6 +23,9 @@ if [ ! -d /tmp/jre0 ]; then
   touch ".cache/kafka-$version/libs/.complete"
 fi
 export PATH="/tmp/jre0/bin:/tmp/redis/usr/bin:$PATH"
+# nvImageCodec (decode=gpu-hw), trimmed by gpu-carry.sh; CUDA's own libnvjpeg serves it.
+export PYTHONPATH="$PWD/.gpu/nvimgcodec${PYTHONPATH:+:$PYTHONPATH}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 compose/local/up.sh
 "$@"

@@ -1,27 +1,36 @@
-"""The GPU benchmark: ceilings, the naive baseline and the worker end to end, on one card.
+"""The GPU benchmark: ceilings, the naive baseline, the model stage and the worker end to end.
 
-    python -m bench.gpu --stages forward,decode,naive,checks,runner --out OUT [--compile]
-    python -m bench.gpu --stages e2e --kafka-bootstrap HOST:PORT --redis-url URL --out OUT
-    python -m bench.gpu --report OUT1/gpu-bench.json OUT2/gpu-bench.json --out OUT
+    python -m bench.gpu --stages forward,decode,naive,checks,pipeline --out OUT [--compile]
+    python -m bench.gpu --stages e2e,kill --kafka-bootstrap HOST:PORT --redis-url URL \
+        --e2e-configs 1x1,2x1 --pin --out OUT
+    python -m bench.gpu --report --previous OUT1/gpu-bench.json OUT2/gpu-bench.json --out OUT
 
-Stages (each well under five minutes on an H100; run them in one call or several):
+Stages (each a few minutes at most on an H100 or H200):
 
 - ``forward`` (a): ResNet-50 with random weights, channels-last float16 (and
   ``torch.compile``d with ``--compile``), on uint8 batches already on the GPU,
   normalization included as the worker runs it; CUDA events, median of N.
 - ``decode`` (b): decode + fit to 224x224 ceilings for each corpus: Pillow on one
   thread and on a thread per core (with and without ``draft``), nvJPEG batched
-  decode alone, and nvJPEG + the batched resize (the worker's GPU path).
+  decode alone and with the batched resize (the worker's GPU path), and the GPU's
+  hardware JPEG engine through nvImageCodec when it is installed.
 - ``naive`` (c): one request at a time, Pillow decode, the same model, synchronous:
   what a tutorial endpoint does per request, minus HTTP.
 - ``checks``: float16 vs float32 top-1 agreement on the same inputs and weights,
   and the GPU decode path vs the CPU one (pixel differences after normalization).
-- ``runner``: the worker's decode/stage/infer split without Kafka: preprocess in a
-  thread pool, ``ModelRunner.prepare`` on a staging thread, ``infer`` on the model
-  thread; reports img/s and the GPU's idle time between forwards (CUDA events).
-- ``e2e`` (d): requests in Kafka (contract headers), the real worker as a
-  subprocess, all results in Redis: img/s first to last result, then p50/p99
-  latency at about half that rate; GPU utilization sampled with nvidia-smi.
+- ``pipeline``: the worker's model stage without Kafka (``workers.inference``:
+  preprocess in a thread pool, then prepare ─▶ launch ─▶ finish on three threads
+  and two CUDA streams) for each decode path; img/s and the GPU's idle time
+  between forwards (CUDA events): the ceiling of the decode and forward overlapped.
+- ``e2e`` (d): the real workers as subprocesses, in each layout of
+  ``--e2e-configs`` (worker processes x GPUs). Every worker must be ready and the
+  group settled before anything is produced; then each repeat produces a backlog
+  from ``--producers`` processes at once and times the steady state (the middle
+  80% of results by their durable time), median/min/max over ``--repeats``; then
+  p50/p99 latency to durability at about half that rate, open loop. ``--pin``
+  gives the broker and Redis, the producers and the workers cores of their own.
+- ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
+  lost and duplicate-visible counted from Redis and the reply topic.
 
 Every run writes ``gpu-bench.json`` (merged with ``--previous`` files) and
 ``gpu-bench.png`` into ``--out`` and prints the summary table last. Nothing is
@@ -33,11 +42,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -46,7 +57,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -59,14 +70,18 @@ from PIL import Image, ImageDraw, ImageFilter
 from bench.plot import Line, Panel, draw_panels
 from bench.stats import percentile
 from schemas import DEFAULT_LIMITS, ContentType
+from schemas.fastpath import FastMeta
 from workers.gpu_decode import READ_MODES, BatchDecoder, decode_jpegs
 from workers.handlers import ImageClassifier
+from workers.inference import Inference
 from workers.loader import load_handler
+from workers.offsets import OffsetTracker
 from workers.preprocess import ImageSpec, crop_box, decode_image
-from workers.runner import DeviceBatch, ModelRunner, compile_forward, resolve_device
+from workers.runner import ModelRunner, compile_forward, resolve_device
+from workers.types import Item, Outcome
 
-STAGES = ("forward", "decode", "naive", "checks", "runner", "e2e")
-_ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e"}
+STAGES = ("forward", "decode", "overlap", "naive", "checks", "pipeline", "e2e", "kill")
+_ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
 PLOT_FILE = "gpu-bench.png"
 _NOISE = 19.0  # sigma of the pixel noise: gives ~146 KB at 640x480 and ~25 KB at 224x224
@@ -135,10 +150,11 @@ def synthetic_jpeg(width: int, height: int, seed: int, quality: int = 90) -> byt
     return buffer.getvalue()
 
 
-def build_corpora(distinct: int) -> list[Corpus]:
+def build_corpora(distinct: int, names: Sequence[str] = ("640x480", "224x224")) -> list[Corpus]:
+    sizes = [tuple(int(n) for n in name.split("x")) for name in names]
     return [
         Corpus(f"{w}x{h}", w, h, tuple(synthetic_jpeg(w, h, seed) for seed in range(distinct)))
-        for w, h in ((640, 480), (224, 224))
+        for w, h in sizes
     ]
 
 
@@ -247,6 +263,110 @@ def stage_forward(cfg: Config) -> dict[str, Any]:
     return out
 
 
+# -- overlap: does decoding run beside the forward on one card? ---------------------------
+
+
+def stage_overlap(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
+    """Decode+resize and the forward, each alone and both at once from two threads (two
+    streams), and how much a Python thread still runs while another decodes (the GIL).
+
+    The worker's GPU stage overlaps them this way within one process; if a decode call
+    holds the GIL while it waits for the device, the forward's launches wait too, and
+    only several processes (each with its own GIL) overlap them.
+    """
+    out: dict[str, Any] = {}
+    corpus = corpora[0]
+    for decode in [p for p in decode_paths(cfg) if p != "cpu"]:
+        out[f"{decode} {corpus.name}"] = row = _overlap_one(cfg, corpus, decode)
+        print(f"  overlap {decode} {corpus.name}: {json.dumps(_rounded(row))}", flush=True)
+    return out
+
+
+def _overlap_one(cfg: Config, corpus: Corpus, decode: str) -> dict[str, Any]:
+    handler = load_model(cfg, "float16", decode)
+    runner = ModelRunner(handler, cfg.device)
+    runner.warm_up([cfg.max_batch])
+    encoded = [handler.preprocess(p, ContentType.JPEG, {}) for p in corpus.take(cfg.max_batch)]
+    params: list[dict[str, Any]] = [{}] * len(encoded)
+    decoded = runner.prepare(encoded)
+
+    def forward_once() -> None:
+        runner.finish(runner.launch(decoded, params))
+
+    def decode_once() -> None:
+        batch = runner.prepare(encoded)
+        if batch.ready is not None:
+            batch.ready.synchronize()
+
+    row: dict[str, Any] = {
+        "forward_alone_img_s": _loop_rate(forward_once, len(encoded), 2.0),
+        "decode_alone_img_s": _loop_rate(decode_once, len(encoded), 2.0),
+    }
+    both = _concurrent_rates([forward_once, decode_once], len(encoded), 3.0)
+    row["together_forward_img_s"], row["together_decode_img_s"] = both
+    row["python_progress_while_decoding"] = _gil_share(decode_once)
+    row["python_progress_while_forward"] = _gil_share(forward_once)
+    return row
+
+
+def _loop_rate(step: Callable[[], None], items: int, seconds: float) -> float:
+    step()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        count += 1
+    return _rate(count * items, time.perf_counter() - start)
+
+
+def _concurrent_rates(
+    steps: Sequence[Callable[[], None]], items: int, seconds: float
+) -> list[float]:
+    counts = [0] * len(steps)
+    stop = threading.Event()
+
+    def loop(k: int) -> None:
+        while not stop.is_set():
+            steps[k]()
+            counts[k] += 1
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(len(steps))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    return [_rate(count * items, elapsed) for count in counts]
+
+
+def _gil_share(step: Callable[[], None]) -> float:
+    """Pure-Python loop iterations per second while ``step`` loops in another thread,
+    over the same without it: near 1 when ``step`` releases the GIL while it waits."""
+
+    def spin(seconds: float) -> float:
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            n += 1
+        return n / (time.perf_counter() - start)
+
+    alone = spin(1.0)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            step()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.2)
+    shared = spin(1.0)
+    stop.set()
+    thread.join()
+    return shared / alone
+
+
 # -- stage b: decode ceilings -------------------------------------------------------------
 
 
@@ -302,10 +422,39 @@ def stage_decode(cfg: Config, corpora: Sequence[Corpus], spec: ImageSpec) -> dic
         decode_resize()
         row["nvjpeg_decode"] = _rate(len(items), _timed(cfg.device, decode_only))
         row["nvjpeg_decode_resize"] = _rate(len(items), _timed(cfg.device, decode_resize))
-        row["best"] = max(row["nvjpeg_decode_resize"], row["pillow_threads_draft"])
+        candidates = [row["nvjpeg_decode_resize"], row["pillow_threads_draft"]]
+        if cfg.device.type == "cuda" and _has_nvimgcodec():
+            row |= _hardware_decode(cfg, spec, batches)
+            candidates.append(row["nvimgcodec_decode_resize"])
+        row["best"] = max(candidates)
         out[corpus.name] = row
         print(f"  decode {corpus.name}: {json.dumps(_rounded(row))}", flush=True)
     return out
+
+
+def _hardware_decode(
+    cfg: Config, spec: ImageSpec, batches: list[list[torch.Tensor]]
+) -> dict[str, float]:
+    """The hardware JPEG engine (nvImageCodec), decode alone and decode + resize."""
+    decoder = BatchDecoder(spec, max_pixels=DEFAULT_LIMITS.max_pixels, backend="nvimgcodec")
+    hardware = decoder._hardware
+    assert hardware is not None
+
+    def decode_only() -> None:
+        for batch in batches:
+            hardware.decode(batch, cfg.device)
+
+    def decode_resize() -> None:
+        for batch in batches:
+            decoder.collate(batch, cfg.device)
+
+    decode_only()
+    decode_resize()
+    count = sum(map(len, batches))
+    return {
+        "nvimgcodec_decode": _rate(count, _timed(cfg.device, decode_only)),
+        "nvimgcodec_decode_resize": _rate(count, _timed(cfg.device, decode_resize)),
+    }
 
 
 # -- stage c: the naive baseline ----------------------------------------------------------
@@ -358,6 +507,7 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
             from_gpu = full.forward(gpu_items).float()
             normalized = (full.normalize(gpu_items) - full.normalize(cpu_items)).abs().max()
         levels = (gpu_items.cpu().int() - cpu_items.int()).abs()
+        graph_diff = _graph_vs_eager(cfg, full, cpu_items)
         out[corpus.name] = {
             "images": len(payloads),
             "top1_agreement_half_vs_fp32": _agreement(reduced, reference),
@@ -366,9 +516,28 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
             "decode_max_abs_diff_levels": int(levels.max()),
             "decode_mean_abs_diff_levels": float(levels.float().mean()),
             "decode_max_abs_diff_normalized": float(normalized),
+            "cuda_graph_max_abs_logit_diff": graph_diff,
         }
         print(f"  checks {corpus.name}: {json.dumps(_rounded(out[corpus.name]))}", flush=True)
     return out
+
+
+def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) -> float:
+    """Largest logit difference between the CUDA-graph replay and the eager forward on
+    the same batch (NaN on the CPU, where there are no graphs)."""
+    if cfg.device.type != "cuda":
+        return math.nan
+    size = len(items)
+    runner = ModelRunner(handler, cfg.device, buckets=(size,), cuda_graphs=True)
+    runner.warm_up([size])
+    if not runner.graphed_sizes:
+        return math.nan
+    batch = runner.prepare(list(items))
+    graph = runner._graphs[tuple(batch.tensor.shape)]
+    with torch.inference_mode():
+        eager = handler.forward(batch.tensor).float()
+        replayed = graph.run(batch.tensor).float()
+    return float((replayed - eager).abs().max())
 
 
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -394,7 +563,8 @@ class ForwardClock:
         return out
 
     def summary(self) -> dict[str, float]:
-        """Idle gaps (ms) between one forward's end and the next one's start."""
+        """Idle gaps (ms) between one forward's end and the next one's start, and the
+        share of the span the model was busy."""
         torch.cuda.synchronize()
         gaps = [
             self.events[n][1].elapsed_time(self.events[n + 1][0])
@@ -410,9 +580,37 @@ class ForwardClock:
         }
 
 
-def stage_runner(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
+def decode_paths(cfg: Config) -> list[str]:
+    """The decode options to compare: nvJPEG, the hardware engine when nvImageCodec is
+    installed, and Pillow on the CPU."""
+    paths = ["gpu"]
+    if cfg.device.type == "cuda" and _has_nvimgcodec():
+        paths.append("gpu-hw")
+    return [*paths, "cpu"]
+
+
+@functools.cache
+def _has_nvimgcodec() -> bool:
+    """Whether nvImageCodec is installed and decodes a JPEG on this card (a missing
+    library or codec is reported once, and the hardware rows are left out)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        spec = ImageSpec(height=32, width=32, mode="RGB")
+        decoder = BatchDecoder(spec, max_pixels=DEFAULT_LIMITS.max_pixels, backend="nvimgcodec")
+        decoder.collate([decoder.example()], torch.device("cuda"))
+    except Exception as exc:
+        print(f"  nvImageCodec not used: {exc!r}", flush=True)
+        return False
+    return True
+
+
+def stage_pipeline(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
+    """The worker's model stage without Kafka: preprocess in a thread pool as the worker
+    does, then ``workers.inference.Inference`` (prepare ─▶ launch ─▶ finish on a GPU);
+    img/s, and the GPU's idle time between forwards (CUDA events)."""
     out: dict[str, Any] = {}
-    for decode in ("gpu", "cpu"):
+    for decode in decode_paths(cfg):
         handler = load_model(cfg, "float16" if cfg.device.type == "cuda" else "float32", decode)
         clock = ForwardClock(handler.forward) if cfg.device.type == "cuda" else None
         if clock is not None:
@@ -422,55 +620,69 @@ def stage_runner(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
         for corpus in corpora:
             if clock is not None:
                 clock.events.clear()
-            rate = _run_split(handler, runner, corpus.take(cfg.runner_count), cfg)
+            rate = asyncio.run(_drive_pipeline(handler, runner, corpus.take(cfg.runner_count), cfg))
             row: dict[str, Any] = {"img_s": rate}
             if clock is not None:
                 row.update(clock.summary())
             out[f"{decode}-decode {corpus.name}"] = row
             print(
-                f"  runner {decode}-decode {corpus.name}: {json.dumps(_rounded(row))}", flush=True
+                f"  pipeline {decode}-decode {corpus.name}: {json.dumps(_rounded(row))}",
+                flush=True,
             )
     return out
 
 
-def _run_split(
+async def _drive_pipeline(
     handler: ImageClassifier, runner: ModelRunner, payloads: Sequence[bytes], cfg: Config
 ) -> float:
-    """Preprocess in a pool, prepare batch k+1 on a staging thread while batch k infers."""
+    answered = 0
 
-    def preprocess(chunk: Sequence[bytes]) -> list[torch.Tensor]:
-        return [handler.preprocess(p, ContentType.JPEG, {}) for p in chunk]
+    def on_done(outcome: Outcome) -> None:
+        nonlocal answered
+        answered += len(outcome.answered)
 
-    def prepare(decoded: Future[list[torch.Tensor]]) -> DeviceBatch:
-        return runner.prepare(decoded.result())
-
-    def infer(prepared: Future[DeviceBatch]) -> None:
-        batch = prepared.result()
-        runner.infer(batch, [{}] * batch.size)
-
+    inference = Inference(runner, on_done)
+    loop = asyncio.get_running_loop()
     chunks = [payloads[n : n + cfg.max_batch] for n in range(0, len(payloads), cfg.max_batch)]
-    with ThreadPoolExecutor(cfg.threads) as pool, ThreadPoolExecutor(1) as stage:
-        start = time.perf_counter()
-        decoded = [pool.submit(preprocess, chunk) for chunk in chunks]
-        pending: Future[DeviceBatch] | None = None
-        for future in decoded:
-            staged = stage.submit(prepare, future)
-            if pending is not None:
-                infer(pending)
-            pending = staged
-        if pending is not None:
-            infer(pending)
-        _sync(cfg.device)
-        return _rate(len(payloads), time.perf_counter() - start)
+    try:
+        with ThreadPoolExecutor(cfg.threads) as pool:
+            start = time.perf_counter()
+            ready = [loop.run_in_executor(pool, _items, handler, chunk) for chunk in chunks]
+            for future in ready:
+                batch = await future
+                await inference.wait_for_slot()
+                inference.submit(batch)
+            await inference.wait_idle()
+            elapsed = time.perf_counter() - start
+    finally:
+        inference.close()
+    if answered != len(payloads):
+        raise RuntimeError(f"the pipeline answered {answered} of {len(payloads)} images")
+    return _rate(len(payloads), elapsed)
+
+
+def _items(handler: ImageClassifier, payloads: Sequence[bytes]) -> list[Item]:
+    """Requests as the worker's ingest makes them (no Kafka record behind them)."""
+    span = OffsetTracker[tuple[str, int]]().open(("bench", 0), 0, len(payloads) - 1, len(payloads))
+    now_ms, now = time.time() * 1000.0, time.monotonic()
+    items = []
+    for n, payload in enumerate(payloads):
+        meta = FastMeta(f"b{n}", ContentType.JPEG, {}, None, None, None, None, None)
+        tensor = handler.preprocess(payload, ContentType.JPEG, {})
+        items.append(Item(None, span, meta, now_ms, now, None, tensor))  # type: ignore[arg-type]
+    return items
 
 
 # -- stage d: end to end through Kafka and Redis ------------------------------------------
 
 
 class UtilizationSampler:
-    """``nvidia-smi`` in the background, one GPU utilization sample every 200 ms."""
+    """``nvidia-smi`` in the background: the mean utilization of the first ``gpus`` cards,
+    one sample every 200 ms."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: int = 1) -> None:
+        self._gpus = gpus
+        self._row: list[float] = []
         self.samples: list[tuple[float, float]] = []  # (epoch s, percent)
         self._proc: subprocess.Popen[str] | None = None
         self._thread: threading.Thread | None = None
@@ -483,7 +695,7 @@ class UtilizationSampler:
             "-lms",
             "200",
             "-i",
-            os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+            ",".join(str(n) for n in range(self._gpus)),
         ]
         try:
             self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -496,11 +708,14 @@ class UtilizationSampler:
     def _read(self) -> None:
         assert self._proc is not None
         assert self._proc.stdout is not None
-        for line in self._proc.stdout:
+        for line in self._proc.stdout:  # one line per card, cards in order
             try:
-                self.samples.append((time.time(), float(line.strip())))
+                self._row.append(float(line.strip()))
             except ValueError:
                 continue
+            if len(self._row) == self._gpus:
+                self.samples.append((time.time(), statistics.fmean(self._row)))
+                self._row = []
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
@@ -515,81 +730,290 @@ class UtilizationSampler:
 
 
 def stage_e2e(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) -> dict[str, Any]:
+    """Each layout of ``--e2e-configs`` (workers x GPUs) on each corpus; repeats per run."""
+    _pin_services(args)
     out: dict[str, Any] = {}
-    for corpus in corpora:
-        out[corpus.name] = asyncio.run(_e2e_one(cfg, corpus, args))
-        print(f"  e2e {corpus.name}: {json.dumps(_rounded(out[corpus.name]))}", flush=True)
+    for layout in args.e2e_configs.split(","):
+        workers, gpus = (int(n) for n in layout.lower().split("x"))
+        for corpus in corpora:
+            key = f"{layout} {corpus.name}"
+            out[key] = asyncio.run(_e2e_one(cfg, corpus, args, workers, gpus))
+            print(f"  e2e {key}: {json.dumps(_rounded(out[key]))}", flush=True)
     return out
 
 
-async def _e2e_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
-    # Imported here: only this stage needs the Kafka and Redis clients.
-    from bench.services import (
-        Services,
-        create_topics,
-        delete_topics,
-        produce_at_rate,
-        produce_backlog,
-        read_results,
-        wait_for_results,
-    )
-    from schemas import encode_request
+def _pin_services(args: argparse.Namespace) -> None:
+    """Broker and Redis on the last cores, so workers and producers do not share them."""
+    if not args.pin:
+        return
+    cores = _service_cores()
+    for pidfile in (Path(".run").glob("kafka-*/kafka.pid"), Path(".run").glob("redis-*/redis.pid")):
+        for path in pidfile:
+            _pin_all_threads(int(path.read_text()), cores)
+    print(f"  broker and Redis pinned to cores {sorted(cores)}", flush=True)
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _service_cores() -> set[int]:
+    cores = _cores()
+    return set(cores[-max(2, len(cores) // 8) :])
+
+
+def _producer_cores() -> set[int]:
+    """Three eighths of the cores, before the services' eighth: sending 150 KB records
+    fast enough to keep a GPU fed takes several processes."""
+    cores = _cores()
+    services = len(_service_cores())
+    return set(cores[-services - max(2, (3 * len(cores)) // 8) : -services])
+
+
+def _worker_cores() -> set[int]:
+    return set(_cores()) - _service_cores() - _producer_cores()
+
+
+def _pin_all_threads(pid: int, cores: set[int]) -> None:
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:
+            continue  # a thread that ended meanwhile
+
+
+async def _e2e_one(
+    cfg: Config, corpus: Corpus, args: argparse.Namespace, workers: int, gpus: int
+) -> dict[str, Any]:
+    """Start the workers, wait until every one is ready and the group is stable, then
+    produce backlogs (in parallel producer processes) and time the steady state."""
+    from bench.services import Services, create_topics, delete_topics, produce_at_rate
 
     services = Services(args.kafka_bootstrap, args.redis_url)
     run = uuid.uuid4().hex[:8]
-    model = f"gpubench{corpus.width}x{corpus.height}r{run}"
+    model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
     topics = await create_topics(services, model, args.partitions)
-
-    def records(prefix: str, count: int) -> tuple[list[Any], list[str]]:
-        ids = [f"{prefix}-{n}" for n in range(count)]
-        recs = [
-            encode_request(p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu")
-            for p, i in zip(corpus.take(count), ids, strict=True)
-        ]
-        return recs, ids
-
-    backlog, ids = records(f"{run}-b", cfg.e2e_count)
-    await produce_backlog(services, topics.requests, backlog, args.partitions)
-    workers = [_start_worker(cfg, model, args, k) for k in range(args.workers)]
+    procs = [_start_worker(cfg, model, args, k, workers, gpus) for k in range(workers)]
+    row: dict[str, Any] = {"workers": workers, "gpus": gpus, "compiled": cfg.compile}
     try:
-        with UtilizationSampler() as gpu:
-            last_ids = ids[-args.partitions :]
-            await wait_for_results(services, ids, last_ids, timeout_s=args.e2e_timeout)
-            results = await read_results(services, ids)
-            finished = sorted(r.timings.finished_ms for r in results if r.timings)
-            span_s = (finished[-1] - finished[0]) / 1000
-            rate = _rate(len(finished) - 1, span_s)
-            row: dict[str, Any] = {
-                "requests": len(results),
-                "ok": sum(r.status.value == "ok" for r in results),
-                "img_s": rate,
-                "gpu_util_pct": gpu.mean_between(finished[0] / 1000, finished[-1] / 1000),
-                "mean_batch": _mean_batch(results),
-                "compiled": cfg.compile,
-                "workers": args.workers,
-                "gpus": args.gpus,
+        ready_s = await _until_group_ready(procs, args, workers)
+        row["ready_s"] = ready_s
+        runs = []
+        for repeat in range(args.repeats):
+            prefix = f"{run}-b{repeat}"
+            profile = None
+            if args.profile_s and repeat == 1:
+                path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
+                profile = _sample(procs[0].pid, path, args.profile_s)
+            with UtilizationSampler(gpus) as gpu:
+                produced = await _produce_parallel(args, model, corpus, prefix, cfg.e2e_count)
+                results = await _await_results(services, prefix, cfg.e2e_count, args, procs)
+            if profile is not None:
+                profile.wait(timeout=args.profile_s + 30)
+            runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
+            print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
+        rates = sorted(r["img_s"] for r in runs)
+        row.update(
+            {
+                "runs": runs,
+                "img_s": statistics.median(rates),
+                "img_s_min": rates[0],
+                "img_s_max": rates[-1],
+                "gpu_util_pct": statistics.median(r["gpu_util_pct"] for r in runs),
+                "mean_batch": statistics.median(r["mean_batch"] for r in runs),
             }
-            # Latency at about half the peak, open loop (each record stamped when due).
-            paced_rate = min(rate / 2, args.paced_max_rate)
-            paced, paced_ids = records(f"{run}-p", max(int(paced_rate * args.paced_s), 1))
-            achieved = await produce_at_rate(services, topics.requests, paced, paced_rate)
-            await wait_for_results(services, paced_ids, paced_ids[-1:], timeout_s=120)
-            paced_results = await read_results(services, paced_ids)
-            latencies = [
-                r.timings.finished_ms - r.timings.produced_ms for r in paced_results if r.timings
-            ]
-            row.update(
-                {
-                    "paced_rate": achieved,
-                    "p50_ms": percentile(latencies, 50),
-                    "p99_ms": percentile(latencies, 99),
-                }
-            )
+        )
+        # Latency at about half the peak, open loop (each record stamped when due).
+        paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
+        count = max(int(paced_rate * args.paced_s), 1)
+        ids = [f"{run}-p-{n}" for n in range(count)]
+        achieved = await produce_at_rate(
+            services, topics.requests, _records(corpus, ids), paced_rate
+        )
+        paced = await _await_results(services, f"{run}-p", count, args, procs)
+        latencies = [_durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
+        computes = [r.timings.inference_ms for r in paced if r.timings]
+        row.update(
+            {
+                "paced_rate": achieved,
+                "p50_ms": percentile(latencies, 50),
+                "p99_ms": percentile(latencies, 99),
+                "paced_compute_p99_ms": percentile(computes, 99),
+            }
+        )
     finally:
-        for worker in workers:
-            _stop_worker(worker)
+        for proc in procs:
+            _stop_worker(proc)
         await delete_topics(services, topics)
     return row
+
+
+def layout_name(workers: int, gpus: int) -> str:
+    return f"{workers}x{gpus}"
+
+
+def _sample(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """py-spy sampling a worker (every thread, 100 Hz) into collapsed stacks at ``path``."""
+    beside = Path(sys.executable).with_name("py-spy")
+    command = [
+        str(beside) if beside.exists() else "py-spy", "record", "--pid", str(pid), "--rate", "100", "--threads", "--nonblocking",
+        "--duration", str(int(seconds)), "--format", "raw", "--output", str(path),
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _records(corpus: Corpus, ids: Sequence[str]) -> list[Any]:
+    from schemas import encode_request
+
+    return [
+        encode_request(p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu")
+        for p, i in zip(corpus.take(len(ids)), ids, strict=True)
+    ]
+
+
+def _durable_ms(result: Any) -> float:
+    timings = result.timings
+    return float(timings.finished_ms if timings.published_ms is None else timings.published_ms)
+
+
+async def _until_group_ready(
+    procs: Sequence[subprocess.Popen[bytes]], args: argparse.Namespace, workers: int
+) -> float:
+    """Seconds until every worker answers /readyz 200 twice, two seconds apart (ready
+    means it owns partitions: the group has settled)."""
+    started = time.monotonic()
+    deadline = started + args.ready_timeout
+    settled = 0
+    while settled < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not ready within {args.ready_timeout} s")
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a worker exited with status {proc.returncode}")
+        ready = [await _ready(args.metrics_port + k) for k in range(workers)]
+        settled = settled + 1 if all(ready) else 0
+        await asyncio.sleep(1.0 if settled else 0.5)
+    return time.monotonic() - started
+
+
+async def _ready(port: int) -> bool:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(), 5)
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+    return head.startswith(b"HTTP/1.1 200")
+
+
+async def _produce_parallel(
+    args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int
+) -> float:
+    """The backlog from ``--producers`` processes at once (one Python producer cannot keep
+    a GPU worker fed with 150 KB images); returns the records/s they achieved together.
+
+    Each process builds its records first and says so; all start sending together, so
+    the rate counts sending only.
+    """
+    from schemas import topics_for
+
+    share = [count // args.producers + (k < count % args.producers) for k in range(args.producers)]
+    first, procs = 0, []
+    for n in share:
+        command = [
+            sys.executable, "-m", "bench.gpu", "--produce",
+            f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}",
+            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(args.partitions),
+        ]  # fmt: skip
+        first += n
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        procs.append(proc)
+        if args.pin:
+            _pin_all_threads(proc.pid, _producer_cores())
+    for proc in procs:  # each says "ready" once its records are built
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a producer did not get ready: {line!r}")
+    started = time.perf_counter()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+    codes = [await proc.wait() for proc in procs]
+    if any(codes):
+        raise RuntimeError(f"a producer failed: exit statuses {codes}")
+    return _rate(count, time.perf_counter() - started)
+
+
+def produce_share(spec: str, args: argparse.Namespace) -> int:
+    """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
+    (the corpus is rebuilt from the same seeds, so every process sends the same images).
+    Prints "ready" once its records are built, and sends them when a line comes in."""
+    from bench.services import Services, produce_backlog
+
+    topic, width, height, prefix, first, count = spec.split(",")
+    corpus = Corpus(
+        f"{width}x{height}",
+        int(width),
+        int(height),
+        tuple(synthetic_jpeg(int(width), int(height), seed) for seed in range(64)),
+    )
+    ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
+    records = _records(corpus, ids)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    services = Services(args.kafka_bootstrap, "redis://unused")
+    asyncio.run(produce_backlog(services, topic, records, args.partitions))
+    return 0
+
+
+async def _await_results(
+    services: Any,
+    prefix: str,
+    count: int,
+    args: argparse.Namespace,
+    procs: Sequence[subprocess.Popen[bytes]],
+) -> list[Any]:
+    from bench.services import read_results, wait_for_results
+
+    ids = [f"{prefix}-{n}" for n in range(count)]
+    waiting = asyncio.ensure_future(
+        wait_for_results(services, ids, ids[-args.producers :], timeout_s=args.e2e_timeout)
+    )
+    while not waiting.done():
+        if any(proc.poll() is not None for proc in procs):
+            waiting.cancel()
+            raise RuntimeError("a worker exited during the run")
+        await asyncio.sleep(0.2)
+    await waiting
+    results = await read_results(services, ids)
+    bad = [r for r in results if r.status.value != "ok"]
+    if len(results) != count or bad:
+        raise RuntimeError(f"{len(results)} of {count} results, {len(bad)} not ok: {bad[:1]}")
+    return results
+
+
+def _steady_state(results: Sequence[Any], gpu: UtilizationSampler) -> dict[str, Any]:
+    """The rate between the 10th and 90th percentile of the results' durable times: the
+    first and last tenth (the backlog arriving, the last batches draining) left out."""
+    durable = sorted(_durable_ms(r) for r in results)
+    low, high = durable[len(durable) // 10], durable[(len(durable) * 9) // 10]
+    inside = sum(1 for t in durable if low <= t <= high)
+    return {
+        "img_s": _rate(inside - 1, (high - low) / 1000.0),
+        "first_to_last_img_s": _rate(len(durable) - 1, (durable[-1] - durable[0]) / 1000.0),
+        "gpu_util_pct": gpu.mean_between(low / 1000.0, high / 1000.0),
+        "mean_batch": _mean_batch(results),
+    }
 
 
 def _mean_batch(results: Sequence[Any]) -> float:
@@ -598,29 +1022,39 @@ def _mean_batch(results: Sequence[Any]) -> float:
 
 
 def _start_worker(
-    cfg: Config, model: str, args: argparse.Namespace, index: int = 0
+    cfg: Config,
+    model: str,
+    args: argparse.Namespace,
+    index: int,
+    workers: int,
+    gpus: int,
 ) -> subprocess.Popen[bytes]:
-    """Worker ``index`` of ``args.workers``: spread over ``args.gpus`` cards, cores shared."""
-    from workers.settings import WorkerSettings
-
+    """Worker ``index`` of ``workers``, on card ``index % gpus``; the worker cores shared."""
     device = cfg.device
-    if device.type == "cuda" and args.gpus > 1:
-        device = torch.device("cuda", index % args.gpus)
-    threads = max(1, cfg.threads // args.workers)
+    if device.type == "cuda":
+        device = torch.device("cuda", index % gpus)
+    threads = max(1, len(_worker_cores()) // workers) if args.pin else cfg.threads // workers
     command = [
         sys.executable, "-m", "producers.cli", "worker",
         "--model", cfg.model, "--model-name", model, "--weights", "random",
         "--device", str(device), "--max-batch-size", str(cfg.max_batch),
         "--kafka-bootstrap", args.kafka_bootstrap, "--redis-url", args.redis_url,
-        "--decode-threads", str(threads), "--max-in-flight", str(cfg.max_batch * 16),
-        "--dtype", "float16", "--channels-last", "--metrics-port", "0",
+        "--decode-threads", str(max(1, threads)), "--max-in-flight", str(cfg.max_batch * 16),
+        "--dtype", "float16", "--channels-last", "--decode", args.worker_decode,
+        "--metrics-port", str(args.metrics_port + index), "--metrics-host", "127.0.0.1",
+        "--result-ttl-s", "3600",
     ]  # fmt: skip
-    if "decode" in WorkerSettings.model_fields:  # the option exists once settings have it
-        command += ["--decode", args.worker_decode]
     if cfg.compile:
         command.append("--compile")
-    print("  worker:", " ".join(command), flush=True)
-    return subprocess.Popen(command)
+    command += shlex.split(args.worker_options)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "worker-logs.txt").open("ab") as log:  # the child keeps its own copy
+        log.write(f"\n=== {' '.join(command)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    if args.pin:
+        os.sched_setaffinity(proc.pid, _worker_cores())  # its threads inherit it
+    return proc
 
 
 def _stop_worker(worker: subprocess.Popen[bytes]) -> None:
@@ -633,70 +1067,186 @@ def _stop_worker(worker: subprocess.Popen[bytes]) -> None:
             worker.wait()
 
 
+# -- the kill test: a GPU worker SIGKILLed mid-run loses nothing ----------------------------
+
+
+def stage_kill(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) -> dict[str, Any]:
+    return asyncio.run(_kill_one(cfg, corpora[0], args))
+
+
+async def _kill_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
+    """A backlog, a worker SIGKILLed once a third is answered, a new worker: every request
+    answered once in Redis, the reply topic agreeing with it (lost 0, duplicate-visible 0)."""
+    from bench.services import Services, create_topics, delete_topics, read_results
+    from schemas import topics_for
+
+    services = Services(args.kafka_bootstrap, args.redis_url)
+    run = uuid.uuid4().hex[:8]
+    model = f"gpukill{run}"
+    topics = await create_topics(services, model, args.partitions)
+    count = cfg.e2e_count
+    prefix = f"{run}-k"
+    ids = [f"{prefix}-{n}" for n in range(count)]
+    await _produce_parallel(args, model, corpus, prefix, count)
+    first = _start_worker(cfg, model, args, 0, 1, 1)
+    try:
+        while len(await read_results(services, ids[: count // 3 : 7])) < count // 21:
+            if first.poll() is not None:
+                raise RuntimeError("the worker exited before it was killed")
+            await asyncio.sleep(0.05)
+        first.kill()
+        first.wait()
+        second = _start_worker(cfg, model, args, 0, 1, 1)
+        try:
+            results = await _await_results(services, prefix, count, args, [second])
+        finally:
+            _stop_worker(second)
+        replies = await _read_replies(args.kafka_bootstrap, topics_for(model).results, count)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        await delete_topics(services, topics)
+    stored = {r.id: r for r in results}
+    copies: dict[str, set[bytes]] = {}
+    for key, value in replies:
+        copies.setdefault(key, set()).add(value)
+    from schemas import decode_result
+
+    mismatched = sum(
+        1
+        for request_id, values in copies.items()
+        if any(decode_result(v) != stored.get(request_id) for v in values)
+    )
+    row = {
+        "produced": count,
+        "answered": len(stored),
+        "lost": count - len(stored),
+        "duplicate_visible": mismatched,
+        "reply_records": len(replies),
+        "redelivered": len(replies) - len(copies),
+    }
+    print(f"  kill: {json.dumps(row)}", flush=True)
+    return row
+
+
+async def _read_replies(bootstrap: str, topic: str, expect: int) -> list[tuple[str, bytes]]:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    out: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + 120
+    try:
+        idle = 0
+        while time.monotonic() < deadline and (len(out) < expect or idle < 3):
+            batch = await consumer.getmany(timeout_ms=1000)
+            got = [(r.key.decode(), r.value) for records in batch.values() for r in records]
+            out += got
+            idle = 0 if got else idle + 1
+    finally:
+        await consumer.stop()
+    return out
+
+
 # -- report ---------------------------------------------------------------------------------
 
 
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per corpus: the worker against its ceilings and the naive baseline."""
+    """One row per corpus: the worker (one process, one GPU) against its ceilings and the
+    naive baseline; then one row per other layout measured (several workers, GPUs)."""
     rows = []
     forward = results.get("forward", {})
+    e2e = results.get("e2e", {})
     for name in ("640x480", "224x224"):
-        e2e = results.get("e2e", {}).get(name, {})
+        one = e2e.get(f"1x1 {name}", {})
         # The model ceiling: forward at the largest batch, compiled only if the worker was.
-        variant = "compiled" if e2e.get("compiled") and "compiled" in forward else "eager"
+        variant = "compiled" if one.get("compiled") and "compiled" in forward else "eager"
         by_size = forward.get(variant, {})
         naive = results.get("naive", {}).get(name, {})
         decode = results.get("decode", {}).get(name, {})
-        runner = results.get("runner", {}).get(f"gpu-decode {name}", {})
+        pipeline = results.get("pipeline", {}).get(f"gpu-decode {name}", {})
         largest = max(by_size, key=int, default=None)
         model_ceiling = by_size[largest]["img_s"] if largest is not None else math.nan
         ceiling = min(model_ceiling, decode.get("best", math.nan))
-        worker = e2e.get("img_s", math.nan)
-        rows.append(
-            {
-                "images": name,
-                "naive_img_s": naive.get("img_s", math.nan),
-                "runner_img_s": runner.get("img_s", math.nan),
-                "e2e_img_s": worker,
-                "p50_ms": e2e.get("p50_ms", math.nan),
-                "p99_ms": e2e.get("p99_ms", math.nan),
-                "gpu_util_pct": e2e.get("gpu_util_pct", math.nan),
-                "ceiling_img_s": ceiling,
-                "vs_naive": worker / naive.get("img_s", math.nan),
-                "vs_ceiling": worker / ceiling,
-            }
-        )
+        for layout, row in sorted((k.split()[0], v) for k, v in e2e.items() if k.endswith(name)):
+            worker = row.get("img_s", math.nan)
+            rows.append(
+                {
+                    "images": name,
+                    "layout": layout,
+                    "naive_img_s": naive.get("img_s", math.nan),
+                    "pipeline_img_s": pipeline.get("img_s", math.nan),
+                    "e2e_img_s": worker,
+                    "e2e_min": row.get("img_s_min", math.nan),
+                    "e2e_max": row.get("img_s_max", math.nan),
+                    "p50_ms": row.get("p50_ms", math.nan),
+                    "p99_ms": row.get("p99_ms", math.nan),
+                    "gpu_util_pct": row.get("gpu_util_pct", math.nan),
+                    "ceiling_img_s": ceiling * row.get("gpus", 1),
+                    "vs_naive": worker / naive.get("img_s", math.nan),
+                    "vs_ceiling": worker / (ceiling * row.get("gpus", 1)),
+                    "vs_one": worker / one.get("img_s", math.nan),
+                }
+            )
+        if not any(r["images"] == name for r in rows):
+            rows.append(
+                {
+                    "images": name,
+                    "layout": "-",
+                    "naive_img_s": naive.get("img_s", math.nan),
+                    "pipeline_img_s": pipeline.get("img_s", math.nan),
+                    "e2e_img_s": math.nan,
+                    "e2e_min": math.nan,
+                    "e2e_max": math.nan,
+                    "p50_ms": math.nan,
+                    "p99_ms": math.nan,
+                    "gpu_util_pct": math.nan,
+                    "ceiling_img_s": ceiling,
+                    "vs_naive": math.nan,
+                    "vs_ceiling": math.nan,
+                    "vs_one": math.nan,
+                }
+            )
     return rows
 
 
 def print_table(rows: Sequence[dict[str, Any]], card: str, model: str) -> None:
     print(f"\nConveyor GPU benchmark on {card} ({model}, random weights)")
     header = (
-        f"{'images':>8} {'naive/s':>9} {'runner/s':>9} {'worker/s':>9} {'p50 ms':>7} "
-        f"{'p99 ms':>7} {'GPU %':>6} {'ceiling/s':>10} {'×naive':>7} {'×ceiling':>8}"
+        f"{'images':>8} {'layout':>6} {'naive/s':>8} {'pipe/s':>8} {'worker/s':>9} "
+        f"{'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'GPU %':>6} {'ceiling/s':>10} "
+        f"{'×naive':>7} {'×ceil':>6} {'×1x1':>5}"
     )
     print(header)
     for r in rows:
+        spread = f"{r['e2e_min']:,.0f}-{r['e2e_max']:,.0f}"
         print(
-            f"{r['images']:>8} {r['naive_img_s']:>9,.0f} {r['runner_img_s']:>9,.0f} "
-            f"{r['e2e_img_s']:>9,.0f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} "
-            f"{r['gpu_util_pct']:>6.0f} {r['ceiling_img_s']:>10,.0f} {r['vs_naive']:>7.1f} "
-            f"{r['vs_ceiling']:>8.2f}"
+            f"{r['images']:>8} {r['layout']:>6} {r['naive_img_s']:>8,.0f} "
+            f"{r['pipeline_img_s']:>8,.0f} {r['e2e_img_s']:>9,.0f} {spread:>13} "
+            f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['gpu_util_pct']:>6.0f} "
+            f"{r['ceiling_img_s']:>10,.0f} {r['vs_naive']:>7.1f} {r['vs_ceiling']:>6.2f} "
+            f"{r['vs_one']:>5.2f}"
         )
-    print("goals: worker ≥ 30× naive, ≥ 0.8× ceiling = min(forward at batch, best decode)")
+    print(
+        "layout: worker processes x GPUs; worker/s: median of the repeats' steady state; "
+        "goals: 1x1 ≥ 30× naive and ≥ 0.8× ceiling (min of forward at the batch size and "
+        "the best decode+resize), 2 GPUs ≥ 1.8× 1x1"
+    )
 
 
 def plot(results: dict[str, Any], rows: Sequence[dict[str, Any]], path: Path, card: str) -> None:
     panels = []
-    names = [r["images"] for r in rows]
+    names = [f"{r['images']} {r['layout']}" for r in rows]
     panels.append(
         Panel(
             title="Throughput by path",
             unit="img/s",
             groups=names,
-            series=["naive", "runner", "worker e2e", "ceiling"],
+            series=["naive", "pipeline", "worker e2e", "ceiling"],
             values=[
-                _bars([r["naive_img_s"], r["runner_img_s"], r["e2e_img_s"], r["ceiling_img_s"]])
+                _bars([r["naive_img_s"], r["pipeline_img_s"], r["e2e_img_s"], r["ceiling_img_s"]])
                 for r in rows
             ],
             note="0 = not measured in this run",
@@ -765,13 +1315,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated: {', '.join(STAGES)} (or a, b, c, d)",
     )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: smoke test)")
+    parser.add_argument(
+        "--corpora", default="640x480,224x224", help="image sizes WxH, comma-separated"
+    )
     parser.add_argument("--model", default="torchvision:resnet50")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny counts: checks that it runs")
     parser.add_argument("--iterations", type=int, default=30, help="timed forwards per size")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--e2e-count", type=int, default=16384, help="backlog per corpus")
+    parser.add_argument("--e2e-count", type=int, default=24576, help="backlog per repeat")
     parser.add_argument("--kafka-bootstrap", help="broker for e2e; e2e is skipped without it")
     parser.add_argument("--redis-url", help="Redis for e2e; e2e is skipped without it")
     parser.add_argument("--partitions", type=int, default=8)
@@ -779,7 +1332,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workers", type=int, default=1, help="e2e: worker processes in one consumer group"
     )
     parser.add_argument("--gpus", type=int, default=1, help="e2e: cards the workers spread over")
-    parser.add_argument("--worker-decode", default="auto", choices=("auto", "cpu", "gpu"))
+    parser.add_argument("--worker-decode", default="auto", choices=("auto", "cpu", "gpu", "gpu-hw"))
+    parser.add_argument(
+        "--e2e-configs",
+        default="1x1",
+        help="e2e layouts, comma-separated WORKERSxGPUS: 1x1 (one process per GPU), 2x1 "
+        "(two complete workers sharing a GPU), 2x2 (one per GPU on two GPUs)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="e2e backlogs per layout")
+    parser.add_argument("--producers", type=int, default=8, help="e2e producer processes")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin broker and Redis, the producers and the workers to cores of their own",
+    )
+    parser.add_argument("--metrics-port", type=int, default=19400, help="first worker's port")
+    parser.add_argument(
+        "--worker-options",
+        default="",
+        help="more flags for every e2e worker, e.g. '--no-cuda-graphs'",
+    )
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        default=0.0,
+        help="e2e: sample the first worker with py-spy for this long during the second repeat",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
     parser.add_argument("--paced-s", type=float, default=4.0, help="seconds of paced load")
     parser.add_argument(
@@ -829,14 +1409,17 @@ def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    if "e2e" in stages and not (args.kafka_bootstrap and args.redis_url):
-        print("e2e skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
-        stages.remove("e2e")
+    for stage in ("e2e", "kill"):
+        if stage in stages and not (args.kafka_bootstrap and args.redis_url):
+            print(f"{stage} skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
+            stages.remove(stage)
     return stages
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.produce:
+        return produce_share(args.produce, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
         results.update(json.loads(previous.read_text()))
@@ -846,7 +1429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cfg = make_config(args)
         stages = selected_stages(args.stages, args)
-        corpora = build_corpora(cfg.distinct_images)
+        corpora = build_corpora(cfg.distinct_images, args.corpora.split(","))
         spec = load_model(cfg, "float32").image
         results["meta"] = {
             "card": _card(cfg.device),
@@ -884,8 +1467,12 @@ def _run_stage(
         return stage_naive(cfg, corpora)
     if stage == "checks":
         return stage_checks(cfg, corpora)
-    if stage == "runner":
-        return stage_runner(cfg, corpora)
+    if stage == "pipeline":
+        return stage_pipeline(cfg, corpora)
+    if stage == "overlap":
+        return stage_overlap(cfg, corpora)
+    if stage == "kill":
+        return stage_kill(cfg, corpora, args)
     return stage_e2e(cfg, corpora, args)
 
 

@@ -26,7 +26,7 @@ from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.preprocess import DecodeBudget
 from workers.publisher import Publisher
-from workers.runner import ModelRunner, batch_buckets
+from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings
 from workers.topics import TopicFacts, check_topics
 from workers.transactions import Transactions
@@ -166,8 +166,22 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         allow_pickle=settings.allow_pickle_models,
         decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
     )
-    buckets = batch_buckets(settings.max_batch_size) if settings.compile else ()
-    runner = ModelRunner(handler, device=settings.device, compile=settings.compile, buckets=buckets)
+    cuda = resolve_device(settings.device).type == "cuda"
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
+    graphs = graphs and not settings.compile
+    if settings.compile:
+        buckets = batch_buckets(settings.max_batch_size)
+    elif graphs:
+        buckets = batch_buckets(settings.max_batch_size, step=GRAPH_BUCKET_STEP)
+    else:
+        buckets = ()
+    runner = ModelRunner(
+        handler,
+        device=settings.device,
+        compile=settings.compile,
+        buckets=buckets,
+        cuda_graphs=graphs,
+    )
     sizes = sorted(
         {1, settings.max_batch_size}
         | {
@@ -178,11 +192,12 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
     )
     runner.warm_up(sizes)
     log.info(
-        "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s",
+        "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s%s",
         settings.model,
         handler.version,
         sizes,
         time.monotonic() - started,
+        f"; CUDA graphs for {list(runner.graphed_sizes)}" if runner.graphed_sizes else "",
     )
     return runner
 

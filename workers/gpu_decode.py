@@ -34,17 +34,22 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from PIL import Image
+from torch.utils.dlpack import from_dlpack
 
 from schemas import ContentType
 from workers.preprocess import ImageSpec, check_pixels, crop_box, decode_image
 
-DecodeOption = Literal["auto", "cpu", "gpu"]
+DecodeOption = Literal["auto", "cpu", "gpu", "gpu-hw"]
 """Where images are decoded: ``cpu`` (Pillow, in the decode threads), ``gpu`` (nvJPEG on
-the model's device, in batches), or ``auto`` (``gpu`` when the model is on CUDA)."""
+the model's device, in batches, through torchvision), ``gpu-hw`` (the GPU's hardware
+JPEG engine through nvImageCodec, CUDA nvJPEG where the engine declines an image;
+needs the ``nvidia-nvimgcodec-cu13`` package), or ``auto`` (``gpu`` on CUDA)."""
+
+JpegBackend = Literal["nvjpeg", "nvimgcodec"]
 
 READ_MODES = {"RGB": 3, "L": 1}
 """``torchvision.io.ImageReadMode`` values by Pillow mode, for ``decode_jpegs``."""
@@ -133,14 +138,17 @@ class BatchDecoder:
     Thread-safety: ``encoded`` holds no state; ``collate`` is called by one thread at a time.
     """
 
-    def __init__(self, spec: ImageSpec, *, max_pixels: int) -> None:
+    def __init__(
+        self, spec: ImageSpec, *, max_pixels: int, backend: JpegBackend = "nvjpeg"
+    ) -> None:
         """Raises ``ValueError`` when ``spec`` cannot be served this way
-        (``device_decode_supported`` says why)."""
+        (``device_decode_supported`` says why), or nvImageCodec is missing for it."""
         reason = device_decode_supported(spec)
         if reason is not None:
             raise ValueError(f"decode='gpu' is not available: {reason}; use decode='cpu'")
         self.spec = spec
         self._max_pixels = max_pixels
+        self._hardware = _HardwareJpeg(spec.mode) if backend == "nvimgcodec" else None
         self._mode = READ_MODES[spec.mode]
         self._filter = _FILTERS[spec.resample]
         self._matrices: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -175,10 +183,13 @@ class BatchDecoder:
         if not encoded:
             return None
         spec = self.spec
+        pixels = self._decode([items[n] for n in encoded], device)
+        whole = self._fit_whole(pixels, len(items))
+        if whole is not None:
+            return whole
         out = torch.empty(
             (len(items), spec.channels, spec.height, spec.width), dtype=torch.uint8, device=device
         )
-        pixels = self._decode([items[n] for n in encoded], device)
         on_host = [(n, item) for n, item in enumerate(items) if item.ndim != 1]
         by_size: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = defaultdict(list)
         for n, image in zip(encoded, pixels, strict=True):
@@ -203,6 +214,8 @@ class BatchDecoder:
 
     def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
+        if self._hardware is not None and device.type == "cuda":
+            return self._hardware.decode(data, device)
         try:
             return list(decode_jpegs(data, self._mode, device))
         except torch.cuda.OutOfMemoryError:
@@ -219,6 +232,23 @@ class BatchDecoder:
             except RuntimeError:
                 decoded.append(None)
         return decoded
+
+    def _fit_whole(self, pixels: list[torch.Tensor | None], count: int) -> torch.Tensor | None:
+        """The common case in one piece: every item a JPEG the device decoded, all of one
+        size (frames of a camera, a corpus of one source), few enough to resample at
+        once; then no index bookkeeping (and no blocking index upload) is needed."""
+        if len(pixels) != count or not pixels:
+            return None
+        first = pixels[0]
+        if first is None:
+            return None
+        shape = first.shape
+        if any(image is None or image.shape != shape for image in pixels):
+            return None
+        height, width = int(shape[1]), int(shape[2])
+        if count * self.spec.channels * height * width > _FLOATS_PER_CHUNK:
+            return None
+        return self._fit(torch.stack(pixels), width, height)  # type: ignore[arg-type]
 
     def _fit(self, batch: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """Center-crop and resize a uint8 (N, C, height, width) batch to the target size.
@@ -327,4 +357,42 @@ def _image_ops() -> bool:
 
 
 def _indices(members: Sequence[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    return torch.tensor([n for n, _ in members], dtype=torch.long, device=device)
+    """Item positions on ``device``, uploaded without blocking the host (pinned memory)."""
+    positions = torch.tensor([n for n, _ in members], dtype=torch.long)
+    if device.type != "cuda":
+        return positions
+    return positions.pin_memory().to(device, non_blocking=True)
+
+
+class _HardwareJpeg:
+    """The GPU's hardware JPEG engine through nvImageCodec, CUDA nvJPEG behind it for the
+    images the engine declines (progressive ones, say). Images come back in device
+    memory owned by nvImageCodec and are taken over through DLPack on the current
+    stream, so later work on it is ordered after the decode."""
+
+    def __init__(self, mode: str) -> None:
+        try:
+            from nvidia import nvimgcodec
+        except ImportError as exc:
+            raise ValueError(
+                "decode='gpu-hw' needs nvImageCodec: pip install nvidia-nvimgcodec-cu13"
+            ) from exc
+        self._nvimgcodec = nvimgcodec
+        self._decoders: dict[int, Any] = {}
+        color = nvimgcodec.ColorSpec.SRGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
+        self._params = nvimgcodec.DecodeParams(color_spec=color, allow_any_depth=False)
+
+    def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        nvimgcodec = self._nvimgcodec
+        index = device.index or 0
+        decoder = self._decoders.get(index)
+        if decoder is None:
+            backends = [
+                nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
+                nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
+            ]
+            decoder = self._decoders[index] = nvimgcodec.Decoder(device_id=index, backends=backends)
+        stream = torch.cuda.current_stream(device)
+        sources = [nvimgcodec.CodeStream(one.numpy()) for one in data]
+        images = decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
+        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]

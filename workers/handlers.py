@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode, Limits
-from workers.gpu_decode import BatchDecoder, DecodeOption, device_decode_supported
+from workers.gpu_decode import BatchDecoder, DecodeOption, JpegBackend, device_decode_supported
 from workers.preprocess import DecodeBudget, ImageSpec, decode
 
 DEFAULT_TOP_K = 5
@@ -75,6 +75,28 @@ class Collating(Protocol):
         Called on the runner's staging stream, from one thread at a time. May raise
         ``ContractError`` for an item that turns out to be bad.
         """
+
+
+@runtime_checkable
+class SplitPostprocess(Protocol):
+    """Optional handler hook: ``postprocess`` in two halves, so that nothing waits for
+    the device in the middle of a batch.
+
+    ``postprocess_device`` runs right after ``forward``, on the device and the same
+    stream, and returns small tensors (e.g. softmax and top-k); the runner copies them
+    to pinned host memory without waiting. ``postprocess_host`` turns those host
+    copies into the results once they have arrived, on another thread, while the
+    device already runs the next batch. ``postprocess(outputs, params)`` must equal
+    ``postprocess_host(postprocess_device(outputs, params) on the host, params)``.
+    """
+
+    def postprocess_device(
+        self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]: ...
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]: ...
 
 
 def top_k_param(params: Mapping[str, Any], default: int = DEFAULT_TOP_K) -> int:
@@ -210,38 +232,58 @@ class ImageClassifier:
         return logits
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        device = self.postprocess_device(outputs, params)
+        return self.postprocess_host(tuple(t.cpu() for t in device), params)
+
+    def postprocess_device(
+        self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]:
+        """Softmax and top-k for the whole batch on the device: (scores, indices), each
+        (batch, largest k asked for)."""
         if outputs.ndim != 2 or outputs.shape[1] != len(self.labels):
             raise RuntimeError(
                 f"{self.name} returned outputs of shape {tuple(outputs.shape)}; "
                 f"expected (batch, {len(self.labels)}), one score per label"
             )
+        k = max((self._top_k(p) for p in params), default=1)
+        scores, indices = outputs.float().softmax(dim=-1).topk(k, dim=-1)
+        return scores, indices
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        """The top-k lists per item from ``postprocess_device``'s host copies."""
         if not params:
             return []
-        ks = [min(top_k_param(p, self._default_top_k), len(self.labels)) for p in params]
-        # One top-k and one device-to-host copy for the whole batch, sliced per item.
-        scores, indices = outputs.float().softmax(dim=-1).topk(max(ks), dim=-1)
+        scores, indices = tensors
+        labels = self.labels
         results: list[Any] = []
-        for k, item_scores, item_indices in zip(
-            ks, scores.cpu().tolist(), indices.cpu().tolist(), strict=True
+        for p, item_scores, item_indices in zip(
+            params, scores.tolist(), indices.tolist(), strict=True
         ):
+            k = self._top_k(p)
             results.append(
                 [
-                    {"label": self.labels[i], "index": i, "score": s}
+                    {"label": labels[i], "index": i, "score": s}
                     for s, i in zip(item_scores[:k], item_indices[:k], strict=True)
                 ]
             )
         return results
 
+    def _top_k(self, params: Mapping[str, Any]) -> int:
+        return min(top_k_param(params, self._default_top_k), len(self.labels))
+
 
 def _batch_decoder(
     decode: DecodeOption, image: ImageSpec, device: torch.device, limits: Limits
 ) -> BatchDecoder | None:
-    if decode not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"decode must be auto, cpu or gpu, not {decode!r}")
+    if decode not in ("auto", "cpu", "gpu", "gpu-hw"):
+        raise ValueError(f"decode must be auto, cpu, gpu or gpu-hw, not {decode!r}")
     if decode == "cpu":
         return None
     # auto: the device path only pays off on CUDA, and only where it fits images the way
     # Pillow would (a model that wants Lanczos resampling keeps the CPU path).
     if decode == "auto" and (device.type != "cuda" or device_decode_supported(image) is not None):
         return None
-    return BatchDecoder(image, max_pixels=limits.max_pixels)
+    backend: JpegBackend = "nvimgcodec" if decode == "gpu-hw" else "nvjpeg"
+    return BatchDecoder(image, max_pixels=limits.max_pixels, backend=backend)

@@ -1,14 +1,27 @@
-"""The model stage: batches run on one thread of their own; finished ones go back to the loop.
+"""The model stage: batches run off the event loop; finished ones go back to the loop.
 
-``Inference.submit`` hands a closed batch to the model thread and returns at once
-(after waiting for a free slot: at most ``SLOTS`` batches are queued there, one
-running and one ready to go, so the next batch forms while the current one runs).
-The thread re-checks deadlines (a batch may have waited behind the running one),
-runs the batch on the ``ModelRunner``, bisects a batch that raises so that a bad
-item fails alone, and hands the ``Outcome`` to ``on_done`` on the event loop.
+``Inference.submit`` hands a closed batch to the stage and returns at once (after
+waiting for a free slot: a bounded number of batches is in the stage at a time,
+so the next batch forms while the current ones run). The stage re-checks
+deadlines (a batch may have waited behind a running one), runs the batch on the
+``ModelRunner``, bisects a batch that raises so that a bad item fails alone, and
+hands the ``Outcome`` to ``on_done`` on the event loop.
 
-It also measures what the model can do (``seconds_per_item`` over recent batches),
-which the pipeline uses to keep only a few seconds of work in flight.
+On the CPU one thread does all of it, a batch at a time. On a GPU the stage is a
+pipeline of three threads, so that the device is never left waiting on Python:
+
+    prepare (decode + upload, staging stream) ─▶ launch (forward + device postprocess,
+    compute stream, no waiting) ─▶ finish (wait for the small outputs, build results)
+
+While batch N runs on the device, batch N+1 is decoded on another stream and
+batch N-1's results are built on the host; the only host synchronisation per
+batch is ``finish`` waiting for N's outputs, off the launching thread. A batch
+that fails anywhere is run again on the launch thread the simple way (prepare,
+forward, postprocess, halves on failure), which keeps bisection in one place.
+
+It also measures what the model can do (``seconds_per_item`` over recent batches,
+device time on a GPU), which the pipeline uses to keep only a few seconds of work
+in flight.
 """
 
 from __future__ import annotations
@@ -23,23 +36,37 @@ from typing import Any
 import torch
 
 from schemas import ContractError, ErrorCode
-from workers.runner import ModelRunner
+from workers.runner import DeviceBatch, Launched, ModelRunner
 from workers.types import BatchTiming, Item, Outcome, Refusal
 
 log = logging.getLogger(__name__)
 
-SLOTS = 2  # batches queued on the model thread: one running, one ready to go
+SLOTS = 2  # batches in a serial stage: one running, one ready to go
+PIPELINED_SLOTS = 4  # preparing, launched, finishing, and one ready to go
 _EWMA = 0.2  # weight of the newest batch in seconds_per_item
 
 
 class Inference:
-    """Runs batches of items on one model, one at a time, off the event loop."""
+    """Runs batches of items on one model, off the event loop."""
 
-    def __init__(self, runner: ModelRunner, on_done: Callable[[Outcome], None]) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        on_done: Callable[[Outcome], None],
+        *,
+        pipelined: bool | None = None,
+    ) -> None:
+        """``pipelined`` (default: on a GPU) runs prepare, launch and finish on three
+        threads; otherwise one thread runs each batch from start to end."""
         self._runner = runner
         self._on_done = on_done
+        if pipelined is None:
+            pipelined = runner.device.type == "cuda"
+        self._pipelined = pipelined
         self._thread = ThreadPoolExecutor(1, "conveyor-model")
-        self._slots = asyncio.Semaphore(SLOTS)
+        self._prepare_thread = ThreadPoolExecutor(1, "conveyor-prepare") if pipelined else None
+        self._finish_thread = ThreadPoolExecutor(1, "conveyor-finish") if pipelined else None
+        self._slots = asyncio.Semaphore(PIPELINED_SLOTS if pipelined else SLOTS)
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -47,7 +74,7 @@ class Inference:
         """Model time per item over recent batches (None before the first batch)."""
 
     async def wait_for_slot(self) -> None:
-        """Wait until the model thread can take another batch; call ``submit`` next."""
+        """Wait until the stage can take another batch; call ``submit`` next."""
         await self._slots.acquire()
 
     def release_slot(self) -> None:
@@ -67,37 +94,103 @@ class Inference:
             self._slots.release()
             self._on_done(outcome)
 
-        def run() -> None:
-            outcome = self._run(items)
+        def deliver(outcome: Outcome) -> None:
             loop.call_soon_threadsafe(finished, outcome)
 
-        self._thread.submit(run)
+        if self._prepare_thread is not None:
+            self._prepare_thread.submit(self._prepare, items, deliver)
+        else:
+            self._thread.submit(lambda: deliver(self._run(items)))
 
     async def wait_idle(self) -> None:
         """Wait until every submitted batch has been reported."""
         await self._idle.wait()
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        for thread in (self._prepare_thread, self._thread, self._finish_thread):
+            if thread is not None:
+                thread.shutdown(wait=False, cancel_futures=True)
 
-    # -- the model thread ---------------------------------------------------------------
+    # -- the pipeline (GPU): prepare ─▶ launch ─▶ finish ------------------------------------
 
-    def _run(self, items: list[Item]) -> Outcome:
+    def _prepare(self, items: list[Item], deliver: Callable[[Outcome], None]) -> None:
+        """Prepare thread: drop what expired, then decode and upload on the staging stream."""
+        items, refused = _live(items)
+        if not items:
+            deliver(Outcome(refused=refused))
+            return
         try:
-            return self._infer(items)
+            batch: DeviceBatch | None = self._runner.prepare([i.tensor for i in items])
+        except Exception:  # the launch thread runs this batch the simple way, halves and all
+            batch = None
+        self._thread.submit(self._launch, items, batch, refused, deliver)
+
+    def _launch(
+        self,
+        items: list[Item],
+        batch: DeviceBatch | None,
+        refused: list[Refusal],
+        deliver: Callable[[Outcome], None],
+    ) -> None:
+        """Launch thread: start the forward and hand the batch to the finish thread."""
+        start_ms = time.time() * 1000.0
+        launched = None
+        if batch is not None:
+            try:
+                launched = self._runner.launch(batch, [i.meta.params for i in items])
+            except Exception:
+                launched = None
+        if launched is None:
+            deliver(self._guarded(items, lambda: self._serially(items, refused)))
+            return
+        assert self._finish_thread is not None
+        self._finish_thread.submit(self._finish, items, launched, refused, start_ms, deliver)
+
+    def _finish(
+        self,
+        items: list[Item],
+        launched: Launched,
+        refused: list[Refusal],
+        start_ms: float,
+        deliver: Callable[[Outcome], None],
+    ) -> None:
+        """Finish thread: wait for the outputs, build the results."""
+        try:
+            outputs = self._runner.finish(launched)
+        except Exception:  # a failing host postprocess: the simple way, on the launch thread
+            self._thread.submit(
+                lambda: deliver(self._guarded(items, lambda: self._serially(items, refused)))
+            )
+            return
+        finished_ms = time.time() * 1000.0
+        seconds = launched.device_seconds()
+        if seconds is None:
+            seconds = (finished_ms - start_ms) / 1000.0
+        self._measure(seconds, len(items))
+        timing = BatchTiming(start_ms, finished_ms, finished_ms - start_ms, len(items))
+        deliver(Outcome(items, outputs, timing, refused))
+
+    def _serially(self, items: list[Item], refused: list[Refusal]) -> Outcome:
+        outcome = self._infer(items)
+        outcome.refused = refused + outcome.refused
+        return outcome
+
+    # -- one thread, a batch at a time (the CPU, and the pipeline's fallback) ---------------
+
+    def _guarded(self, items: list[Item], run: Callable[[], Outcome]) -> Outcome:
+        try:
+            return run()
         except Exception as exc:  # a bug in this stage must not lose the batch
             log.exception("inference stage failed on a batch of %d", len(items))
             return Outcome(
                 refused=[_refuse(i, ErrorCode.internal, f"worker failed: {exc!r}") for i in items]
             )
 
+    def _run(self, items: list[Item]) -> Outcome:
+        return self._guarded(items, lambda: self._infer(items))
+
     def _infer(self, items: list[Item]) -> Outcome:
-        now = time.monotonic()
-        expired = [i for i in items if i.deadline_at is not None and i.deadline_at <= now]
-        if expired:  # they waited behind the running batch past their deadline
-            gone = set(map(id, expired))
-            items = [i for i in items if id(i) not in gone]
-        refused = [expired_refusal(i) for i in expired]
+        items, refused = _live(items)
         if not items:
             return Outcome(refused=refused)
         start_ms, start = time.time() * 1000.0, time.monotonic()
@@ -154,6 +247,18 @@ class _Failure:
     def __init__(self, code: ErrorCode, message: str) -> None:
         self.code = code
         self.message = message
+
+
+def _live(items: list[Item]) -> tuple[list[Item], list[Refusal]]:
+    """The items whose deadline has not passed, and ``expired`` refusals for the rest
+    (a batch may have waited behind the running one past some deadlines)."""
+    now = time.monotonic()
+    if not any(i.deadline_at is not None and i.deadline_at <= now for i in items):
+        return items, []
+    live = [i for i in items if i.deadline_at is None or i.deadline_at > now]
+    return live, [
+        expired_refusal(i) for i in items if i.deadline_at is not None and i.deadline_at <= now
+    ]
 
 
 def _refuse(item: Item, code: ErrorCode, message: str) -> Refusal:

@@ -14,6 +14,7 @@ compiled during ``warm_up`` rather than by the first request of that size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from typing import Any
 
 import torch
 
-from workers.handlers import Collating, Handler
+from workers.handlers import Collating, Handler, SplitPostprocess
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SMALLEST_BUCKET = 8
 """On a GPU a batch of 8 costs about what a batch of 1 does, and every bucket is one
@@ -59,10 +62,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) -> tuple[int, ...]:
+def batch_buckets(
+    max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET, step: int | None = None
+) -> tuple[int, ...]:
     """Powers of two from ``smallest`` below ``max_batch_size``, then ``max_batch_size``:
-    e.g. 8, 16, 32, 64, 128, 256 for 256, and 8, 16, 32, 64, 100 for 100."""
-    if max_batch_size < 1 or smallest < 1:
+    e.g. 8, 16, 32, 64, 128, 256 for 256, and 8, 16, 32, 64, 100 for 100. With ``step``,
+    also every multiple of ``step`` below the maximum, so that padding a batch up to its
+    bucket never adds more than ``step`` rows (8, 16, 32, 64, 96, 128, ... for 32)."""
+    if max_batch_size < 1 or smallest < 1 or (step is not None and step < 1):
         raise ValueError(f"batch sizes must be at least 1, got {max_batch_size} and {smallest}")
     sizes = {max_batch_size}
     size = 1
@@ -70,7 +77,32 @@ def batch_buckets(max_batch_size: int, smallest: int = DEFAULT_SMALLEST_BUCKET) 
         if size >= smallest:
             sizes.add(size)
         size *= 2
+    if step is not None:
+        sizes.update(range(step, max_batch_size, step))
     return tuple(sorted(sizes))
+
+
+GRAPH_BUCKET_STEP = 32
+"""Rows a CUDA graph bucket may pad a batch by, at most (see ``batch_buckets``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A batch the model is running (``ModelRunner.launch``), to ``finish`` later."""
+
+    size: int
+    params: Sequence[Mapping[str, Any]]
+    host: tuple[torch.Tensor, ...] | None  # SplitPostprocess outputs (pinned, on CUDA)
+    results: list[Any] | None  # final already: a handler without SplitPostprocess
+    copied: torch.cuda.Event | None  # recorded once ``host`` holds the outputs
+    started: torch.cuda.Event | None  # timing events around the device work (CUDA)
+    ended: torch.cuda.Event | None
+
+    def device_seconds(self) -> float | None:
+        """Device time of the forward and postprocess (CUDA, after ``finish``)."""
+        if self.started is None or self.ended is None:
+            return None
+        return float(self.started.elapsed_time(self.ended)) / 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +124,17 @@ class ModelRunner:
         *,
         compile: bool = False,
         buckets: Sequence[int] = (),
+        cuda_graphs: bool = False,
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
         the same way for both). ``compile`` wraps ``handler.forward`` in ``torch.compile``;
         the first batch of each new size then compiles, which ``warm_up`` moves to start-up.
         ``buckets`` (e.g. ``batch_buckets(256)``) pads each batch to the next bucket size;
         the handler's forward must treat batch rows independently (eval-mode models do).
+        ``cuda_graphs`` (CUDA, with buckets) records the forward of each bucket size as a
+        CUDA graph during ``warm_up`` and replays it: one call per batch instead of one
+        per operator, so the launching thread hardly needs the GIL (with other busy
+        threads in the process, every reacquisition can wait a switch interval).
         """
         if any(size < 1 for size in buckets):
             raise ValueError(f"bucket sizes must be at least 1, got {sorted(buckets)}")
@@ -108,11 +145,15 @@ class ModelRunner:
         if compile:
             self._forward = compile_forward(handler.forward, self.buckets)
         self._collate = handler.collate if isinstance(handler, Collating) else None
-        # Uploads (and device-side decoding) run on their own stream, so that when the
-        # next batch is prepared from another thread they overlap the running forward.
-        # torch.cuda.Stream and Event have no annotations in torch's sources.
+        self._split = handler if isinstance(handler, SplitPostprocess) else None
+        self._want_graphs = cuda_graphs and self.device.type == "cuda" and bool(self.buckets)
+        self._graphs: dict[tuple[int, ...], _Graph] = {}  # by input shape
+        # Uploads (and device-side decoding) run on one stream and the model on another,
+        # so that a batch prepared from one thread overlaps the forward launched from
+        # another. torch.cuda.Stream and Event have no annotations in torch's sources.
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self._compute = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
 
     def run(
         self, tensors: Sequence[torch.Tensor], params: Sequence[Mapping[str, Any]]
@@ -148,21 +189,60 @@ class ModelRunner:
 
     def infer(self, batch: DeviceBatch, params: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run the model on a prepared batch; one result per real item, padding dropped."""
+        return self.finish(self.launch(batch, params))
+
+    def launch(self, batch: DeviceBatch, params: Sequence[Mapping[str, Any]]) -> Launched:
+        """Start the model on a prepared batch, on the compute stream, without waiting.
+
+        With a ``SplitPostprocess`` handler the device half of postprocess runs too and
+        its small outputs are copied to pinned host memory asynchronously; ``finish``
+        waits for them (from another thread, if the caller likes: the device can run
+        the next batch meanwhile). Other handlers' ``postprocess`` runs here, as before.
+        """
         if batch.size != len(params):
             raise ValueError(f"{batch.size} items but {len(params)} params; need one each")
-        if batch.ready is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(batch.ready)
-            # The batch was allocated on the staging stream: keep the allocator from
-            # handing its memory out again before the forward here has read it.
-            batch.tensor.record_stream(compute)
-        with torch.inference_mode():
-            outputs = self._forward(batch.tensor)
-            results = self.handler.postprocess(outputs[: batch.size], params)
-        if len(results) != batch.size:
+        cuda = self._compute is not None
+        with torch.inference_mode(), self._computing():
+            if batch.ready is not None:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(batch.ready)
+                # The batch was allocated on the staging stream: keep the allocator from
+                # handing its memory out again before the forward here has read it.
+                batch.tensor.record_stream(compute)
+            started = _event(cuda)
+            graph = self._graphs.get(tuple(batch.tensor.shape))
+            if graph is not None and graph.takes(batch.tensor):
+                outputs = graph.run(batch.tensor)[: batch.size]
+            else:
+                outputs = self._forward(batch.tensor)[: batch.size]
+            if self._split is None:
+                results = self.handler.postprocess(outputs, params)
+                ended = _event(cuda)
+                return Launched(batch.size, params, None, results, ended, started, ended)
+            device = self._split.postprocess_device(outputs, params)
+            if not cuda:
+                return Launched(batch.size, params, device, None, None, None, None)
+            host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in device)
+            for to, source in zip(host, device, strict=True):
+                to.copy_(source, non_blocking=True)
+            ended = _event(cuda)
+        return Launched(batch.size, params, host, None, ended, started, ended)
+
+    def finish(self, launched: Launched) -> list[Any]:
+        """The results of a launched batch, once its outputs are on the host."""
+        if launched.copied is not None:
+            launched.copied.synchronize()  # releases the GIL while it waits
+        if launched.results is not None:
+            results = launched.results
+        else:
+            assert self._split is not None
+            assert launched.host is not None
+            with torch.inference_mode():
+                results = self._split.postprocess_host(launched.host, launched.params)
+        if len(results) != launched.size:
             raise RuntimeError(
                 f"handler {self.handler.name} returned {len(results)} results "
-                f"for a batch of {batch.size}; postprocess must return one per item"
+                f"for a batch of {launched.size}; postprocess must return one per item"
             )
         return results
 
@@ -178,9 +258,44 @@ class ModelRunner:
             self.run([item] * size, [{}] * size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._want_graphs and not self._graphs:
+            self._capture(item)
+
+    @property
+    def graphed_sizes(self) -> tuple[int, ...]:
+        """Batch sizes whose forward replays a CUDA graph."""
+        return tuple(sorted(shape[0] for shape in self._graphs))
+
+    def _capture(self, item: torch.Tensor) -> None:
+        """Record one CUDA graph per bucket (sharing one memory pool: replays never
+        overlap, they run on the compute stream one after another). A handler whose
+        forward cannot be captured (it synchronises, or changes shape with its input)
+        keeps running eagerly, with a warning."""
+        assert self._compute is not None
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for size in self.buckets:
+                example = self.prepare([item] * size)
+                assert example.ready is not None
+                example.ready.synchronize()
+                static = example.tensor.clone()
+                graph = torch.cuda.CUDAGraph()
+                with (
+                    torch.inference_mode(),
+                    torch.cuda.graph(graph, pool=pool, stream=self._compute),
+                ):
+                    output = self._forward(static)
+                self._graphs[tuple(static.shape)] = _Graph(graph, static, output)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # a model that cannot be captured still serves, eagerly
+            self._graphs.clear()
+            log.warning("CUDA graphs are off: capturing the forward failed (%r)", exc)
 
     def _staging(self) -> AbstractContextManager[Any]:
         return nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+
+    def _computing(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._compute is None else torch.cuda.stream(self._compute)
 
     def _bucket(self, size: int) -> int:
         """The smallest bucket that holds ``size`` items; ``size`` itself above them all."""
@@ -217,3 +332,30 @@ def compile_forward(
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
     return torch.compile(forward, dynamic=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Graph:
+    """A forward recorded for one input shape: copy the batch in, replay, read the output."""
+
+    graph: torch.cuda.CUDAGraph
+    static_input: torch.Tensor
+    static_output: Any  # overwritten by every replay: read it before the next one
+
+    def takes(self, batch: torch.Tensor) -> bool:
+        static = self.static_input
+        return batch.dtype == static.dtype and batch.stride() == static.stride()
+
+    def run(self, batch: torch.Tensor) -> Any:
+        self.static_input.copy_(batch)
+        self.graph.replay()
+        return self.static_output
+
+
+def _event(cuda: bool) -> torch.cuda.Event | None:
+    """A timing event recorded on the current stream (CUDA only)."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event

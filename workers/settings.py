@@ -79,10 +79,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     channels_last: bool | None = Field(
         default=None, description="default: on for torchvision models on CUDA"
     )
-    decode: Literal["auto", "cpu", "gpu"] = Field(
-        default="auto", description="where JPEGs are decoded; auto = nvJPEG on CUDA"
+    decode: Literal["auto", "cpu", "gpu", "gpu-hw"] = Field(
+        default="auto",
+        description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
+        "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
     )
     compile: bool = Field(default=False, description="torch.compile the model")
+    cuda_graphs: bool | None = Field(
+        default=None,
+        description="replay the forward as CUDA graphs, one per batch-size bucket, recorded "
+        "at start (default: on for CUDA devices unless --compile)",
+    )
     allow_pickle_models: bool = Field(
         default=False,
         description="allow model files that are unpickled on load (torch.export archives)",

@@ -214,7 +214,7 @@ def test_decode_auto_is_the_cpu_path_on_a_cpu_and_bad_values_are_refused() -> No
     assert classifier("auto").batch_decoder is None
     assert classifier("cpu").batch_decoder is None
     assert classifier("gpu").batch_decoder is not None
-    with pytest.raises(ValueError, match="auto, cpu or gpu"):
+    with pytest.raises(ValueError, match="auto, cpu, gpu or gpu-hw"):
         classifier("nvjpeg")
 
 

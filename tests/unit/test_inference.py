@@ -1,0 +1,108 @@
+"""The model stage on its own: the serial path and the three-thread pipeline (run here
+on the CPU; on a GPU the same code overlaps decode, forward and result building)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from schemas import ErrorCode
+from schemas.fastpath import FastMeta
+from tests.unit.test_pipeline import POISON, EchoModel
+from workers.handlers import ImageClassifier
+from workers.inference import Inference
+from workers.offsets import OffsetTracker
+from workers.runner import ModelRunner
+from workers.types import Item, Outcome
+
+_SPAN = OffsetTracker[tuple[str, int]]().open(("t", 0), 0, 10_000, 10_001)
+
+
+def items(values: list[int], *, deadline_in: float | None = None) -> list[Item]:
+    import torch
+
+    now = time.monotonic()
+    out = []
+    for n, value in enumerate(values):
+        meta = FastMeta(f"r{n}", None, {}, None, None, None, None, None)  # type: ignore[arg-type]
+        deadline = None if deadline_in is None else now + deadline_in
+        out.append(
+            Item(None, _SPAN, meta, 0.0, now, deadline, torch.tensor([value], dtype=torch.uint8))  # type: ignore[arg-type]
+        )
+    return out
+
+
+async def run_batches(inference: Inference, batches: list[list[Item]]) -> list[Outcome]:
+    done: list[Outcome] = []
+    inference._on_done = done.append  # collect in delivery order
+    for batch in batches:
+        await inference.wait_for_slot()
+        inference.submit(batch)
+    await inference.wait_idle()
+    return done
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_every_item_is_answered_and_the_poison_fails_alone(pipelined: bool) -> None:
+    inference = Inference(
+        ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+    )
+    batches = [items([1, 2, 3]), items([4, POISON, 6]), items([7])]
+    try:
+        outcomes = await run_batches(inference, batches)
+    finally:
+        inference.close()
+    answered = sorted(o for outcome in outcomes for o in outcome.outputs)
+    assert answered == [1, 2, 3, 4, 6, 7]
+    refused = [r for outcome in outcomes for r in outcome.refused]
+    assert [(r.code, r.request_id) for r in refused] == [(ErrorCode.model_error, "r1")]
+    assert inference.seconds_per_item is not None
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_items_past_their_deadline_never_reach_the_model(pipelined: bool) -> None:
+    model = EchoModel()
+    inference = Inference(ModelRunner(model, device="cpu"), lambda _: None, pipelined=pipelined)
+    try:
+        outcomes = await run_batches(inference, [items([1, 2], deadline_in=-1.0), items([3])])
+    finally:
+        inference.close()
+    refused = [r.code for outcome in outcomes for r in outcome.refused]
+    assert refused == [ErrorCode.expired, ErrorCode.expired]
+    assert model.seen == 1
+
+
+async def test_the_pipeline_splits_postprocess_and_gives_the_serial_results() -> None:
+    """A SplitPostprocess handler (the image classifier) answers the same either way."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from schemas import ContentType
+    from workers.demo_model import load_digits_handler
+
+    handler: ImageClassifier = load_digits_handler()
+    rng = np.random.default_rng(1)
+    tensors = []
+    for _ in range(12):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(buffer, format="PNG")
+        tensors.append(handler.preprocess(buffer.getvalue(), ContentType.PNG, {}))
+    batch = items([0] * 12)
+    for item, tensor in zip(batch, tensors, strict=True):
+        item.tensor = tensor
+    results: dict[bool, list[Any]] = {}
+    for pipelined in (False, True):
+        inference = Inference(
+            ModelRunner(handler, device="cpu"), lambda _: None, pipelined=pipelined
+        )
+        try:
+            (outcome,) = await run_batches(inference, [batch])
+        finally:
+            inference.close()
+        results[pipelined] = outcome.outputs
+    assert results[True] == results[False]
+    assert len(results[True]) == 12
