@@ -65,7 +65,7 @@ class FastMeta(NamedTuple):
     stream: str | None
     seq: int | None
     traceparent: str | None
-    supersede: bool | None  # ce_supersede: None when absent (the worker's setting decides)
+    supersede: bool | None = None  # ce_supersede; None when absent: the worker's setting decides
 
 
 _NO_PARAMS: dict[str, Any] = {}  # shared, never mutated: handlers read params only
