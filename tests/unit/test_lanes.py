@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from schemas import topics_for
 from workers.batcher import CloseReason
+from workers.cli import add_arguments, settings_from_args
 from workers.lanes import LaneBatcher, LaneScheduler, paused_lanes
+from workers.settings import LaneSpec, WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -179,3 +184,45 @@ def test_at_the_cap_only_lanes_holding_their_share_pause() -> None:
 def test_one_lane_pauses_at_the_cap() -> None:
     assert paused_lanes([99], 100, [1]) == [False]
     assert paused_lanes([100], 100, [1]) == [True]
+
+
+def test_lanes_setting_from_a_flag_or_a_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "digits", "--lanes", "urgent:16,high:4,default,bulk"])
+    settings = settings_from_args(args)
+    assert settings.request_lanes == (
+        LaneSpec("urgent", 16),
+        LaneSpec("high", 4),
+        LaneSpec("default", 1),
+        LaneSpec("bulk", 1),
+    )
+    monkeypatch.setenv("CONVEYOR_LANES", "high:8")
+    assert WorkerSettings(model="digits").request_lanes == (
+        LaneSpec("high", 8),
+        LaneSpec("default", 1),
+    )
+    monkeypatch.delenv("CONVEYOR_LANES")
+    assert WorkerSettings(model="digits").request_lanes == (LaneSpec("default", 1),)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "problem"),
+    [
+        ("High", "lane name"),
+        ("high:x", "weight after ':'"),
+        ("high:0", "weight must be 1 to 1000"),
+        ("high,high", "unique"),
+    ],
+)
+def test_bad_lanes_are_refused_naming_the_problem(lanes: str, problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        WorkerSettings(model="digits", lanes=lanes)
+
+
+def test_lane_topics_sit_beside_the_request_topic() -> None:
+    topics = topics_for("digits")
+    assert topics.lane("high") == "conveyor.digits.requests.high"
+    assert topics.lane("default") == topics.requests
+    with pytest.raises(ValueError, match="lane name"):
+        topics.lane("a.b")
