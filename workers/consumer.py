@@ -52,6 +52,12 @@ class FetchConfigError(ConfigError):
     """Kafka refuses this worker's reads, and kept refusing past the grace period."""
 
 
+class TakeOverError(ConfigError):
+    """New partitions could not be taken over (assignment handler, committed positions):
+    fetching them from anywhere else could break exactly-once delivery, so the worker
+    stops and its partitions go to another."""
+
+
 class Consumer:
     """A consumer-group member on one model's request topics, with manual commits."""
 
@@ -214,11 +220,16 @@ class Consumer:
             await self._assigned({(tp.topic, tp.partition) for tp in partitions})
             await self._seek_to_committed(partitions & self._kafka.assignment())
         except ConfigError as exc:
-            self._assign_error = exc
+            self._assign_error = exc  # the partitions stay held: the worker stops
+            return
+        except Exception as exc:  # the listener's caller would only log it
+            log.exception("taking over %s failed", _names(partitions))
+            self._assign_error = TakeOverError(f"taking over {_names(partitions)} failed: {exc!r}")
+            return
         finally:
-            self._held -= partitions
             self._pauses_stale = True
-            self._apply_pauses()
+        self._held -= partitions
+        self._apply_pauses()
 
     async def _seek_to_committed(self, partitions: set[TopicPartition]) -> None:
         for tp in partitions:

@@ -123,6 +123,7 @@ class Pipeline:
         self._lane_topics = [topics.lane(lane.name) for lane in lanes]
         self._lane_of = {topic: index for index, topic in enumerate(self._lane_topics)}
         self._lane_weights = [lane.weight for lane in lanes]
+        self._every_topic = frozenset(self._lane_topics)
         if len(lanes) > 1:
             metrics.define_lanes(self._lane_names)
         self._batcher: LaneBatcher[Item] = LaneBatcher(
@@ -199,7 +200,7 @@ class Pipeline:
         """The request topics to stop fetching: all at the cap, or lanes at their share."""
         cap = self.in_flight_cap()
         if len(self._lane_topics) == 1:
-            return frozenset(self._lane_topics) if in_flight >= cap else _NOTHING
+            return self._every_topic if in_flight >= cap else _NOTHING
         per_lane = [0] * len(self._lane_topics)
         for (topic, _), count in self._tracker.in_flight_by_partition():
             per_lane[self._lane_of[topic]] += count
