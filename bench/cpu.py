@@ -739,11 +739,13 @@ def _say(message: str) -> None:
 
 
 def _default_kafka_libs() -> Path:
-    """The jars ``compose/local`` runs the broker from (the version its pom names)."""
+    """The jars ``compose/local`` runs the broker from (the version its pom names, in its
+    cache directory: ``CONVEYOR_CACHE_DIR``, else ``.cache``)."""
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
     found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
     version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
-    return REPO / ".cache" / f"kafka-{version}" / "libs"
+    cache = Path(os.environ.get("CONVEYOR_CACHE_DIR") or REPO / ".cache")
+    return cache / f"kafka-{version}" / "libs"
 
 
 def _parser() -> argparse.ArgumentParser:
