@@ -6,19 +6,28 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export KAFKA_PORT ?= 9092
 export REDIS_PORT ?= 6379
+export KAFKA_CLUSTER_PORT ?= 9292
+export REDIS_CLUSTER_PORT ?= 7000
+# The demo model is built here (not in the user's cache) so `make clean` removes it.
+export CONVEYOR_MODEL_DIR ?= $(CURDIR)/.cache/models
 PYTEST_ARGS ?=
 
-.PHONY: help install up down test unit lint format demo bench clean
+.PHONY: help install up down test up-cluster down-cluster test-cluster unit lint format demo bench settings-doc clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
 	@echo "make down     stop what 'make up' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
+	@echo "make up-cluster    start a 3-broker Kafka (127.0.0.1:$(KAFKA_CLUSTER_PORT)-$$(($(KAFKA_CLUSTER_PORT)+2)))"
+	@echo "                   and a Redis Cluster (127.0.0.1:$(REDIS_CLUSTER_PORT)-$$(($(REDIS_CLUSTER_PORT)+5)))"
+	@echo "make down-cluster  stop what 'make up-cluster' started"
+	@echo "make test-cluster  install, Redis and the clusters up, failover and scale-out tests, down"
 	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict"
+	@echo "make settings-doc  regenerate docs/settings.md from workers/settings.py"
 	@echo "make clean    remove the venv, caches and local service data"
 
 install: $(STAMP)
@@ -39,6 +48,20 @@ down:
 test: install
 	@status=0; $(MAKE) --no-print-directory up && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	  $(MAKE) --no-print-directory down; exit $$status
+
+up-cluster:
+	compose/local/kafka-cluster.sh start
+	compose/local/redis-cluster.sh start
+
+down-cluster:
+	compose/local/kafka-cluster.sh stop
+	compose/local/redis-cluster.sh stop
+
+# The scale-out tests use the clusters and the plain Redis (not the single broker).
+test-cluster: install
+	@status=0; { compose/local/redis.sh start && $(MAKE) --no-print-directory up-cluster; } \
+	  && $(PY) -m pytest -m cluster tests/cluster $(PYTEST_ARGS) || status=$$?; \
+	  $(MAKE) --no-print-directory down-cluster; compose/local/redis.sh stop; exit $$status
 
 unit: install
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
@@ -61,5 +84,8 @@ bench: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m bench.cpu --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
-clean: down
+settings-doc: install
+	$(PY) -c 'import workers.cli as cli; print(cli.settings_reference(), end="")' >docs/settings.md
+
+clean: down down-cluster
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

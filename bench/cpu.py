@@ -77,8 +77,8 @@ from workers.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 IDENTITY = "bench.identity:IdentityHandler"
-OVERHEAD_GOAL = 20_000.0  # requests/s per process (docs/PERF.md goal 5)
-TRANSPORT_GOAL = 0.8  # worker consumer / kafka-consumer-perf-test (goal 4)
+OVERHEAD_GOAL = 20_000.0  # requests/s per process (docs/benchmarks.md, scenario 2)
+TRANSPORT_GOAL = 0.8  # worker consumer / kafka-consumer-perf-test (scenario 1)
 LOAD_FRACTIONS = (0.25, 0.5, 0.75)
 PARTITIONS = 3
 TRANSPORT_PAYLOAD = 1024
@@ -744,7 +744,7 @@ def _default_kafka_libs() -> Path:
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
     found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
     version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
-    cache = Path(os.environ.get("CONVEYOR_CACHE_DIR") or REPO / ".cache")
+    cache = Path(os.environ.get("CONVEYOR_CACHE_DIR") or REPO / ".cache")  # as env.sh reads it
     return cache / f"kafka-{version}" / "libs"
 
 

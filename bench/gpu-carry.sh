@@ -9,7 +9,7 @@ out=.gpu
 rm -rf "$out" && mkdir -p "$out/wheels" "$out/debs"
 python3 -m pip download -q -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  aiokafka redis hiredis uvloop pydantic pydantic-settings orjson prometheus-client py-spy \
+  aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
   "setuptools>=77" wheel
 # nvImageCodec (the hardware JPEG engine) for Python 3.12 only: its wheel carries builds for
 # every Python and codecs Conveyor does not use, 70 MB unpacked; the part used is ~14 MB.

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 if [ ! -f /tmp/conveyor-deps-installed ]; then
   python3 -c "import torch, torchvision" || { echo "no torch on this machine's python3" >&2; exit 1; }
   python3 -m pip install -q --no-index --find-links .gpu/wheels \
-    aiokafka redis hiredis uvloop pydantic pydantic-settings orjson prometheus-client py-spy \
+    aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
     "setuptools>=77" wheel
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
   touch /tmp/conveyor-deps-installed

@@ -533,7 +533,10 @@ def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) 
     if not runner.graphed_sizes:
         return math.nan
     batch = runner.prepare(list(items))
+    if batch.ready is not None:
+        batch.ready.synchronize()
     graph = runner._graphs[tuple(batch.tensor.shape)]
+    torch.cuda.synchronize(cfg.device)
     with torch.inference_mode():
         eager = handler.forward(batch.tensor).float()
         replayed = graph.run(batch.tensor).float()
@@ -801,15 +804,20 @@ async def _e2e_one(
         runs = []
         for repeat in range(args.repeats):
             prefix = f"{run}-b{repeat}"
-            profile = None
-            if args.profile_s and repeat == 1:
-                path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
-                profile = _sample(procs[0].pid, path, args.profile_s)
+            samplers: list[subprocess.Popen[bytes]] = []
+
+            def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
+                if args.profile_s and repeat == 1:  # once the producers start sending
+                    path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
+                    samplers.append(_sample(procs[0].pid, path, args.profile_s))
+
             with UtilizationSampler(gpus) as gpu:
-                produced = await _produce_parallel(args, model, corpus, prefix, cfg.e2e_count)
+                produced = await _produce_parallel(
+                    args, model, corpus, prefix, cfg.e2e_count, on_go=sample
+                )
                 results = await _await_results(services, prefix, cfg.e2e_count, args, procs)
-            if profile is not None:
-                profile.wait(timeout=args.profile_s + 30)
+            for sampler in samplers:
+                sampler.wait(timeout=args.profile_s + 30)
             runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
             print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
         rates = sorted(r["img_s"] for r in runs)
@@ -856,8 +864,9 @@ def _sample(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes]:
     """py-spy sampling a worker (every thread, 100 Hz) into collapsed stacks at ``path``."""
     beside = Path(sys.executable).with_name("py-spy")
     command = [
-        str(beside) if beside.exists() else "py-spy", "record", "--pid", str(pid), "--rate", "100", "--threads", "--nonblocking",
-        "--duration", str(int(seconds)), "--format", "raw", "--output", str(path),
+        str(beside) if beside.exists() else "py-spy", "record", "--pid", str(pid),
+        "--rate", "100", "--threads", "--idle", "--duration", str(int(seconds)),
+        "--format", "raw", "--output", str(path),
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -913,7 +922,12 @@ async def _ready(port: int) -> bool:
 
 
 async def _produce_parallel(
-    args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    prefix: str,
+    count: int,
+    on_go: Callable[[], None] | None = None,
 ) -> float:
     """The backlog from ``--producers`` processes at once (one Python producer cannot keep
     a GPU worker fed with 150 KB images); returns the records/s they achieved together.
@@ -943,6 +957,8 @@ async def _produce_parallel(
         line = await proc.stdout.readline()
         if line.strip() != b"ready":
             raise RuntimeError(f"a producer did not get ready: {line!r}")
+    if on_go is not None:
+        on_go()
     started = time.perf_counter()
     for proc in procs:
         assert proc.stdin is not None
@@ -1422,7 +1438,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return produce_share(args.produce, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
-        results.update(json.loads(previous.read_text()))
+        for key, value in json.loads(previous.read_text()).items():
+            if key in ("e2e", "pipeline", "overlap", "stage_s") and key in results:
+                results[key].update(value)  # layouts and paths measured in several calls
+            else:
+                results[key] = value
     if not args.report:
         os.environ.setdefault(
             "TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/torchinductor").resolve())

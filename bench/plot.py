@@ -1,8 +1,10 @@
-"""Bar charts as PNG, drawn with Pillow (already a worker dependency; no plotting library).
+"""Bar and line charts as PNG, drawn with Pillow (already a worker dependency; no plotting library).
 
 ``draw_panels`` lays out one bar chart per ``Panel`` in a grid; each chart has
 groups of bars (one bar per series), value labels, and optional reference lines
-(a goal, a baseline).
+(a goal, a baseline). ``draw_timelines`` stacks line charts that share one time
+axis (``Timeline``: series of values over time, optional reference lines), for
+runs whose state changes over time.
 """
 
 from __future__ import annotations
@@ -150,3 +152,101 @@ def _short(value: float) -> str:
 
 def _font(size: int) -> Font:
     return ImageFont.load_default(size=size)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One line chart over time: ``series[name][i]`` is the value at ``times[i]``."""
+
+    title: str
+    unit: str  # the y axis label
+    times: Sequence[float]  # seconds from the start of the run
+    series: dict[str, Sequence[float]]
+    lines: Sequence[Line] = field(default_factory=tuple)
+    steps: bool = False  # draw as a staircase (counts that change at an instant)
+
+
+_TIMELINE_W, _TIMELINE_H = 1000, 230
+
+
+def draw_timelines(charts: Sequence[Timeline], path: Path, title: str = "") -> None:
+    """Write ``charts`` one under another as one PNG, sharing the time axis of the first."""
+    top = 40 if title else 0
+    image = Image.new("RGB", (_TIMELINE_W, len(charts) * _TIMELINE_H + top), "white")
+    draw = ImageDraw.Draw(image)
+    if title:
+        draw.text((12, 10), title, fill=_AXIS, font=_font(18))
+    span = max((max(c.times, default=0.0) for c in charts), default=0.0) or 1.0
+    for n, chart in enumerate(charts):
+        _draw_timeline(draw, chart, top + n * _TIMELINE_H, span)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+
+
+def _draw_timeline(draw: ImageDraw.ImageDraw, chart: Timeline, y0: int, span: float) -> None:
+    small = _font(11)
+    box = (_MARGIN_L, y0 + 34, _TIMELINE_W - 150, y0 + _TIMELINE_H - 34)  # left, top, right, bottom
+    left, top, right, bottom = box
+    draw.text((12, y0 + 8), chart.title, fill=_AXIS, font=_font(15))
+    finite = [v for ys in chart.series.values() for v in ys if math.isfinite(v)]
+    finite += [line.value for line in chart.lines if math.isfinite(line.value)]
+    y_max = 4 * _nice_step(max(finite, default=1.0) * 1.1 / 4)
+
+    def x_of(t: float) -> float:
+        return left + (right - left) * t / span
+
+    def y_of(value: float) -> float:
+        return bottom - (bottom - top) * min(value, y_max) / y_max
+
+    _timeline_axes(draw, chart.unit, box, y_max, span, small)
+    for s, (name, ys) in enumerate(chart.series.items()):
+        color = _COLORS[s % len(_COLORS)]
+        points: list[tuple[float, float]] = []
+        for t, value in zip(chart.times, ys, strict=True):
+            if not math.isfinite(value):  # a gap: no value to draw there
+                _polyline(draw, points, color)
+                points = []
+                continue
+            if chart.steps and points:
+                points.append((x_of(t), points[-1][1]))
+            points.append((x_of(t), y_of(value)))
+        _polyline(draw, points, color)
+        draw.rectangle([(right + 16, top + 18 * s), (right + 26, top + 18 * s + 10)], fill=color)
+        draw.text((right + 30, top + 18 * s + 5), name, fill=_AXIS, font=small, anchor="lm")
+    for line in chart.lines:
+        if math.isfinite(line.value):
+            y = y_of(line.value)
+            _dashed(draw, left, right, y)
+            draw.text((right, y - 2), line.label, fill=_LINE_COLOR, font=small, anchor="rb")
+
+
+def _timeline_axes(
+    draw: ImageDraw.ImageDraw,
+    unit: str,
+    box: tuple[int, int, int, int],
+    y_max: float,
+    span: float,
+    font: Font,
+) -> None:
+    """Grid, value ticks, time ticks every "nice" number of seconds, and the axes."""
+    left, top, right, bottom = box
+    for tick in range(5):
+        value = y_max * tick / 4
+        y = bottom - (bottom - top) * tick / 4
+        draw.line([(left, y), (right, y)], fill=_GRID)
+        draw.text((left - 6, y), _short(value), fill=_AXIS, font=font, anchor="rm")
+    step = _nice_step(span / 10)
+    for k in range(int(span / step) + 1):
+        x = left + (right - left) * k * step / span
+        draw.line([(x, bottom), (x, bottom + 4)], fill=_AXIS)
+        draw.text((x, bottom + 6), f"{k * step:g} s", fill=_AXIS, font=font, anchor="ma")
+    draw.text((left - 60, top - 16), unit, fill=_AXIS, font=font)
+    draw.line([(left, top), (left, bottom), (right, bottom)], fill=_AXIS)
+
+
+def _polyline(draw: ImageDraw.ImageDraw, points: list[tuple[float, float]], color: str) -> None:
+    if len(points) > 1:
+        draw.line(points, fill=color, width=2)
+    elif points:
+        x, y = points[0]
+        draw.ellipse([(x - 2, y - 2), (x + 2, y + 2)], fill=color)

@@ -7,13 +7,14 @@
         print(client.wait(request_id, timeout=10).outputs)
 
 ``AsyncClient`` has the same methods for asyncio code. This package needs no
-torch: a client-only install (``pip install conveyor``) can use it.
+torch: a client-only install (``pip install conveyor-serve``) can use it.
 """
 
 from producers.client import AsyncClient, Client
 from producers.errors import (
     ClientError,
     InvalidInput,
+    RecordTooLarge,
     ResultTimeout,
     ServiceUnavailable,
     UnknownModel,
@@ -30,6 +31,7 @@ __all__ = [
     "ContentType",
     "ContractError",
     "InvalidInput",
+    "RecordTooLarge",
     "Result",
     "ResultTimeout",
     "ServiceUnavailable",

@@ -15,8 +15,10 @@ from importlib import import_module
 from importlib.metadata import version
 
 from producers.commands import CONNECTION_OPTIONS, add_client_commands, connection_options
+from producers.install import DISTRIBUTION, install_hint
 from producers.video import add_stream_command
 
+EXIT_WORKER_NOT_INSTALLED = 5  # as workers.cli.EXIT_NOT_INSTALLED, which may not import
 _GLOBAL = "global_"  # dest prefix of the connection options given before the command
 
 
@@ -24,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conveyor", description="Serve PyTorch models from Kafka."
     )
-    parser.add_argument("--version", action="version", version=f"conveyor {version('conveyor')}")
+    parser.add_argument("--version", action="version", version=f"conveyor {version(DISTRIBUTION)}")
     connection_options(parser, dest_prefix=_GLOBAL)
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="consume a model's requests and serve them")
@@ -44,10 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _missing_worker(exc: ImportError) -> int:
     print(
-        f"conveyor worker needs the worker extra: pip install 'conveyor[worker]' ({exc})",
+        f"conveyor worker: needs the worker extra, which is not installed ({exc}): "
+        f"{install_hint('worker')}",
         file=sys.stderr,
     )
-    return 2
+    return EXIT_WORKER_NOT_INSTALLED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """The client SDK: submit requests to a model, read and wait for their results.
 
 ``AsyncClient`` holds the logic: ``RequestSender`` (Kafka) sends, ``ResultReader``
-(Redis) reads and waits. ``Client`` offers the same methods to synchronous code
-by running an ``AsyncClient`` on an event loop in a private thread.
+(Redis; ``ClusterResultReader`` with ``redis_cluster``) reads and waits.
+``Client`` offers the same methods to synchronous code by running an
+``AsyncClient`` on an event loop in a private thread.
 
     with Client() as client:
         request_id = client.submit(Path("cat.jpg"), model="resnet50")
@@ -28,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from producers.cluster_results import ClusterResultReader
 from producers.errors import InvalidInput
 from producers.payload import load_payload
 from producers.results import ResultReader
@@ -53,7 +55,11 @@ class AsyncClient:
         """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
         self.settings = settings if settings is not None else ClientSettings()
         self._sender = RequestSender(self.settings)
-        self._reader = ResultReader(self.settings)
+        self._reader: ResultReader | ClusterResultReader = (
+            ClusterResultReader(self.settings)
+            if self.settings.redis_cluster
+            else ResultReader(self.settings)
+        )
 
     async def __aenter__(self) -> Self:
         return self

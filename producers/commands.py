@@ -224,19 +224,39 @@ async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> 
     )
     topics = topics_for(args.model, settings.topic_prefix)  # checked by the call above
     request_topics = {topics.requests, *(topics.lane(lane) for lane in lanes)}
+    needed = settings.limits.max_record_bytes
     status = EXIT_OK
+    name = f"conveyor {args.command}"
     for state in states:
         verb = "created" if state.created else "exists "
         plural = "" if state.partitions == 1 else "s"
-        print(f"{verb} {state.name} ({state.partitions} partition{plural})")
+        size = "?" if state.max_message_bytes is None else state.max_message_bytes
+        print(
+            f"{verb} {state.name} ({state.partitions} partition{plural}, max.message.bytes {size})"
+        )
         if state.name in request_topics and state.partitions < args.partitions:
             status = _fail(
-                f"conveyor {args.command}",
+                name,
                 f"{state.name} already exists with {state.partitions} partitions, fewer than "
                 f"the {args.partitions} asked for; add partitions with Kafka's tools "
                 "(kafka-topics.sh --alter --partitions N) before running more workers",
                 EXIT_NOT_OK,
             )
+        if state.max_message_bytes is not None and state.max_message_bytes < needed:
+            status = _fail(
+                name,
+                f"{state.name} already exists and takes records of at most "
+                f"{state.max_message_bytes} bytes, less than the {needed} a request within "
+                "the payload limit needs; raise it with kafka-configs.sh --alter --entity-type "
+                f"topics --entity-name {state.name} --add-config max.message.bytes={needed}",
+                EXIT_NOT_OK,
+            )
+    print(
+        f"new topics take records of up to {needed} bytes (max.message.bytes): the largest "
+        f"payload a request may carry ({settings.limits.max_payload_bytes} bytes, "
+        "CONVEYOR_LIMITS__MAX_PAYLOAD_BYTES) plus its headers",
+        file=sys.stderr,
+    )
     print(
         f"partitions should be >= the largest number of workers planned for {args.model}: "
         "a worker beyond the partition count gets no work",

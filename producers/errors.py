@@ -38,6 +38,34 @@ class UnknownModel(ClientError):
         self.topic = topic
 
 
+class RecordTooLarge(ClientError):
+    """The broker refused a request record as larger than its topic accepts.
+
+    ``limit_bytes`` is the topic's ``max.message.bytes`` when it could be read. Records
+    of the same ``submit_many`` call that fit may have been sent.
+    """
+
+    def __init__(
+        self, topic: str, record_bytes: int, limit_bytes: int | None, needed_bytes: int
+    ) -> None:
+        accepts = (
+            f"accepts at most {limit_bytes} bytes (its max.message.bytes)"
+            if limit_bytes is not None
+            else "has a lower max.message.bytes (or the broker a lower message.max.bytes)"
+        )
+        super().__init__(
+            f"Kafka refused a record of about {record_bytes} bytes as too large: topic "
+            f"{topic} {accepts}. Requests within the payload limit need up to "
+            f"{needed_bytes} bytes; raise the topic's limit with `kafka-configs.sh "
+            f"--alter --entity-type topics --entity-name {topic} --add-config "
+            f"max.message.bytes={needed_bytes}` (`conveyor topics create` sets it on new "
+            "topics), or send smaller payloads"
+        )
+        self.topic = topic
+        self.record_bytes = record_bytes
+        self.limit_bytes = limit_bytes
+
+
 class ServiceUnavailable(ClientError):
     """Kafka or Redis could not be reached in time."""
 

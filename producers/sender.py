@@ -11,15 +11,18 @@ import asyncio
 from collections.abc import Sequence
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
-from producers.errors import ServiceUnavailable, UnknownModel
+from producers.admin import read_max_message_bytes
+from producers.errors import RecordTooLarge, ServiceUnavailable, UnknownModel
 from producers.security import kafka_failure_cause, kafka_options
 from producers.settings import ClientSettings
 from schemas import OutgoingRecord
 
 # Small enough to keep one submit() quick, large enough for submit_many to fill batches.
 _LINGER_MS = 5
+# How a broker refuses a record larger than the topic's max.message.bytes.
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
 
 class RequestSender:
@@ -57,6 +60,8 @@ class RequestSender:
             raise self._unavailable(
                 f"{len(records)} records not acknowledged in {self._settings.send_timeout_s:g} s"
             ) from None
+        except _TOO_LARGE:
+            raise await self._too_large(topic, records) from None
         except KafkaError as exc:
             raise self._unavailable(str(exc)) from exc
 
@@ -84,6 +89,10 @@ class RequestSender:
                         self._settings.connect_timeout_s,
                     )
                     raise self._unavailable(cause) from None
+                except BaseException:
+                    # Cancelled while connecting: close() would not see this producer.
+                    await asyncio.shield(producer.stop())
+                    raise
                 self._producer = producer
             return self._producer
 
@@ -102,6 +111,15 @@ class RequestSender:
             if cluster.partitions_for_topic(topic) is None:
                 raise UnknownModel(model, topic)
         self._known_topics.add(topic)
+
+    async def _too_large(self, topic: str, records: Sequence[OutgoingRecord]) -> RecordTooLarge:
+        limits = await read_max_message_bytes(self._settings, [topic])
+        largest = max(
+            len(r.value) + len(r.key) + sum(len(k) + len(v) for k, v in r.headers) for r in records
+        )
+        return RecordTooLarge(
+            topic, largest, limits.get(topic), self._settings.limits.max_record_bytes
+        )
 
     def _unavailable(self, why: str) -> ServiceUnavailable:
         return ServiceUnavailable(

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producers.redis_cluster import check_cluster_url
 from producers.security import ConnectionSecurity, redis_location
 from schemas import DEFAULT_LIMITS, Limits, topics_for
 
@@ -30,6 +31,8 @@ class ClientSettings(BaseSettings, ConnectionSecurity):
     """Kafka bootstrap servers, ``host:port[,host:port...]``."""
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     """Redis URL; may hold a password, so it is never printed (see ``redis_location``)."""
+    redis_cluster: bool = False
+    """``redis_url`` names a node of a Redis Cluster (the workers' ``redis_cluster`` too)."""
     topic_prefix: str = "conveyor"
     """Topics are ``<prefix>.<model>.requests``, ``.results`` and ``.dlq``."""
     source: str = Field(default="conveyor-sdk", min_length=1)
@@ -60,6 +63,8 @@ class ClientSettings(BaseSettings, ConnectionSecurity):
     @model_validator(mode="after")
     def _check_redis_tls(self) -> ClientSettings:
         self.check_redis_url(self.redis_url)
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url.get_secret_value())
         return self
 
     @property

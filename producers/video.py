@@ -14,7 +14,7 @@ recognised by their request ids, and hands them out in frame order. Results
 are keyed by request id, so one stream's results spread over the topic's
 partitions and may arrive out of order; ``ReorderBuffer`` puts them back.
 
-PyAV (``av``) and Pillow are needed only to send: ``pip install 'conveyor[video]'``.
+PyAV (``av``) and Pillow are needed only to send: ``pip install 'conveyor-serve[video]'``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from aiokafka.errors import KafkaError
 
 from producers.commands import EXIT_NOT_OK, EXIT_OK, _runner
 from producers.errors import InvalidInput, ResultTimeout, ServiceUnavailable, UnknownModel
+from producers.install import install_hint
 from producers.progress import ProgressBar
 from producers.security import kafka_options
 from producers.sender import RequestSender
@@ -68,7 +69,7 @@ _SEQ_DIGITS = 19  # the longest ce_seq: 2**63 - 1
 _SEND_CHUNK = 64  # frames decoded, then sent, at a time: one acknowledgement wait per chunk
 _DEFAULT_QUALITY = 85
 _DEFAULT_BUFFER = 1024
-_INSTALL_HINT = "pip install 'conveyor[video]'"
+_INSTALL_HINT = install_hint("video")
 
 
 # -- request ids ---------------------------------------------------------------------------

@@ -10,9 +10,12 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 MiB = 1024 * 1024
+# Room for the key (a request id), a dead letter's error headers and the record
+# batch's own framing (about a hundred bytes): generous, so no valid request is refused.
+_FRAMING_BYTES = 64 * 1024
 
 
-class Limits(BaseModel, frozen=True):
+class Limits(BaseModel, frozen=True, use_attribute_docstrings=True):
     """Limits on one request record; ``decode_request`` and ``encode_request`` check them."""
 
     max_id_length: int = Field(default=128, ge=1, le=128)
@@ -30,6 +33,13 @@ class Limits(BaseModel, frozen=True):
     max_pixels: int = Field(default=40_000_000, ge=1)
     """Most pixels (width x height) of a decoded image. Workers check it while decoding,
     before allocating the image, so a small compressed "decompression bomb" is refused."""
+
+    @property
+    def max_record_bytes(self) -> int:
+        """Largest Kafka record (batch) one valid request can need: the payload, every
+        header, the key and Kafka's framing. A topic that carries requests, or copies
+        of them as dead letters, needs ``max.message.bytes`` at least this large."""
+        return self.max_payload_bytes + self.max_headers_total_bytes + _FRAMING_BYTES
 
 
 DEFAULT_LIMITS = Limits()

@@ -16,11 +16,13 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from tests.integration.harness import NOTES, REPO, ROWS, fault_table
+
 KAFKA_PORT = int(os.environ.get("KAFKA_PORT", "9092"))
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
 
 
-def _require(service: str, port: int) -> None:
+def require_listening(service: str, port: int) -> None:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     except OSError as exc:
@@ -32,22 +34,38 @@ def _require(service: str, port: int) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/integration or tests/faults needs the real services."""
+    """Everything under tests/integration, tests/faults or tests/cluster needs real services;
+    tests/cluster needs the clusters of `make up-cluster` too."""
     for item in items:
         parts = item.path.parts
-        if "integration" in parts or "faults" in parts:
+        if "integration" in parts or "faults" in parts or "cluster" in parts:
             item.add_marker(pytest.mark.integration)
+        if "cluster" in parts:
+            item.add_marker(pytest.mark.cluster)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault table of the scenarios that ran (harness.tally), also in .run/."""
+    if not ROWS:
+        return
+    lines = [*fault_table(), "", *NOTES]
+    terminalreporter.write_sep("=", "fault scenarios")
+    for line in lines:
+        terminalreporter.write_line(line)
+    report = REPO / ".run" / "fault-report.txt"
+    report.parent.mkdir(exist_ok=True)
+    report.write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> str:
-    _require("Kafka", KAFKA_PORT)
+    require_listening("Kafka", KAFKA_PORT)
     return f"127.0.0.1:{KAFKA_PORT}"
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    _require("Redis", REDIS_PORT)
+    require_listening("Redis", REDIS_PORT)
     return f"redis://127.0.0.1:{REDIS_PORT}/0"
 
 

@@ -1,45 +1,260 @@
-"""``conveyor worker``: flags and CONVEYOR_* variables → WorkerSettings → the worker process.
+"""``conveyor worker``: flags, CONVEYOR_* variables and a config file → WorkerSettings → the worker.
 
 Flags are generated from WorkerSettings' fields, so a field, its flag
-(``--max-batch-size``) and its variable (``CONVEYOR_MAX_BATCH_SIZE``) never drift
-apart. A flag given on the command line wins over the variable.
+(``--max-batch-size``), its variable (``CONVEYOR_MAX_BATCH_SIZE``) and its key in
+the config file (``max_batch_size``) never drift apart. A flag wins over the
+variable, which wins over the config file (``--config-file``), which wins over
+the default. ``FLAG_GROUPS`` sorts the flags into the sections of ``--help``;
+every field must be in exactly one of them (a unit test checks), and the
+settings reference (docs/settings.md) is generated from the same data.
+
+Exit status of ``conveyor worker``, for supervisors and scripts: see ``EXIT_STATUSES``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import os
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+from pydantic_settings import SettingsError
 
+import producers
+import schemas
+from producers.install import install_hint
 from producers.security import ConnectFailed
+from schemas import Limits
 from workers.logs import configure_logging
-from workers.settings import WorkerSettings
+from workers.settings import MODEL_DIR_VARIABLE, WorkerSettings
 
-_EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
-_EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
-_SKIPPED = {"limits"}  # nested: set through CONVEYOR_LIMITS__<FIELD> variables
+EXIT_STOPPED = 0
+EXIT_BAD_SETTINGS = 2
+EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
+EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
+EXIT_NOT_INSTALLED = 5
+EXIT_ENVIRONMENT = 6
+
+EXIT_STATUSES: dict[int, str] = {
+    EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
+    EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
+    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs): "
+    "an operator must act",
+    EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
+    "handshake or the credentials",
+    EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
+    EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
+    "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
+}
+
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model",
+        "model_name",
+        "weights",
+        "device",
+        "dtype",
+        "channels_last",
+        "decode",
+        "compile",
+        "cuda_graphs",
+        "allow_pickle_models",
+    ),
+    "batching": (
+        "max_batch_size",
+        "max_delay_ms",
+        "max_in_flight",
+        "max_age_ms",
+        "in_flight_target_ms",
+        "decode_threads",
+        "decode_memory_mb",
+        "event_loop",
+        "lanes",
+        "supersede_frames",
+    ),
+    "Kafka": (
+        "kafka_bootstrap",
+        "topic_prefix",
+        "session_timeout_ms",
+        "max_poll_interval_ms",
+        "rebalance_timeout_ms",
+        "max_drain_ms",
+        "group_instance_id",
+        "permanent_error_grace_s",
+        "delivery",
+        "transaction_timeout_ms",
+    ),
+    "Redis": ("redis_url", "redis_cluster", "redis_replica_acks", "result_ttl_s"),
+    "security": (
+        "kafka_security_protocol",
+        "kafka_sasl_mechanism",
+        "kafka_username",
+        "kafka_password",
+        "kafka_ca_file",
+        "kafka_cert_file",
+        "kafka_key_file",
+        "redis_username",
+        "redis_password",
+        "redis_ca_file",
+        "redis_cert_file",
+        "redis_key_file",
+    ),
+    "observability": (
+        "worker_id",
+        "log_level",
+        "log_format",
+        "metrics_host",
+        "metrics_port",
+        "unready_after_s",
+    ),
+    "configuration": ("config_file",),
+}
+"""Sections of ``conveyor worker --help``, in order, each with its fields in order."""
+
+NESTED = {"limits": Limits}
+"""Fields set only through ``CONVEYOR_<FIELD>__<NAME>`` variables or a config file table."""
+
+ENVIRONMENT_ONLY = {
+    MODEL_DIR_VARIABLE: "folder where the demo model (--model digits) is built on first use "
+    "and then loaded from; the worker must be allowed to write it unless the model is "
+    "already there (default: $XDG_CACHE_HOME/conveyor-serve/models, else "
+    "~/.cache/conveyor-serve/models)",
+}
+"""Variables that are no setting of their own, with what they do."""
+
+REQUIRED = "required"
+# The top-level names of Conveyor's own modules (however the packages are installed).
+_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (producers, schemas)} | {
+    __name__.partition(".")[0]
+}
+_HELP_WIDTH = 78
+
+_DESCRIPTION = (
+    "Consume a model's requests from Kafka, run them in micro-batches, and publish each "
+    "result to Redis and to the reply topic."
+)
+_PRECEDENCE = (
+    "Every option is also a CONVEYOR_<NAME> environment variable and a key of the "
+    "TOML file given with --config-file. A flag wins over the variable, the variable over "
+    "the file, the file over the default."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name, info in WorkerSettings.model_fields.items():
-        if name in _SKIPPED:
-            continue
-        flag = "--" + name.replace("_", "-")
-        env = f"CONVEYOR_{name.upper()}"
-        help_text = f"{info.description or name.replace('_', ' ')} [env {env}]"
-        if info.annotation in (bool, bool | None):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            choices = get_args(info.annotation) if "Literal" in str(info.annotation) else None
-            parser.add_argument(
-                flag, default=None, choices=choices or None, help=help_text, metavar=name.upper()
-            )
+    """Give ``parser`` one flag per WorkerSettings field, in the sections of FLAG_GROUPS."""
+    parser.description = f"{_wrap(_DESCRIPTION)}\n\n{_wrap(_PRECEDENCE)}"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
+    fields = WorkerSettings.model_fields
+    for title, names in FLAG_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_flag(group, name, fields[name])
+    for name, model in NESTED.items():
+        parser.add_argument_group(
+            f"{name} (variables or config file only)", _nested_help(name, model)
+        )
+    parser.add_argument_group("other variables", _other_variables_help())
+
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
+    flag = "--" + name.replace("_", "-")
+    default = default_text(info)
+    help_text = plain(describe(name, info))
+    if default == REQUIRED:
+        help_text += " (required)"
+    elif default:
+        help_text += f" (default: {default})"
+    help_text += f" [env {env_name(name)}]"
+    # argparse formats help with %: a literal percent sign must be doubled.
+    help_text = help_text.replace("%", "%%")
+    # default=None everywhere: an absent flag must not hide the variable or the file.
+    if info.annotation in (bool, bool | None):
+        group.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+        return
+    choices = get_args(info.annotation) if "Literal" in str(info.annotation) else None
+    metavar = None if choices else name.upper()  # choices show as {a,b,c}
+    group.add_argument(flag, default=None, choices=choices or None, help=help_text, metavar=metavar)
+
+
+def _nested_help(name: str, model: type[BaseModel]) -> str:
+    lines = [_wrap(f"Set with these variables, or as keys of a [{name}] table in the config file:")]
+    for field, info in model.model_fields.items():
+        lines.append(f"  {env_name(name)}__{field.upper()} (default: {default_text(info)})")
+        lines.append(_wrap(plain(describe(field, info)), indent=6))
+    return "\n".join(lines)
+
+
+def _other_variables_help() -> str:
+    lines = []
+    for variable, meaning in ENVIRONMENT_ONLY.items():
+        lines.append(f"  {variable}")
+        lines.append(_wrap(meaning, indent=6))
+    return "\n".join(lines)
+
+
+def _epilog() -> str:
+    lines = ["exit status:"]
+    for code, meaning in EXIT_STATUSES.items():
+        lines.append(_wrap(f"{code:<3} {meaning}", indent=2, hanging=6))
+    return "\n".join(lines)
+
+
+def _wrap(text: str, indent: int = 0, hanging: int | None = None) -> str:
+    return textwrap.fill(
+        text,
+        _HELP_WIDTH,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent if hanging is None else hanging),
+        break_on_hyphens=False,
+    )
+
+
+def env_name(name: str) -> str:
+    return f"CONVEYOR_{name.upper()}"
+
+
+def describe(name: str, info: FieldInfo) -> str:
+    """The field's description on one line, without a final full stop (reST literals kept)."""
+    text = info.description or name.replace("_", " ")
+    return " ".join(text.split()).removesuffix(".")
+
+
+def plain(text: str) -> str:
+    """``literal`` markup as plain text, for --help."""
+    return text.replace("``", "")
+
+
+def default_text(info: FieldInfo) -> str:
+    """How the default reads in help and docs: '' when there is none to show.
+
+    A default computed when the worker starts (the host name, the CPU count) is
+    shown as the first line of its factory's docstring, never as this machine's value.
+    """
+    if info.default_factory is not None:
+        doc = info.default_factory.__doc__ or "computed at start"
+        return doc.strip().splitlines()[0].rstrip(".")
+    default = info.default
+    if default is PydanticUndefined:
+        return REQUIRED
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, SecretStr):
+        return default.get_secret_value()
+    if isinstance(default, BaseModel):
+        return ""
+    return str(default)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -82,23 +297,131 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"conveyor worker: {describe_error(exc)}", file=sys.stderr)
-        return 2
+        return _fail(describe_error(exc), EXIT_BAD_SETTINGS)
+    except SettingsError as exc:  # the config file: missing, unreadable, not TOML, unknown keys
+        return _fail(str(exc), EXIT_BAD_SETTINGS)
     configure_logging(settings.log_level, settings.log_format)
-
-    from workers.app import run_worker  # torch is imported only when a worker really starts
-    from workers.types import ConfigError
-
+    try:
+        # torch is imported only when a worker really starts, so the client-only
+        # install has the rest of the command (and this command's --help).
+        from workers.app import run_worker
+        from workers.types import ConfigError
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
+            raise  # a module of Conveyor's own: a broken install, not a missing extra
+        return _fail(
+            f"needs the worker extra, which is not installed (no module {exc.name!r}): "
+            f"{install_hint('worker')}",
+            EXIT_NOT_INSTALLED,
+        )
     try:
         with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
             runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
-        print(f"conveyor worker: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), EXIT_BAD_SETTINGS)
     except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
-        print(f"conveyor worker: {exc}", file=sys.stderr)
-        return _EXIT_CONFIG
+        return _fail(str(exc), EXIT_CONFIG)
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
-        print(f"conveyor worker: {exc}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
-    return 0
+        return _fail(str(exc), EXIT_UNREACHABLE)
+    except OSError as exc:  # PermissionError, a read-only or full file system, ...
+        return _fail(_os_error(exc), EXIT_ENVIRONMENT)
+    return EXIT_STOPPED
+
+
+def _os_error(exc: OSError) -> str:
+    message = f"{exc.strerror}: {exc.filename}" if exc.filename and exc.strerror else str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        message += f" (the worker runs as uid {os.getuid()})"
+    return message
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"conveyor worker: {message}", file=sys.stderr)
+    return status
+
+
+def fields_in_groups() -> Iterator[str]:
+    """Every field name FLAG_GROUPS and NESTED place, in help order."""
+    for names in FLAG_GROUPS.values():
+        yield from names
+    yield from NESTED
+
+
+def settings_reference() -> str:
+    """docs/settings.md: every setting of ``conveyor worker``, generated from WorkerSettings."""
+    fields = WorkerSettings.model_fields
+    out = [
+        "# Worker settings",
+        "",
+        "<!-- Generated from workers/settings.py by `make settings-doc`; "
+        "tests/unit/test_worker_cli.py fails when this file is stale. -->",
+        "",
+        _md(_PRECEDENCE),
+        "",
+    ]
+    for title, names in FLAG_GROUPS.items():
+        out += [f"## {title}", "", "| flag | variable | default | meaning |", "|---|---|---|---|"]
+        for name in names:
+            info = fields[name]
+            flag = "--" + name.replace("_", "-")
+            if info.annotation in (bool, bool | None):
+                flag += f"`, `--no-{name.replace('_', '-')}"
+            cells = (
+                f"`{flag}`",
+                f"`{env_name(name)}`",
+                _md_default(info),
+                _md(describe(name, info)),
+            )
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    for name, model in NESTED.items():
+        out += [
+            f"## {name}",
+            "",
+            f"No flags: set with these variables or as keys of a `[{name}]` table in the "
+            "config file.",
+            "",
+            "| variable | key | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        for field, info in model.model_fields.items():
+            cells = (
+                f"`{env_name(name)}__{field.upper()}`",
+                f"`{field}`",
+                _md_default(info),
+                _md(describe(field, info)),
+            )
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out += ["## Other variables", "", "| variable | meaning |", "|---|---|"]
+    out += [f"| `{variable}` | {_md(meaning)} |" for variable, meaning in ENVIRONMENT_ONLY.items()]
+    out += ["", "## Exit status of `conveyor worker`", "", "| status | meaning |", "|---|---|"]
+    out += [f"| {code} | {_md(meaning)} |" for code, meaning in EXIT_STATUSES.items()]
+    out += ["", "## A config file", "", "```toml", *_EXAMPLE_CONFIG, "```", ""]
+    return "\n".join(out)
+
+
+_EXAMPLE_CONFIG = (
+    "# conveyor worker --config-file worker.toml",
+    'model = "torchvision:resnet50"',
+    'weights = "/models/resnet50.pth"',
+    'device = "cuda"',
+    "max_batch_size = 64",
+    'kafka_bootstrap = "kafka-1.internal:9092"',
+    'log_format = "json"',
+    "",
+    "[limits]",
+    "max_payload_bytes = 4194304",
+)
+
+
+def _md(text: str) -> str:
+    """Description text in a Markdown table cell: reST literals as code, pipes escaped."""
+    return text.replace("``", "`").replace("|", "\\|")
+
+
+def _md_default(info: FieldInfo) -> str:
+    default = default_text(info)
+    if default in ("", REQUIRED):
+        return default or "none"
+    return f"`{default}`" if info.default_factory is None else default

@@ -12,12 +12,15 @@ and training feeds those uint8 pixels through the serving handler's own
 trained on.
 
 Build it with ``python -m workers.demo_model [--force]``; the worker also builds
-it on first use.
+it on first use, in ``$CONVEYOR_MODEL_DIR`` or the user's cache folder (see
+``default_model_path``). A container image builds it at image build time, so
+that a worker running as an unprivileged user only reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import os
 import time
@@ -29,9 +32,11 @@ import numpy.typing as npt
 import torch
 from PIL import Image
 
+from producers.install import DISTRIBUTION
 from schemas import DEFAULT_LIMITS, Limits
 from workers.handlers import ImageClassifier
 from workers.preprocess import DecodeBudget, ImageSpec
+from workers.settings import MODEL_DIR_VARIABLE
 
 DIGITS_VERSION = "digits-cnn-v1"
 """Reported as ``model_version``; bump it when the architecture or training changes."""
@@ -54,11 +59,30 @@ _BATCH = 32
 _LEARNING_RATE = 3e-3
 
 
+class ModelCacheError(OSError):
+    """The artifact's folder cannot be written (or found): the message says what to set."""
+
+
 def default_model_path() -> Path:
-    """``$CONVEYOR_MODEL_DIR/digits-cnn-v1.pt``, else ``.cache/models/`` under the repository."""
-    model_dir = os.environ.get("CONVEYOR_MODEL_DIR")
-    root = Path(model_dir) if model_dir else Path(__file__).resolve().parents[1] / ".cache/models"
-    return root / f"{DIGITS_VERSION}.pt"
+    """``$CONVEYOR_MODEL_DIR/digits-cnn-v1.pt``, else in the user's cache folder.
+
+    The cache folder is ``$XDG_CACHE_HOME/conveyor-serve/models``, else
+    ``~/.cache/conveyor-serve/models``. Never beside the installed package: that
+    folder usually belongs to root, and a worker should not run as root.
+    """
+    model_dir = os.environ.get(MODEL_DIR_VARIABLE)
+    if model_dir:
+        return Path(model_dir) / f"{DIGITS_VERSION}.pt"
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache:
+        try:
+            cache = str(Path.home() / ".cache")
+        except RuntimeError:  # no HOME and no passwd entry, as for an arbitrary container uid
+            raise ModelCacheError(
+                f"no folder for the demo model: this user has no home folder; set "
+                f"{MODEL_DIR_VARIABLE} to a folder it may write"
+            ) from None
+    return Path(cache) / DISTRIBUTION / "models" / f"{DIGITS_VERSION}.pt"
 
 
 def build_digits_model(path: Path | None = None, *, force: bool = False) -> Path:
@@ -72,6 +96,7 @@ def build_digits_model(path: Path | None = None, *, force: bool = False) -> Path
     path = path or default_model_path()
     if not force and _is_current(path):
         return path
+    _check_writable(path.parent)  # before seconds of training, not after
     started = time.monotonic()
     state, accuracy = _train()
     artifact = {
@@ -90,11 +115,32 @@ def build_digits_model(path: Path | None = None, *, force: bool = False) -> Path
             f"{DIGITS_VERSION} scored {accuracy:.3f} on its held-out digits, below "
             f"{MIN_HELDOUT_ACCURACY}; the training recipe in {__name__} is broken"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(artifact, partial)
-    partial.replace(path)
+    try:
+        torch.save(artifact, partial)
+        partial.replace(path)
+    except OSError as exc:
+        raise _cache_error(path.parent, exc) from exc
     return path
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_error(folder, exc) from exc
+    if not os.access(folder, os.W_OK):
+        raise _cache_error(folder, PermissionError(errno.EACCES, "permission denied"))
+
+
+def _cache_error(folder: Path, exc: OSError) -> ModelCacheError:
+    error = ModelCacheError(
+        f"cannot write the demo model to {folder} ({exc.strerror or exc}): set "
+        f"{MODEL_DIR_VARIABLE} to a folder this user may write, or build the model ahead "
+        "of time (python -m workers.demo_model) as a user who may write there"
+    )
+    error.errno = exc.errno
+    return error
 
 
 def digits_metadata(path: Path | None = None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A CPU core decodes and resizes about 200 photos (640x480) a second, so feeding a
 GPU that classifies 15,000 a second from Pillow takes a machine's worth of cores;
-nvJPEG decodes a whole batch in one call at GPU speed (see docs/gpu-bench.md).
+nvJPEG decodes a whole batch in one call at GPU speed (measured in docs/benchmarks.md).
 The split of work:
 
 - ``BatchDecoder.encoded`` runs in the decode thread pool. It reads only the JPEG

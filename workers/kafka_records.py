@@ -9,7 +9,7 @@ the partition over dies on the same record.
 
 ``TolerantMemoryRecords`` stands in for aiokafka's ``MemoryRecords`` in the
 fetcher (``install()``). It hands out aiokafka's own fast batches and watches
-them: when one raises while its records are read, the rest of that batch is
+them: when one raises while its records are read, that whole batch is
 parsed again here, in Python, from the batch's raw bytes, with header names
 decoded leniently (``surrogateescape``, so the exact bytes can be recovered).
 Every record of the batch reaches the consumer, in order; the ones that needed
@@ -54,6 +54,14 @@ _CODECS: dict[int, Callable[[Any], bytes]] = {
     4: lambda data: codec.zstd_decode(bytes(data)),
 }
 _TIMESTAMP_TYPE_MASK = 0x08
+_CRC = struct.Struct(">I")
+_CRC_AT = 17  # base offset, length, leader epoch, magic: then the CRC-32C
+_CRC_FROM = 21  # the CRC covers the batch from its attributes on
+
+try:
+    from google_crc32c import value as _crc32c
+except ImportError:  # the worker extra has it; without it aiokafka checks, more slowly
+    _crc32c = None
 
 
 def is_repaired(record: Any) -> bool:
@@ -115,16 +123,22 @@ class _WatchedBatch:
     def __next__(self) -> Any:  # control batches are read with next()
         return next(self._batch)
 
+    def validate_crc(self) -> bool:
+        """The batch's CRC-32C, checked with the CPU's instructions when google-crc32c is
+        installed (about 25 GB/s; aiokafka's own C code does about 1.4, which for 150 KB
+        images is a fifth of the event loop's time), else by aiokafka."""
+        if _crc32c is None:
+            return bool(self._batch.validate_crc())
+        (expected,) = _CRC.unpack_from(self._raw, _CRC_AT)
+        return bool(_crc32c(bytes(self._raw[_CRC_FROM:])) == expected)
+
     def __iter__(self) -> Iterator[Any]:
-        last = -1
+        # The whole batch at once: aiokafka's parser runs in C, and a list iterator costs
+        # nothing per record, where a generator here would cost a frame switch each.
         try:
-            for record in self._batch:
-                last = record.offset
-                yield record
-        except Exception:  # any failure to parse: read the rest of the batch leniently
-            for record in parse_batch(self._raw):
-                if record.offset > last:
-                    yield record
+            return iter(list(self._batch))
+        except Exception:  # any failure to parse: read the batch leniently, all of it
+            return iter(parse_batch(self._raw))
 
 
 def parse_batch(raw: bytes | memoryview) -> list[LenientRecord]:

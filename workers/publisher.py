@@ -37,7 +37,6 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
@@ -52,18 +51,14 @@ from aiokafka.errors import (
 )
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 
-from producers.security import (
-    kafka_connect_failed,
-    kafka_options,
-    redis_connect_failed,
-    redis_options,
-)
+from producers.security import kafka_connect_failed, kafka_options, redis_connect_failed
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.dlq import truncated
 from schemas.fastpath import ResultEncoder
 from workers.metrics import Metrics
+from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
-from workers.store import RedisResultStore, ResultStore
+from workers.store import ResultStore
 from workers.topics import TopicFacts, max_message_bytes
 from workers.types import ConfigError, DeadLetter, Outbox, PublishReport
 
@@ -101,13 +96,7 @@ class Publisher:
         self._settings = settings
         self._results_topic = topics.results
         self._dlq_topic = topics.dlq
-        self._redis = aioredis.Redis.from_url(
-            settings.redis_url.get_secret_value(),
-            socket_timeout=10,
-            socket_connect_timeout=5,
-            **redis_options(settings),
-        )
-        self._store = store or RedisResultStore(self._redis, settings.result_ttl_s)
+        self._store = store or open_result_store(settings)
         results_limit = max_message_bytes(facts, topics.results)
         self._dlq_limit = max_message_bytes(facts, topics.dlq)
         self.max_result_bytes = results_limit - _RECORD_OVERHEAD - 1024  # 1 KiB of headers

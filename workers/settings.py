@@ -1,9 +1,11 @@
-"""The worker's settings: one frozen object, parsed at the edge (CLI + environment).
+"""The worker's settings: one frozen object, parsed at the edge (CLI, environment, file).
 
-Every option is a field here and can be set with a ``CONVEYOR_<FIELD>`` environment
-variable (e.g. ``CONVEYOR_MAX_BATCH_SIZE=64``) or the matching CLI flag
-(``--max-batch-size 64``); the flag wins. Values are validated when the worker
-starts, so a bad setting fails fast with a message naming it.
+Every option is a field here and can be set with the matching CLI flag
+(``--max-batch-size 64``), a ``CONVEYOR_<FIELD>`` environment variable
+(``CONVEYOR_MAX_BATCH_SIZE=64``) or a key of the TOML file named by
+``config_file`` (``max_batch_size = 64``), in that order of precedence; defaults
+come last. Values are validated when the worker starts, so a bad setting fails
+fast with a message naming it.
 """
 
 from __future__ import annotations
@@ -11,21 +13,87 @@ from __future__ import annotations
 import os
 import re
 import socket
+import tomllib
+from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
+from producers.redis_cluster import check_cluster_url
 from producers.security import ConnectionSecurity
 from schemas import DEFAULT_LANE, DEFAULT_LIMITS, Limits, topics_for
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
+
+MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
+"""Folder of the demo model's artifact, read by the ``demo_model`` module. Not a field:
+the loader takes the artifact's path, and this only moves its default."""
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
 
 
 def _default_worker_id() -> str:
+    """HOSTNAME-PID"""
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _default_decode_threads() -> int:
+    """min(8, CPU count)"""
+    return min(8, os.cpu_count() or 1)
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The TOML file that ``config_file`` names, if a higher source names one.
+
+    Keys are field names; nested settings are tables (``[limits]``). A missing or
+    malformed file, or a key that is no setting, raises ``SettingsError`` naming
+    the file: a misspelt key must not be silently ignored.
+    """
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], *naming: PydanticBaseSettingsSource
+    ) -> None:
+        super().__init__(settings_cls)
+        self._naming = naming  # the sources that may name the file, highest first
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        for source in self._naming:
+            named = (
+                source.init_kwargs if isinstance(source, InitSettingsSource) else source()
+            ).get("config_file")
+            if named:
+                return read_config_file(Path(named), set(self.settings_cls.model_fields))
+        return {}
+
+
+def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
+    """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong."""
+    try:
+        with path.open("rb") as file:
+            values = tomllib.load(file)
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(values.keys() - (fields - {"config_file"}))
+    if unknown:
+        raise SettingsError(
+            f"config file {path}: {', '.join(unknown)} "
+            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; keys are "
+            "the flag names with underscores (max_batch_size = 64)"
+        )
+    return values
 
 
 _MAX_LANE_WEIGHT = 1000
@@ -36,6 +104,11 @@ class LaneSpec(NamedTuple):
 
     name: str  # DEFAULT_LANE for the model's plain request topic
     weight: int  # its share of batches and of records in flight while lanes compete
+
+
+def _no_lanes() -> tuple[LaneSpec, ...]:
+    """none: the plain request topic alone"""
+    return ()
 
 
 def _parse_lanes(value: Any) -> Any:
@@ -97,7 +170,9 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
 
     # Batching.
     max_batch_size: int = Field(default=32, ge=1, le=4096)
+    """most requests in one batch (one forward pass)"""
     max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+    """longest the oldest request of a batch waits for the batch to fill"""
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
     )
@@ -116,9 +191,10 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         default="auto",
         description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
     )
-    decode_threads: int = Field(default=min(8, os.cpu_count() or 1), ge=1, le=256)
+    decode_threads: int = Field(default_factory=_default_decode_threads, ge=1, le=256)
+    """threads that decode and preprocess payloads on the CPU"""
     lanes: Annotated[tuple[LaneSpec, ...], NoDecode] = Field(
-        default=(),
+        default_factory=_no_lanes,
         description="priority lanes, highest first, as NAME[:WEIGHT],... (e.g. high:8): lane "
         "NAME reads topic <prefix>.<model>.requests.NAME, and 'default' (weight 1, last unless "
         "listed) the plain request topic. The highest lane with work is served first; while "
@@ -152,8 +228,22 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
 
     # Where.
     kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, host:port[,host:port...]"""
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """redis://, rediss:// (TLS) or unix:// URL; may hold a password, which is never logged"""
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster: results are routed by hash slot",
+    )
+    redis_replica_acks: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Redis Cluster: replicas that must hold a batch's results (WAIT) before "
+        "they count as written; 0 trusts the primary alone",
+    )
     topic_prefix: str = "conveyor"
+    """topics are PREFIX.MODEL.requests, .results and .dlq; the group is PREFIX.MODEL"""
     result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
     # A slow batch must not get the worker thrown out of its group: aiokafka sends
     # heartbeats from a background task, and max.poll.interval bounds the time
@@ -164,6 +254,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         description="the group evicts a worker whose heartbeats stop for this long",
     )
     max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+    """longest time between two fetches before the group gives this worker's partitions away"""
     # On a rebalance, every member drains and commits its revoked partitions before it
     # rejoins; the broker waits rebalance_timeout_ms for that, so the drain is bounded
     # well inside it (max_drain_ms) and evicted members never turn a join into a storm.
@@ -196,8 +287,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     )
 
     worker_id: str = Field(default_factory=_default_worker_id)
+    """this worker's name in results, logs and Kafka client ids (e.g. the pod name)"""
     limits: Limits = DEFAULT_LIMITS
+    """limits every request is checked against (the contract's by default)"""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """least severe log level written"""
     log_format: Literal["text", "json"] = Field(
         default="text", description="text for people, json (one object per line) for collectors"
     )
@@ -210,6 +304,30 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         le=65535,
         description="port of /metrics, /healthz and /readyz (0: any free port)",
     )
+
+    # Where the other settings may also come from.
+    config_file: Path | None = Field(
+        default=None,
+        description="TOML file of settings, keys named as the flags with underscores "
+        "(max_batch_size = 64, a [limits] table); flags and CONVEYOR_* variables win over it",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: flags (the CLI passes them as keyword arguments), CONVEYOR_*
+        # variables, the config file. No .env file or secrets folder is read.
+        return (
+            init_settings,
+            env_settings,
+            ConfigFileSource(settings_cls, init_settings, env_settings),
+        )
 
     @field_validator("device")
     @classmethod
@@ -242,6 +360,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         for lane in self.lanes:
             topics.lane(lane.name)  # ValueError naming a bad lane name
         self.check_redis_url(self.redis_url)
+        return self
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> WorkerSettings:
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url.get_secret_value())
+        elif self.redis_replica_acks:
+            raise ValueError(
+                "redis_replica_acks needs redis_cluster: on a standalone Redis, results are "
+                "written without waiting for replicas"
+            )
         return self
 
     @model_validator(mode="after")

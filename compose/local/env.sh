@@ -18,22 +18,29 @@ READY_TIMEOUT=${READY_TIMEOUT:-90}
 log() { printf '[conveyor] %s\n' "$*" >&2; }
 die() { printf '[conveyor] ERROR: %s\n' "$*" >&2; exit 1; }
 
-# Broker settings shared by kafka.sh and secure.sh: one node, topics created
-# explicitly (a typo in a model name is an error, not a new topic), fast group
-# joins for tests, and room for the contract's largest payload (16 MiB) plus headers.
-kafka_single_node_config() {
+# Broker settings of every local broker: topics created explicitly (a typo in a
+# model name is an error, not a new topic), fast group joins for tests, and room
+# for the contract's largest payload (16 MiB) plus headers.
+kafka_common_config() {
   cat <<CFG
 num.partitions=3
 auto.create.topics.enable=false
+group.initial.rebalance.delay.ms=0
+group.consumer.min.session.timeout.ms=1000
+group.classic.min.session.timeout.ms=1000
+message.max.bytes=20971520
+CFG
+}
+
+# kafka.sh and secure.sh: one node, so every internal topic has a single replica.
+kafka_single_node_config() {
+  kafka_common_config
+  cat <<CFG
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.consumer.min.session.timeout.ms=1000
-group.classic.min.session.timeout.ms=1000
-message.max.bytes=20971520
 CFG
 }
 
@@ -101,4 +108,31 @@ fail_start() {
     tail -n 25 "$3" 2>/dev/null || true
   } >&2
   exit 1
+}
+
+# kafka_random_id: a new cluster id, from Kafka's own StorageTool.
+kafka_random_id() {
+  java -cp "$KAFKA_LIBS/*" kafka.tools.StorageTool random-uuid 2>/dev/null \
+    || die "Kafka's StorageTool failed (java: $(command -v java)); run it by hand: java -cp '$KAFKA_LIBS/*' kafka.tools.StorageTool random-uuid"
+}
+
+# kafka_format CONFIG CLUSTER_ID LOG_DIR [STORAGE TOOL ARGS...]: format the storage named
+# in CONFIG for the cluster CLUSTER_ID (once: callers check meta.properties first).
+kafka_format() {
+  local config=$1 cluster_id=$2 logs=$3
+  shift 3
+  java -cp "$KAFKA_LIBS/*" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+    -Dkafka.logs.dir="$logs" \
+    kafka.tools.StorageTool format -t "$cluster_id" -c "$config" "$@" >"$logs/format.log" 2>&1 \
+    || { tail -n 20 "$logs/format.log" >&2; die "formatting Kafka storage for $config failed (log: $logs/format.log)"; }
+}
+
+# kafka_launch CONFIG LOG_DIR PIDFILE HEAP: start a broker in the background; its pid goes to PIDFILE.
+kafka_launch() {
+  # shellcheck disable=SC2086
+  nohup java $4 -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
+    -Dkafka.logs.dir="$2" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$1" >"$2/stdout.log" 2>&1 </dev/null &
+  echo $! >"$3"
 }

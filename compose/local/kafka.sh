@@ -41,23 +41,13 @@ start() {
   done
   "$ROOT/compose/local/fetch-kafka.sh"
   write_config
-  local cp="$KAFKA_LIBS/*"
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
     local cluster_id
-    cluster_id=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>"$KAFKA_DIR/logs/format.log") \
-      || { tail -n 20 "$KAFKA_DIR/logs/format.log" >&2; die "Kafka's StorageTool failed (java: $(command -v java)); log: $KAFKA_DIR/logs/format.log"; }
-    java -cp "$cp" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
-      -Dkafka.logs.dir="$KAFKA_DIR/logs" \
-      kafka.tools.StorageTool format -t "$cluster_id" -c "$CONFIG" >"$KAFKA_DIR/logs/format.log" 2>&1 \
-      || { tail -n 20 "$KAFKA_DIR/logs/format.log" >&2; die "formatting Kafka storage in $KAFKA_DIR/data failed (log: $KAFKA_DIR/logs/format.log)"; }
+    cluster_id=$(kafka_random_id)
+    kafka_format "$CONFIG" "$cluster_id" "$KAFKA_DIR/logs"
   fi
   log "starting Kafka $KAFKA_VERSION on $KAFKA_HOST:$KAFKA_PORT (log: $LOGFILE)"
-  # shellcheck disable=SC2086
-  nohup java $KAFKA_HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
-    -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
-    -Dkafka.logs.dir="$KAFKA_DIR/logs" \
-    -cp "$cp" kafka.Kafka "$CONFIG" >"$KAFKA_DIR/logs/stdout.log" 2>&1 </dev/null &
-  echo $! >"$PIDFILE"
+  kafka_launch "$CONFIG" "$KAFKA_DIR/logs" "$PIDFILE" "$KAFKA_HEAP"
   if ! python3 "$ROOT/compose/local/ready.py" kafka "$KAFKA_HOST" "$KAFKA_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$PIDFILE")"; then
     cat "$KAFKA_DIR/logs/stdout.log" >>"$LOGFILE" 2>/dev/null || true
     stop_pid "$PIDFILE" "$PATTERN" Kafka

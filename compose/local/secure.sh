@@ -83,27 +83,16 @@ start_kafka() {
   done
   "$ROOT/compose/local/fetch-kafka.sh"
   write_kafka_config
-  local cp="$KAFKA_LIBS/*"
   if [ ! -f "$DIR/kafka/data/meta.properties" ]; then
-    local cluster_id
-    cluster_id=$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>"$DIR/kafka/logs/format.log") \
-      || die "Kafka's StorageTool failed (log: $DIR/kafka/logs/format.log)"
     # SCRAM credentials are stored in the cluster metadata written here, so the
     # user exists before the broker accepts its first connection.
-    java -cp "$cp" -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
-      -Dkafka.logs.dir="$DIR/kafka/logs" \
-      kafka.tools.StorageTool format -t "$cluster_id" -c "$KAFKA_CONFIG" \
-      --add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]" \
-      >"$DIR/kafka/logs/format.log" 2>&1 \
-      || { tail -n 20 "$DIR/kafka/logs/format.log" >&2; die "formatting secured Kafka storage failed (log: $DIR/kafka/logs/format.log)"; }
+    local cluster_id
+    cluster_id=$(kafka_random_id)
+    kafka_format "$KAFKA_CONFIG" "$cluster_id" "$DIR/kafka/logs" \
+      --add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]"
   fi
   log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512) on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
-  # shellcheck disable=SC2086
-  nohup java $KAFKA_HEAP -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
-    -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
-    -Dkafka.logs.dir="$DIR/kafka/logs" \
-    -cp "$cp" kafka.Kafka "$KAFKA_CONFIG" >"$DIR/kafka/logs/stdout.log" 2>&1 </dev/null &
-  echo $! >"$KAFKA_PIDFILE"
+  kafka_launch "$KAFKA_CONFIG" "$DIR/kafka/logs" "$KAFKA_PIDFILE" "$KAFKA_HEAP"
   # Ready once the broker answers on its loopback listener; all listeners open together.
   if ! python3 "$ROOT/compose/local/ready.py" kafka "$KAFKA_HOST" "$SECURE_INTERNAL_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$KAFKA_PIDFILE")"; then
     cat "$DIR/kafka/logs/stdout.log" >>"$KAFKA_LOG" 2>/dev/null || true

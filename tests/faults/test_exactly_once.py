@@ -19,8 +19,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import topics_for
-from tests.faults.conftest import LocalService, Row, Workers, setup, tally, until_answered
-from tests.integration.harness import WorkerProcess, produce, read_topic, redis_results
+from tests.faults.conftest import LocalService, Workers, setup, tally, until_answered
+from tests.integration.harness import Row, WorkerProcess, produce, read_topic, redis_results
 
 EXACTLY_ONCE = ("--delivery", "exactly-once", "--max-batch-size", "8")
 FAULTY = "tests.faults.faulty:FaultyDigits"

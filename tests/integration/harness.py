@@ -2,7 +2,12 @@
 
 A test creates its model's topics, produces requests, runs ``conveyor worker`` as a
 child process (so SIGKILL and SIGTERM are real), and collects what reached Redis
-and the reply topic.
+and the reply topic: ``tally`` counts a fault scenario's produced, answered, lost,
+duplicate-visible and redelivered requests into the table printed at the end.
+
+A Redis Cluster is named by a ``redis+cluster://host:port/0`` URL here (any
+node): the helpers read it with redis-py's own cluster client, an implementation
+independent of Conveyor's, and ``WorkerProcess`` passes ``--redis-cluster``.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import inspect
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +32,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from redis.asyncio.cluster import RedisCluster
 
+from producers.client import AsyncClient
+from producers.settings import ClientSettings
 from schemas import (
     ContentType,
     OutgoingRecord,
@@ -36,17 +47,94 @@ from schemas import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SCHEME = "redis+cluster"
 
 
-async def create_model_topics(admin: AIOKafkaAdminClient, model: str, partitions: int = 3) -> None:
+def is_cluster(redis_url: str) -> bool:
+    return redis_url.startswith(f"{CLUSTER_SCHEME}://")
+
+
+def plain_url(redis_url: str) -> str:
+    """The URL a worker or the SDK is given (``redis://``, with ``redis_cluster`` on)."""
+    return redis_url.replace(f"{CLUSTER_SCHEME}://", "redis://", 1)
+
+
+@asynccontextmanager
+async def redis_reader(redis_url: str) -> AsyncIterator[aioredis.Redis | RedisCluster]:
+    """A redis-py client for ``redis_url``: a cluster client for a ``redis+cluster`` URL."""
+    client: aioredis.Redis | RedisCluster = (
+        RedisCluster.from_url(plain_url(redis_url))
+        if is_cluster(redis_url)
+        else aioredis.Redis.from_url(redis_url)
+    )
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def _values(client: aioredis.Redis | RedisCluster, keys: Sequence[str]) -> list[Any]:
+    if isinstance(client, RedisCluster):
+        return list(await client.mget_nonatomic(keys))
+    return list(await client.mget(keys))
+
+
+async def create_model_topics(
+    admin: AIOKafkaAdminClient,
+    model: str,
+    partitions: int = 3,
+    replication_factor: int = 1,
+    leaders: Mapping[str, int] | None = None,
+) -> None:
+    """The model's request, result and dead-letter topics.
+
+    ``leaders`` maps "requests" or "results" to a broker id that leads every partition
+    of that topic (its first replica; the others follow in id order), so a test
+    knows which broker to kill.
+    """
     topics = topics_for(model)
+
+    def topic(name: str, role: str, count: int) -> NewTopic:
+        leader = (leaders or {}).get(role)
+        if leader is None:
+            return NewTopic(name, count, replication_factor)
+        others = [b for b in range(1, replication_factor + 1) if b != leader]
+        replicas = [leader, *others][:replication_factor]
+        return NewTopic(name, -1, -1, replica_assignments=dict.fromkeys(range(count), replicas))
+
     await admin.create_topics(
         [
-            NewTopic(topics.requests, partitions, 1),
-            NewTopic(topics.results, partitions, 1),
-            NewTopic(topics.dlq, 1, 1),
+            topic(topics.requests, "requests", partitions),
+            topic(topics.results, "results", partitions),
+            topic(topics.dlq, "dlq", 1),
         ]
     )
+
+
+@asynccontextmanager
+async def admin_for(bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def setup_model(
+    bootstrap: str,
+    model: str,
+    images: Sequence[tuple[bytes, int]],
+    n: int,
+    partitions: int = 3,
+    replication_factor: int = 1,
+    leaders: Mapping[str, int] | None = None,
+) -> tuple[list[OutgoingRecord], list[str]]:
+    """Create the model's topics; return ``n`` digit requests and their ids."""
+    async with admin_for(bootstrap) as admin:
+        await create_model_topics(admin, model, partitions, replication_factor, leaders)
+    records = [r for r, _ in digit_requests(images, n, prefix=model)]
+    return records, [r.key.decode() for r in records]
 
 
 def digit_requests(
@@ -77,12 +165,11 @@ async def produce(bootstrap: str, topic: str, records: Iterable[OutgoingRecord])
 
 async def redis_results(redis_url: str, ids: Sequence[str]) -> dict[str, Result]:
     """The results present in Redis now, by request id."""
-    client = aioredis.Redis.from_url(redis_url)
-    try:
+    async with redis_reader(redis_url) as client:
         found: dict[str, Result] = {}
         for start in range(0, len(ids), 500):
             chunk = ids[start : start + 500]
-            values = await client.mget([result_key(i) for i in chunk])
+            values = await _values(client, [result_key(i) for i in chunk])
             found.update(
                 {
                     i: decode_result(v)
@@ -91,20 +178,17 @@ async def redis_results(redis_url: str, ids: Sequence[str]) -> dict[str, Result]
                 }
             )
         return found
-    finally:
-        await client.aclose()
 
 
 async def count_results(redis_url: str, ids: Sequence[str]) -> int:
     """How many of ``ids`` have a result in Redis now (cheap: no decoding)."""
-    client = aioredis.Redis.from_url(redis_url)
-    try:
+    async with redis_reader(redis_url) as client:
+        if isinstance(client, RedisCluster):
+            return await client.exists(*(result_key(i) for i in ids))
         pipe = client.pipeline(transaction=False)
         for i in ids:
             pipe.exists(result_key(i))
         return sum(await pipe.execute())
-    finally:
-        await client.aclose()
 
 
 async def wait_for_results(
@@ -124,6 +208,14 @@ async def wait_for_results(
         if len(found) < len(ids):
             await asyncio.sleep(poll)  # polling interval, not a wait for readiness
     return found
+
+
+async def until_answered(redis_url: str, ids: list[str], count: int, timeout: float = 120) -> None:
+    """Wait until at least ``count`` of ``ids`` have results (a fault goes in then)."""
+    deadline = time.monotonic() + timeout
+    while (answered := await count_results(redis_url, ids)) < count:
+        assert time.monotonic() < deadline, f"only {answered} of {count} answered in {timeout} s"
+        await asyncio.sleep(0.05)
 
 
 async def read_topic(
@@ -197,7 +289,8 @@ class WorkerProcess:
             "--kafka-bootstrap",
             self.bootstrap,
             "--redis-url",
-            self.redis_url,
+            plain_url(self.redis_url),
+            *(["--redis-cluster"] if is_cluster(self.redis_url) else []),
             "--device",
             "cpu",
             "--decode-threads",
@@ -247,6 +340,21 @@ class WorkerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
+_ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def assigned_partitions(log: str) -> set[int] | None:
+    """The partitions of a worker's latest assignment, from its log; None before its first."""
+    lines = _ASSIGNED.findall(log)
+    return {int(p) for p in re.findall(r"\[(\d+)\]", lines[-1])} if lines else None
+
+
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     """(status, body) of one GET; raises OSError while nothing listens on the port."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
@@ -278,3 +386,144 @@ async def until(
             return
         assert time.monotonic() < deadline, f"{what} within {timeout} s\n{logs()[-5000:]}"
         await asyncio.sleep(0.1)  # polling interval, not a wait for readiness
+
+
+class Workers:
+    """Worker processes of one test; ``stop_all`` at its end."""
+
+    def __init__(self, model: str, bootstrap: str, redis_url: str, tmp: Path) -> None:
+        self.model, self.bootstrap, self.redis_url, self.tmp = model, bootstrap, redis_url, tmp
+        self.started: list[WorkerProcess] = []
+
+    def start(
+        self,
+        *extra: str,
+        spec: str = "digits",
+        env: dict[str, str] | None = None,
+        bootstrap: str | None = None,
+        redis_url: str | None = None,
+    ) -> WorkerProcess:
+        worker = WorkerProcess(
+            self.model,
+            bootstrap or self.bootstrap,
+            redis_url or self.redis_url,
+            self.tmp / f"worker-{len(self.started)}.log",
+            extra,
+            spec,
+            env or {},
+        )
+        self.started.append(worker.start())
+        return worker
+
+    def logs(self) -> str:
+        return "\n".join(w.log() for w in self.started)
+
+    def stop_all(self) -> None:
+        for worker in self.started:
+            worker.stop()
+
+
+# -- the fault table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    produced: int
+    answered: int
+    lost: int
+    duplicate_visible: int  # ids whose answer differs between Redis and reply records
+    redelivered: int  # ids answered more than once on the reply topic (same bytes)
+
+    def line(self) -> str:
+        return (
+            f"| {self.scenario:<50} | {self.produced:>8} | {self.answered:>8} | "
+            f"{self.lost:>4} | {self.duplicate_visible:>17} | {self.redelivered:>11} |"
+        )
+
+
+ROWS: list[Row] = []
+"""Every scenario tallied in this test run, in order (printed by tests/conftest.py)."""
+NOTES: list[str] = []
+"""Measurements a scenario reports beside its row (printed under the table)."""
+HEADER = (
+    f"| {'scenario':<50} | {'produced':>8} | {'answered':>8} | {'lost':>4} | "
+    f"{'duplicate-visible':>17} | {'redelivered':>11} |"
+)
+
+
+def fault_table() -> list[str]:
+    """The Markdown table of ``ROWS``."""
+    rule = "|" + "|".join("-" * len(cell) for cell in HEADER.split("|")[1:-1]) + "|"
+    return [HEADER, rule, *(row.line() for row in ROWS)]
+
+
+async def tally(
+    scenario: str,
+    bootstrap: str,
+    redis_url: str,
+    model: str,
+    ids: Sequence[str],
+    timeout: float = 120,
+    isolation_level: str = "read_uncommitted",
+) -> Row:
+    """Wait for every id's answer, then count what reached Redis and the reply topic
+    (as a reader with ``isolation_level`` sees it)."""
+    await wait_for_results(redis_url, ids, timeout)
+    async with redis_reader(redis_url) as client:
+        stored = await _values(client, [result_key(i) for i in ids])
+    in_redis = {i: v for i, v in zip(ids, stored, strict=True) if v is not None}
+    replies = await read_topic(
+        bootstrap, topics_for(model).results, len(in_redis), 60, isolation_level
+    )
+    documents: dict[str, set[bytes]] = defaultdict(set)
+    copies: dict[str, int] = defaultdict(int)
+    for record in replies:
+        key = record.key.decode()
+        documents[key].add(record.value)
+        copies[key] += 1
+    answered = [i for i in ids if i in in_redis and i in documents]
+    row = Row(
+        scenario=scenario,
+        produced=len(ids),
+        answered=len(answered),
+        lost=len(ids) - len(answered),
+        duplicate_visible=sum(1 for i in answered if documents[i] != {in_redis[i]}),
+        redelivered=sum(1 for i in answered if copies[i] > 1),
+    )
+    ROWS.append(row)
+    return row
+
+
+def check(row: Row, logs: str) -> None:
+    """The guarantee of docs/reliability.md: nothing lost, one visible answer per id."""
+    assert row.lost == 0, logs[-5000:]
+    assert row.duplicate_visible == 0, logs[-5000:]
+
+
+async def submit_paced(
+    bootstrap: str,
+    model: str,
+    records: Sequence[OutgoingRecord],
+    chunk: int = 100,
+    pause_s: float = 0.2,
+    stop: asyncio.Event | None = None,
+) -> list[str]:
+    """Send ``records`` with the SDK, ``chunk`` at a time with a pause between: a steady
+    stream that a fault can land in the middle of. Stops early once ``stop`` is set.
+    Returns the ids sent (the records' own)."""
+    sent: list[str] = []
+    settings = ClientSettings(kafka_bootstrap=bootstrap)
+    async with AsyncClient(settings) as client:
+        for begin in range(0, len(records), chunk):
+            if stop is not None and stop.is_set():
+                break
+            part = records[begin : begin + chunk]
+            sent += await client.submit_many(
+                [r.value for r in part],
+                model=model,
+                request_ids=[r.key.decode() for r in part],
+                content_type=ContentType.PNG,
+            )
+            await asyncio.sleep(pause_s)  # the pace of the stream, not a wait for readiness
+    return sent

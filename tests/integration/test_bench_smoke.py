@@ -28,7 +28,8 @@ def test_quick_cpu_bench_writes_every_section(
     assert tuple(report) == SECTIONS
     assert report["transport"]["worker_consumer_records_per_s"] > 0
     assert report["transport"]["kafka_perf_records_per_s"] > 0
-    assert report["overhead"]["profile"]["top_functions"]
+    assert report["overhead"]["rates"][0] > 0
+    assert report["overhead"]["profile"] is None  # quick mode samples no profile
     assert [level["load"] for level in report["latency"]["levels"]] == [0.25, 0.5, 0.75]
     assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
     assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,10 +12,17 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from producers.cli import main
-from schemas import encode_result, error_result, ok_result, result_key, topics_for
+from schemas import (
+    DEFAULT_LIMITS,
+    encode_result,
+    error_result,
+    ok_result,
+    result_key,
+    topics_for,
+)
 from tests.integration.harness import REPO, WorkerProcess, create_model_topics, read_topic
 from workers.demo_model import build_digits_model, heldout_digits
 
@@ -117,14 +124,17 @@ async def test_topics_create_makes_three_topics_and_is_idempotent(
     first = await _run_cli([*argv, "--partitions", "3"])
     assert first.returncode == 0, first.stderr
     topics = topics_for(model_name)
-    assert f"created {topics.requests} (3 partitions)" in first.stdout
+    size = DEFAULT_LIMITS.max_record_bytes
+    assert f"created {topics.requests} (3 partitions, max.message.bytes {size})" in first.stdout
+    assert f"created {topics.dlq} (1 partition, max.message.bytes {size})" in first.stdout
     assert "partitions should be >= the largest number of workers planned" in first.stderr
+    assert f"new topics take records of up to {size} bytes (max.message.bytes)" in first.stderr
     described = await kafka_admin.describe_topics([topics.requests, topics.results, topics.dlq])
     assert [len(t["partitions"]) for t in described] == [3, 3, 1]
 
     again = await _run_cli([*argv, "--partitions", "3"])
     assert again.returncode == 0
-    assert f"exists  {topics.requests} (3 partitions)" in again.stdout
+    assert f"exists  {topics.requests} (3 partitions, max.message.bytes {size})" in again.stdout
     more = await _run_cli([*argv, "--partitions", "6"])
     assert more.returncode == 1
     assert "fewer than the 6 asked for" in more.stderr
@@ -144,7 +154,7 @@ async def test_lanes_get_their_own_request_topics_and_submit_picks_one(
     topics = topics_for(model_name)
     create = ["topics", "create", "--model", model_name, "--partitions", "2", "--lanes", "high"]
     assert await asyncio.to_thread(main, [*connection, *create]) == 0
-    assert f"created {topics.lane('high')} (2 partitions)" in capsys.readouterr().out
+    assert f"created {topics.lane('high')} (2 partitions," in capsys.readouterr().out
     try:
         submit = ["submit", str(image), "--model", model_name, "--lane", "high"]
         assert await asyncio.to_thread(main, [*connection, *submit]) == 0
@@ -158,6 +168,25 @@ async def test_lanes_get_their_own_request_topics_and_submit_picks_one(
         assert f"topic {topics.lane('low')} does not exist" in capsys.readouterr().err
     finally:
         await kafka_admin.delete_topics([topics.lane("high")])
+
+
+async def test_topics_create_flags_an_existing_topic_too_small_for_large_payloads(
+    kafka_admin: AIOKafkaAdminClient, kafka_bootstrap: str, model_name: str, drop_topics: list[str]
+) -> None:
+    topics = topics_for(model_name)
+    drop_topics.append(model_name)
+    # Made by other tools, with Kafka's default record size limit.
+    await kafka_admin.create_topics(
+        [NewTopic(topics.requests, 2, 1, topic_configs={"max.message.bytes": "1048588"})]
+    )
+    argv = ["--kafka-bootstrap", kafka_bootstrap, "topics", "create", "--model", model_name]
+    done = await _run_cli([*argv, "--partitions", "2"])
+    assert done.returncode == 1
+    assert f"exists  {topics.requests} (2 partitions, max.message.bytes 1048588)" in done.stdout
+    assert (
+        f"--entity-name {topics.requests} --add-config "
+        f"max.message.bytes={DEFAULT_LIMITS.max_record_bytes}"
+    ) in done.stderr
 
 
 def test_submit_to_unknown_model_says_how_to_create_it(

@@ -8,7 +8,6 @@ json`` logs are machine-readable and tie lines about a request to its id.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 from collections.abc import Iterator
@@ -23,9 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from schemas import ContentType, Status, consumer_group, encode_request, topics_for
 from tests.integration.harness import (
     WorkerProcess,
+    assigned_partitions,
     count_results,
     create_model_topics,
     digit_requests,
+    free_port,
     http_get,
     produce,
     redis_results,
@@ -33,8 +34,6 @@ from tests.integration.harness import (
     wait_for_results,
 )
 from workers.demo_model import build_digits_model, heldout_digits
-
-_ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ class Fleet:
 
     def start(self, *extra: str) -> tuple[WorkerProcess, int]:
         """Start one worker; returns it and its metrics port (listening on 127.0.0.1)."""
-        port = _free_port()
+        port = free_port()
         worker = WorkerProcess(
             self.model,
             self.bootstrap,
@@ -76,22 +75,10 @@ def fleet(kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path)
         worker.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker_id(worker: WorkerProcess) -> str:
     """The id the worker writes into each result's ``worker`` field (the default one)."""
     assert worker.proc is not None
     return f"{socket.gethostname()}-{worker.proc.pid}"
-
-
-def _assigned_now(log: str) -> set[int] | None:
-    """The partitions of the worker's latest assignment; None before its first one."""
-    lines = _ASSIGNED.findall(log)
-    return {int(p) for p in re.findall(r"\[(\d+)\]", lines[-1])} if lines else None
 
 
 def _requests_total(exposition: str, model: str) -> dict[str, float]:
@@ -123,7 +110,7 @@ async def test_three_workers_share_partitions_and_survive_a_sigkill(
     def settled() -> bool:
         # Eager rebalancing: each worker's latest assignment is its current one. Only
         # once all three joined do the latest ones split the six partitions exactly.
-        now = [_assigned_now(w.log()) for w in workers]
+        now = [assigned_partitions(w.log()) for w in workers]
         if any(not parts for parts in now):
             return False
         owned = [p for parts in now if parts for p in parts]

@@ -15,19 +15,21 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import SecretStr
 
 from producers import (
     AsyncClient,
     Client,
     ClientSettings,
+    RecordTooLarge,
     Result,
     ResultTimeout,
     ServiceUnavailable,
     Status,
     UnknownModel,
 )
+from producers.admin import create_model_topics as create_topics_as_the_cli_does
 from producers.results import ResultReader
 from schemas import encode_result, ok_result, result_key, topics_for
 from tests.integration.harness import WorkerProcess, create_model_topics
@@ -300,6 +302,50 @@ async def test_unknown_model_is_refused_before_sending(settings: ClientSettings,
             UnknownModel, match=rf"topic conveyor\.{model}\.requests does not exist"
         ):
             await client.submit(b"\x89PNG\r\n\x1a\n....", model=model)
+
+
+async def test_a_record_too_large_for_its_topic_is_reported_as_such(
+    settings: ClientSettings, kafka_admin: AIOKafkaAdminClient, uid: str
+) -> None:
+    """A topic made with Kafka's ~1 MB default refuses a 2 MiB request: the SDK says so."""
+    model = f"small{uid}"
+    topic = topics_for(model).requests
+    limit = 1024 * 1024
+    await kafka_admin.create_topics(
+        [NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": str(limit)})]
+    )
+    try:
+        async with AsyncClient(settings) as client:
+            with pytest.raises(RecordTooLarge) as refused:
+                await client.submit(b"x" * (2 * limit), model=model, content_type="text/plain")
+    finally:
+        await kafka_admin.delete_topics([topic])
+    error = refused.value
+    assert (error.topic, error.limit_bytes) == (topic, limit)
+    assert error.record_bytes > 2 * limit
+    assert not error.retriable
+    message = str(error)
+    assert f"topic {topic} accepts at most {limit} bytes" in message
+    assert f"max.message.bytes={settings.limits.max_record_bytes}" in message
+    assert "is the broker running" not in message
+
+
+async def test_the_largest_payload_fits_the_topics_the_cli_creates(
+    settings: ClientSettings, kafka_admin: AIOKafkaAdminClient, uid: str
+) -> None:
+    model = f"big{uid}"
+    states = await create_topics_as_the_cli_does(settings, model, partitions=1)
+    topics = topics_for(model)
+    try:
+        assert {s.name: s.max_message_bytes for s in states} == dict.fromkeys(
+            [topics.requests, topics.results, topics.dlq], settings.limits.max_record_bytes
+        )
+        payload = b"x" * settings.limits.max_payload_bytes
+        async with AsyncClient(settings) as client:
+            request_id = await client.submit(payload, model=model, content_type="text/plain")
+        assert request_id
+    finally:
+        await kafka_admin.delete_topics([topics.requests, topics.results, topics.dlq])
 
 
 @pytest.fixture

@@ -237,3 +237,41 @@ def test_client_package_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import socket
+
+    import producers.sender as sender_module
+    from producers.sender import RequestSender
+    from schemas import encode_request
+
+    made: list[sender_module.AIOKafkaProducer] = []
+
+    class Recorded(sender_module.AIOKafkaProducer):  # type: ignore[misc]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(sender_module, "AIOKafkaProducer", Recorded)
+    # A listener that never answers: the producer's start hangs in its first request.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        settings = ClientSettings(
+            kafka_bootstrap=f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_s=30
+        )
+        sender = RequestSender(settings)
+        record = encode_request(PNG, request_id="r1", content_type=ContentType.PNG, source="t")
+        sending = asyncio.create_task(sender.send("digits", "conveyor.digits.requests", [record]))
+        while not made:
+            await asyncio.sleep(0.01)  # until the producer exists and is connecting
+        await asyncio.sleep(0.2)
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        await sender.close()
+    assert [producer._closed for producer in made] == [True]

@@ -15,6 +15,7 @@ from schemas import ContentType
 from workers.demo_model import (
     DIGITS_VERSION,
     MIN_HELDOUT_ACCURACY,
+    ModelCacheError,
     build_digits_model,
     default_model_path,
     digit_pixels,
@@ -113,7 +114,23 @@ def test_default_path_follows_conveyor_model_dir(
     monkeypatch.setenv("CONVEYOR_MODEL_DIR", str(tmp_path))
     assert default_model_path() == tmp_path / f"{DIGITS_VERSION}.pt"
     monkeypatch.delenv("CONVEYOR_MODEL_DIR")
-    assert default_model_path().parts[-3:] == (".cache", "models", f"{DIGITS_VERSION}.pt")
+    # Otherwise the user's cache folder, never beside the installed package (root's).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_model_path() == tmp_path / "xdg/conveyor-serve/models" / f"{DIGITS_VERSION}.pt"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_model_path() == (
+        tmp_path / "home/.cache/conveyor-serve/models" / f"{DIGITS_VERSION}.pt"
+    )
+
+
+def test_an_unwritable_model_folder_says_what_to_set(tmp_path: Path) -> None:
+    # A regular file where the folder should be: refused for root too, unlike permissions.
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(ModelCacheError, match="set CONVEYOR_MODEL_DIR to a folder") as error:
+        build_digits_model(blocker / "models" / "digits.pt")
+    assert error.value.errno is not None
 
 
 @pytest.mark.slow

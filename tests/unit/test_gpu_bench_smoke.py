@@ -61,17 +61,24 @@ def test_quick_cpu_run_writes_results_a_plot_and_a_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = f"{__name__}:TinyClassifier"
-    stages = "a,b,c,checks,runner,d"  # d (e2e) is skipped: no --kafka-bootstrap
+    stages = "a,b,c,checks,overlap,pipeline,d"  # d (e2e) is skipped: no --kafka-bootstrap
     assert main(["--device", "cpu", "--quick", "--model", model, "--stages", stages,
                  "--out", str(tmp_path)]) == 0  # fmt: skip
 
     results = json.loads((tmp_path / "gpu-bench.json").read_text())
-    assert set(results["stage_s"]) == {"forward", "decode", "naive", "checks", "runner"}
+    assert set(results["stage_s"]) == {
+        "forward",
+        "decode",
+        "naive",
+        "checks",
+        "overlap",
+        "pipeline",
+    }
     assert results["forward"]["eager"]["2"]["img_s"] > 0
     for corpus in ("640x480", "224x224"):
         assert results["decode"][corpus]["nvjpeg_decode_resize"] > 0
         assert results["naive"][corpus]["img_s"] > 0
-        assert results["runner"][f"gpu-decode {corpus}"]["img_s"] > 0
+        assert results["pipeline"][f"gpu-decode {corpus}"]["img_s"] > 0
         # The batched path on the CPU decodes with the same libjpeg as Pillow: only the
         # resize's rounding differs (see tests/unit/test_gpu_decode.py).
         assert results["checks"][corpus]["decode_max_abs_diff_levels"] <= 1
@@ -79,3 +86,4 @@ def test_quick_cpu_run_writes_results_a_plot_and_a_table(
     output = capsys.readouterr().out
     assert "e2e skipped" in output
     assert "×naive" in output.splitlines()[-4]  # the table comes last
+    assert results["overlap"]["gpu 640x480"]["decode_alone_img_s"] > 0

@@ -2,8 +2,9 @@
 
 No cluster runs where the tests run, so these read the manifests: probes on the
 health server's paths and port, a grace period long enough to drain, one GPU per
-worker, a KEDA replica cap equal to the request topic's partitions, and
-selectors that really select the worker pods.
+worker, static group membership under stable pod names, a KEDA replica cap
+equal to the request topic's partitions, and selectors that really select the
+worker pods.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ def manifests() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def deployment(manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return manifests["Deployment"]
+def workers(manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The StatefulSet of the worker pods."""
+    return manifests["StatefulSet"]
 
 
 @pytest.fixture(scope="module")
-def container(deployment: dict[str, Any]) -> dict[str, Any]:
-    [worker] = deployment["spec"]["template"]["spec"]["containers"]
+def container(workers: dict[str, Any]) -> dict[str, Any]:
+    [worker] = workers["spec"]["template"]["spec"]["containers"]
     found: dict[str, Any] = worker
     return found
 
@@ -64,20 +66,50 @@ def test_kustomization_lists_every_manifest(manifests: dict[str, dict[str, Any]]
             assert doc["metadata"]["name"], kind
 
 
-def test_selector_matches_the_pod_labels(deployment: dict[str, Any]) -> None:
-    selector = deployment["spec"]["selector"]["matchLabels"]
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
+def test_selector_matches_the_pod_labels(workers: dict[str, Any]) -> None:
+    selector = workers["spec"]["selector"]["matchLabels"]
+    labels = workers["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
 
 
-def test_replicas_are_left_to_keda(deployment: dict[str, Any]) -> None:
-    assert "replicas" not in deployment["spec"]
+def test_replicas_are_left_to_keda(workers: dict[str, Any]) -> None:
+    assert "replicas" not in workers["spec"]
 
 
-def test_rollout_needs_no_spare_gpu(deployment: dict[str, Any]) -> None:
-    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
-    assert rolling["maxSurge"] == 0
-    assert rolling["maxUnavailable"] == 1
+def test_rollout_replaces_one_pod_at_a_time(workers: dict[str, Any]) -> None:
+    spec = workers["spec"]
+    # A StatefulSet replaces a pod only after deleting it (no surge pod needing a
+    # spare GPU), one at a time unless maxUnavailable says otherwise.
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"
+    assert spec["updateStrategy"].get("rollingUpdate", {}).get("maxUnavailable", 1) == 1
+    # Scaling out starts every new pod at once rather than in ordinal order.
+    assert spec["podManagementPolicy"] == "Parallel"
+
+
+def test_static_membership_under_the_pod_name(
+    workers: dict[str, Any], container: dict[str, Any]
+) -> None:
+    env = _env(container)
+    instance = env["CONVEYOR_GROUP_INSTANCE_ID"]["valueFrom"]["fieldRef"]
+    assert instance["fieldPath"] == "metadata.name"  # stable across restarts: a StatefulSet
+    assert workers["kind"] == "StatefulSet"
+    # The group must wait out a pod's restart: at least the time the startup probe
+    # allows for the model to load, plus the drain before it.
+    startup = container["startupProbe"]
+    startup_s = startup["periodSeconds"] * startup["failureThreshold"]
+    session_ms = int(env["CONVEYOR_SESSION_TIMEOUT_MS"]["value"])
+    assert session_ms >= startup_s * 1000
+    # WorkerSettings accepts the value (and the broker's default maximum is 30 min).
+    assert WorkerSettings(model="digits", session_timeout_ms=session_ms).session_timeout_ms
+    assert session_ms <= 1_800_000
+
+
+def test_pods_are_named_through_the_headless_service(
+    manifests: dict[str, dict[str, Any]], workers: dict[str, Any]
+) -> None:
+    service = manifests["Service"]
+    assert workers["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
 
 
 def test_probes_hit_the_health_server(container: dict[str, Any]) -> None:
@@ -90,14 +122,14 @@ def test_probes_hit_the_health_server(container: dict[str, Any]) -> None:
     assert container["readinessProbe"]["timeoutSeconds"] > 2
 
 
-def test_scrape_annotations_name_the_metrics_port(deployment: dict[str, Any]) -> None:
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+def test_scrape_annotations_name_the_metrics_port(workers: dict[str, Any]) -> None:
+    annotations = workers["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(DEFAULT_PORT)
     assert annotations["prometheus.io/path"] == "/metrics"
 
 
-def test_grace_period_leaves_time_to_drain(deployment: dict[str, Any]) -> None:
-    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
+def test_grace_period_leaves_time_to_drain(workers: dict[str, Any]) -> None:
+    assert workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
 
 
 def test_one_gpu_per_worker(container: dict[str, Any]) -> None:
@@ -124,7 +156,7 @@ def test_redis_credentials_come_from_a_secret(container: dict[str, Any]) -> None
 def test_service_exposes_metrics_of_each_pod(manifests: dict[str, dict[str, Any]]) -> None:
     service = manifests["Service"]["spec"]
     assert service["clusterIP"] == "None"  # headless: scrape pods one by one
-    assert service["selector"] == manifests["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert service["selector"] == manifests["StatefulSet"]["spec"]["selector"]["matchLabels"]
     [port] = service["ports"]
     assert (port["port"], port["targetPort"]) == (DEFAULT_PORT, "metrics")
 
@@ -149,7 +181,13 @@ def test_keda_watches_the_workers_group_and_topic(
     manifests: dict[str, dict[str, Any]], container: dict[str, Any]
 ) -> None:
     scaled = manifests["ScaledObject"]["spec"]
-    assert scaled["scaleTargetRef"]["name"] == manifests["Deployment"]["metadata"]["name"]
+    target = scaled["scaleTargetRef"]
+    workload = manifests["StatefulSet"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        workload["apiVersion"],
+        workload["kind"],
+        workload["metadata"]["name"],
+    )
     [trigger] = scaled["triggers"]
     assert trigger["type"] == "kafka"
     meta = trigger["metadata"]
@@ -166,9 +204,9 @@ def test_keda_watches_the_workers_group_and_topic(
 
 def test_disruption_budget_covers_the_workers(manifests: dict[str, dict[str, Any]]) -> None:
     pdb = manifests["PodDisruptionBudget"]["spec"]
-    deployment = manifests["Deployment"]["spec"]
-    assert pdb["selector"]["matchLabels"] == deployment["selector"]["matchLabels"]
+    workload = manifests["StatefulSet"]["spec"]
+    assert pdb["selector"]["matchLabels"] == workload["selector"]["matchLabels"]
     assert pdb["selector"]["matchLabels"].items() <= (
-        deployment["template"]["metadata"]["labels"].items()
+        workload["template"]["metadata"]["labels"].items()
     )
     assert pdb["maxUnavailable"] == 1

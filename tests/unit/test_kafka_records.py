@@ -142,3 +142,12 @@ def test_install_is_idempotent_and_checks_the_hook() -> None:
     install()
     install()
     assert fetcher.MemoryRecords is TolerantMemoryRecords
+
+
+def test_checksums_are_checked_and_a_corrupt_batch_fails_them() -> None:
+    raw = build(MIXED)
+    batch = TolerantMemoryRecords(bytes(raw)).next_batch()
+    assert batch.validate_crc()
+    corrupt = bytearray(raw)
+    corrupt[-1] ^= 0xFF
+    assert not TolerantMemoryRecords(bytes(corrupt)).next_batch().validate_crc()

@@ -130,7 +130,7 @@ def test_without_pyav_the_error_says_how_to_install_it(
 ) -> None:
     monkeypatch.setitem(sys.modules, "av", None)  # makes `import av` raise ImportError
 
-    with pytest.raises(InvalidInput, match=r"pip install 'conveyor\[video\]'"):
+    with pytest.raises(InvalidInput, match=r"pip install 'conveyor-serve\[video\]'"):
         VideoSource(tmp_path / "v.mp4")
 
 

@@ -1,0 +1,158 @@
+"""The Redis ACL users docs/security.md documents are enough, and no more than enough.
+
+The rules are read from the page itself, the users created on the real Redis
+(under names of this test's own), and then: a worker authenticated as the worker
+user serves a request that a client authenticated as the caller user waits for;
+the worker user can write a batch with a Lua script (SCRIPT LOAD, EVALSHA, EVAL
+with SET, GET and PUBLISH); neither can touch anything else.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import SecretStr
+from redis.exceptions import NoPermissionError, ResponseError
+
+from producers import AsyncClient, ClientSettings, Status
+from schemas import result_key
+from tests.integration.harness import REPO, WorkerProcess, create_model_topics
+from workers.demo_model import build_digits_model, heldout_digits
+
+SECURITY_DOC = REPO / "docs" / "security.md"
+# A script of the kind a worker runs per batch: first result wins, read back, announce.
+BATCH_SCRIPT = """
+local written = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', 60)
+local stored = redis.call('GET', KEYS[1])
+redis.call('PUBLISH', KEYS[1], '')
+return stored
+"""
+
+
+def _documented_rules(role: str) -> list[str]:
+    match = re.search(rf"^ACL SETUSER conveyor-{role} (.+)$", SECURITY_DOC.read_text(), re.M)
+    assert match, f"docs/security.md documents no conveyor-{role} user"
+    return match.group(1).split()
+
+
+@pytest.fixture
+def acl_user(redis_url: str, uid: str) -> Iterator[dict[str, tuple[str, str]]]:
+    """{role: (user, password)} for the worker and caller users of the docs."""
+    admin = redis.Redis.from_url(redis_url)
+    users: dict[str, tuple[str, str]] = {}
+    try:
+        for role in ("worker", "caller"):
+            name, password = f"conveyor-{role}-{uid}", secrets.token_hex(16)
+            rules = [
+                f">{password}" if rule.startswith(">") else rule for rule in _documented_rules(role)
+            ]
+            admin.execute_command("ACL", "SETUSER", name, *rules)
+            users[role] = (name, password)
+        yield users
+    finally:
+        for name, _password in users.values():
+            admin.execute_command("ACL", "DELUSER", name)
+        admin.close()
+
+
+def _as(redis_url: str, user: tuple[str, str]) -> redis.Redis:
+    return redis.Redis.from_url(redis_url, username=user[0], password=user[1])
+
+
+@pytest.mark.timeout(240)
+async def test_documented_users_serve_and_wait_for_a_request(
+    acl_user: dict[str, tuple[str, str]],
+    kafka_admin: AIOKafkaAdminClient,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    tmp_path: Path,
+) -> None:
+    build_digits_model()
+    await create_model_topics(kafka_admin, model_name, partitions=1)
+    name, password = acl_user["worker"]
+    worker = WorkerProcess(
+        model_name,
+        kafka_bootstrap,
+        redis_url,
+        tmp_path / "worker.log",
+        env={"CONVEYOR_REDIS_USERNAME": name, "CONVEYOR_REDIS_PASSWORD": password},
+    ).start()
+    caller, caller_password = acl_user["caller"]
+    settings = ClientSettings(
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=SecretStr(redis_url),
+        redis_username=caller,
+        redis_password=SecretStr(caller_password),
+    )
+    try:
+        png, digit = heldout_digits()[0]
+        async with AsyncClient(settings) as client:
+            request_id = await client.submit(png, model=model_name)
+            result = await client.wait(request_id, timeout=180)
+            again = await client.result(request_id)
+    finally:
+        worker.stop()
+    assert result.status is Status.ok, worker.log()
+    assert result.outputs[0]["label"] == str(digit)
+    assert again == result
+    assert "NOPERM" not in worker.log()
+
+
+def test_worker_user_can_write_a_batch_with_a_script_and_nothing_else(
+    acl_user: dict[str, tuple[str, str]], redis_url: str, uid: str
+) -> None:
+    worker = _as(redis_url, acl_user["worker"])
+    admin = redis.Redis.from_url(redis_url)
+    keys = [result_key(f"{uid}-{n}") for n in range(2)]
+    try:
+        sha = worker.script_load(BATCH_SCRIPT)
+        assert worker.evalsha(sha, 1, keys[0], "first") == b"first"
+        assert worker.evalsha(sha, 1, keys[0], "second") == b"first"  # first final wins
+        assert worker.eval(BATCH_SCRIPT, 1, keys[1], "other") == b"other"
+        assert 0 < admin.ttl(keys[0]) <= 60
+        with pytest.raises(NoPermissionError):
+            worker.set(f"elsewhere:{uid}", "x")
+        with pytest.raises((NoPermissionError, ResponseError), match=r"(?i)no permissions"):
+            worker.eval(BATCH_SCRIPT, 1, f"elsewhere:{uid}", "x")
+        with pytest.raises(NoPermissionError):
+            worker.flushall()
+    finally:
+        worker.close()
+        admin.delete(*keys)
+        admin.close()
+
+
+def test_caller_user_reads_but_cannot_write_results(
+    acl_user: dict[str, tuple[str, str]], redis_url: str, uid: str
+) -> None:
+    key = result_key(f"{uid}-read")
+    admin = redis.Redis.from_url(redis_url)
+    admin.set(key, b"{}", ex=60)
+    caller = _as(redis_url, acl_user["caller"])
+    try:
+        assert caller.get(key) == b"{}"
+        assert caller.mget([key]) == [b"{}"]
+        with pytest.raises(NoPermissionError):
+            caller.set(key, b"forged")
+        with pytest.raises(NoPermissionError):
+            caller.publish(key, b"")
+        pubsub = caller.pubsub()
+        pubsub.subscribe(key)
+        deadline = time.monotonic() + 5
+        while (message := pubsub.get_message(timeout=1)) is None and time.monotonic() < deadline:
+            pass
+        assert message is not None
+        assert message["type"] == "subscribe"
+        pubsub.close()
+    finally:
+        caller.close()
+        admin.delete(key)
+        admin.close()
