@@ -59,24 +59,37 @@ class Transactions:
         self._timeout_ms = timeout_ms
         self._producers: dict[TP, AIOKafkaProducer] = {}
         self._writing: dict[TP, asyncio.Task[Committed]] = {}
+        self._opening: dict[TP, asyncio.Task[None]] = {}
         self._failures = 0  # transactions failed in a row, for the backoff
 
     async def open(self, partitions: Collection[TP]) -> None:
         """Start a producer for each partition (its previous one, if any, is stopped), so
         that the previous owner's open transaction is aborted and its writes refused.
 
-        Retries outages until the broker answers; raises ``PublishConfigError`` when a
-        configuration error (e.g. a refused transactional-id ACL) outlasts its grace.
+        Retries outages until the broker answers, unless the partition is closed
+        meanwhile (revoked: a producer started now would fence its next owner's); raises
+        ``PublishConfigError`` when a configuration error (e.g. a refused
+        transactional-id ACL) outlasts its grace.
         """
-        await asyncio.gather(*(self._open_one(tp) for tp in partitions))
+        tasks = {tp: asyncio.create_task(self._open_one(tp)) for tp in partitions}
+        self._opening.update(tasks)
+        try:
+            results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        finally:
+            for tp, task in tasks.items():
+                if self._opening.get(tp) is task:
+                    del self._opening[tp]
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
 
     async def close(self, partitions: Collection[TP]) -> None:
         """Stop the producers of ``partitions``; a transaction in progress is abandoned
         (the partition's next owner aborts it when it starts its producer)."""
         for tp in partitions:
-            writing = self._writing.get(tp)
-            if writing is not None:
-                writing.cancel()
+            for task in (self._writing.get(tp), self._opening.get(tp)):
+                if task is not None:
+                    task.cancel()
         await asyncio.gather(*(self._stop(self._producers.pop(tp, None)) for tp in partitions))
 
     async def aclose(self) -> None:
@@ -169,6 +182,9 @@ class Transactions:
             )
             try:
                 await producer.start()
+            except asyncio.CancelledError:  # closed while starting: it must not stay open
+                await self._stop(producer)
+                raise
             except (KafkaError, OSError) as exc:
                 await self._stop(producer)
                 self._publisher.note_failure("kafka", _cause(exc))  # raises past its grace
