@@ -6,18 +6,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export KAFKA_PORT ?= 9092
 export REDIS_PORT ?= 6379
+export S3_PORT ?= 8333
 export KAFKA_CLUSTER_PORT ?= 9292
 export REDIS_CLUSTER_PORT ?= 7000
 # The demo model is built here (not in the user's cache) so `make clean` removes it.
 export CONVEYOR_MODEL_DIR ?= $(CURDIR)/.cache/models
 PYTEST_ARGS ?=
 
-.PHONY: help install up down test up-cluster down-cluster test-cluster unit lint format demo bench settings-doc clean
+.PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo bench settings-doc clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
-	@echo "make down     stop what 'make up' started"
+	@echo "make up-s3    start SeaweedFS's S3 gateway (127.0.0.1:$(S3_PORT)), built from its Go module once"
+	@echo "make down     stop what 'make up' and 'make up-s3' started"
 	@echo "make test     install, up, run every test, down (even when tests fail)"
 	@echo "make up-cluster    start a 3-broker Kafka (127.0.0.1:$(KAFKA_CLUSTER_PORT)-$$(($(KAFKA_CLUSTER_PORT)+2)))"
 	@echo "                   and a Redis Cluster (127.0.0.1:$(REDIS_CLUSTER_PORT)-$$(($(REDIS_CLUSTER_PORT)+5)))"
@@ -36,17 +38,20 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,video,dev]'
+	$(PY) -m pip install --quiet -e '.[worker,video,s3,dev]'
 	touch $(STAMP)
 
 up:
 	compose/local/up.sh
 
+up-s3:
+	compose/local/seaweedfs.sh start
+
 down:
 	compose/local/down.sh
 
 test: install
-	@status=0; $(MAKE) --no-print-directory up && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	@status=0; $(MAKE) --no-print-directory up up-s3 && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
 	  $(MAKE) --no-print-directory down; exit $$status
 
 up-cluster:

@@ -20,6 +20,7 @@ from producers.errors import (
     UnknownModel,
 )
 from producers.payload import sniff_content_type
+from producers.results import RequestStatus
 from producers.settings import ClientSettings
 from schemas import ContentType, ContractError, Result, Status
 
@@ -32,6 +33,7 @@ __all__ = [
     "ContractError",
     "InvalidInput",
     "RecordTooLarge",
+    "RequestStatus",
     "Result",
     "ResultTimeout",
     "ServiceUnavailable",

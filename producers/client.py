@@ -29,10 +29,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
 from producers.errors import InvalidInput
 from producers.payload import load_payload
-from producers.results import ResultReader
+from producers.results import RequestStatus, ResultReader
 from producers.sender import RequestSender
 from producers.settings import ClientSettings
 from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
@@ -60,6 +61,7 @@ class AsyncClient:
             if self.settings.redis_cluster
             else ResultReader(self.settings)
         )
+        self._uploader = Uploader(self.settings)
 
     async def __aenter__(self) -> Self:
         return self
@@ -77,7 +79,10 @@ class AsyncClient:
         try:
             await self._sender.close()
         finally:
-            await self._reader.close()
+            try:
+                await self._uploader.close()
+            finally:
+                await self._reader.close()
 
     async def submit(
         self,
@@ -94,9 +99,11 @@ class AsyncClient:
         """Send one request to ``model``; returns its request id once the broker has it.
 
         ``content_type`` defaults to what the payload's magic bytes say (JPEG,
-        PNG, WebP, npy). ``lane`` sends it to the model's priority lane of that name
-        (topic ``<prefix>.<model>.requests.<lane>``), served before the plain request
-        topic by workers started with ``--lanes``. Raises ``InvalidInput`` or
+        PNG, WebP, npy). A payload larger than ``settings.dataref_threshold_bytes``
+        is stored first (Redis or S3, ``settings.dataref_store``) and sent by
+        reference (``ce_dataref``). ``lane`` sends it to the model's priority lane of
+        that name (topic ``<prefix>.<model>.requests.<lane>``), served before the plain
+        request topic by workers started with ``--lanes``. Raises ``InvalidInput`` or
         ``schemas.ContractError`` for input a worker would refuse, ``UnknownModel``
         when the model (or lane) has no request topic, and ``ServiceUnavailable`` when
         Kafka cannot be reached; in every case nothing was sent.
@@ -132,7 +139,7 @@ class AsyncClient:
         when given, has one id per payload.
         """
         topic = _request_topic(model, lane, self.settings)
-        ids, records = self._encode_all(
+        ids, records, stored = self._encode_all(
             list(payloads),
             params=params,
             deadline=_absolute(deadline),
@@ -140,6 +147,7 @@ class AsyncClient:
             reply_to=reply_to,
             content_type=content_type,
         )
+        await self._uploader.store(stored)
         if records:
             await self._sender.send(model, topic, records)
         return ids
@@ -147,6 +155,21 @@ class AsyncClient:
     async def result(self, request_id: str) -> Result | None:
         """The result of ``request_id`` now, or None while it is pending (one Redis read)."""
         return await self._reader.get(request_id)
+
+    async def status(self, request_id: str) -> RequestStatus:
+        """Where ``request_id`` stands now: ``queued``, ``running`` (when workers track
+        status) or ``done`` (with its result)."""
+        return await self._reader.status(request_id)
+
+    async def cancel(self, request_id: str) -> RequestStatus:
+        """Cancel ``request_id``: a worker that checks cancellations answers it
+        ``cancelled`` instead of running it, unless its batch has started.
+
+        Returns where the request stood when the cancellation was recorded: ``done``
+        means it changes nothing (the first result stays), ``running`` that it is
+        most likely too late. The cancellation is kept ``settings.cancel_ttl_s``.
+        """
+        return await self._reader.cancel(request_id, self.settings.cancel_ttl_s)
 
     # A timeout parameter rather than asyncio.timeout() around the call: the sync
     # Client shares it, and expiry raises ResultTimeout naming the pending ids.
@@ -180,7 +203,8 @@ class AsyncClient:
         request_ids: Sequence[str] | None,
         reply_to: str | None,
         content_type: ContentType | str | None,
-    ) -> tuple[list[str], list[OutgoingRecord]]:
+    ) -> tuple[list[str], list[OutgoingRecord], list[tuple[str, bytes]]]:
+        """Records for every payload, and the payloads to store first (by request id)."""
         if request_ids is not None and len(request_ids) != len(payloads):
             raise InvalidInput(
                 f"request_ids has {len(request_ids)} ids for {len(payloads)} payloads; "
@@ -188,9 +212,16 @@ class AsyncClient:
             )
         ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in payloads]
         limits = self.settings.limits
+        uploader = self._uploader
         records = []
+        stored: list[tuple[str, bytes]] = []
         for payload, request_id in zip(payloads, ids, strict=True):
-            data, media_type = load_payload(payload, content_type, limits)
+            data, media_type = load_payload(payload, content_type, limits, uploader.max_bytes)
+            dataref, dataexpires = None, None
+            if uploader.wants(len(data)):
+                dataref, dataexpires = uploader.reference(request_id)
+                stored.append((request_id, data))
+                data = b""
             records.append(
                 encode_request(
                     data,
@@ -201,10 +232,12 @@ class AsyncClient:
                     deadline=deadline,
                     reply_to=reply_to,
                     time=datetime.now(UTC),
+                    dataref=dataref,
+                    dataexpires=dataexpires,
                     limits=limits,
                 )
             )
-        return ids, records
+        return ids, records, stored
 
 
 class Client:
@@ -306,6 +339,14 @@ class Client:
     def result(self, request_id: str) -> Result | None:
         """See ``AsyncClient.result``."""
         return self._call(self._client.result(request_id))
+
+    def status(self, request_id: str) -> RequestStatus:
+        """See ``AsyncClient.status``."""
+        return self._call(self._client.status(request_id))
+
+    def cancel(self, request_id: str) -> RequestStatus:
+        """See ``AsyncClient.cancel``."""
+        return self._call(self._client.cancel(request_id))
 
     def wait(self, request_id: str, timeout: float = 30.0) -> Result:
         """See ``AsyncClient.wait``."""

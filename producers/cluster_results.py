@@ -38,11 +38,13 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MovedError, RedisError
 
+from producers.cluster_keys import per_key
 from producers.errors import ResultTimeout, ServiceUnavailable
 from producers.redis_cluster import ClusterRouter, Node, is_topology_error
+from producers.results import RequestStatus, request_status
 from producers.security import redis_options
 from producers.settings import ClientSettings
-from schemas import Result, decode_result, result_key
+from schemas import Result, cancel_key, decode_result, result_key, status_key
 
 T = TypeVar("T")
 _DRAIN = 500  # events taken at once before the notified keys are read with one round trip
@@ -87,6 +89,38 @@ class ClusterResultReader:
         values = await self._read_raw([key])
         raw = values.get(key)
         return None if raw is None else decode_result(raw)
+
+    async def status(self, request_id: str) -> RequestStatus:
+        """Where the request stands now (``ResultReader.status``): the result key and
+        the status hash, each read from its primary."""
+        return await self._status(request_id, None)
+
+    async def cancel(self, request_id: str, ttl_s: int) -> RequestStatus:
+        """Set the request's cancel key (kept ``ttl_s``); where it stood then."""
+        return await self._status(request_id, ttl_s)
+
+    async def _status(self, request_id: str, cancel_ttl_s: int | None) -> RequestStatus:
+        result, status = result_key(request_id), status_key(request_id)
+        keys = [result, status]
+        if cancel_ttl_s is not None:
+            keys.append(cancel_key(request_id))
+
+        def command(pipe: Any, key: str) -> object:
+            if key == result:
+                return pipe.get(key)
+            if key == status:
+                return pipe.hgetall(key)
+            return pipe.set(key, b"1", ex=cancel_ttl_s)
+
+        async def bounded() -> dict[str, Any]:
+            async with asyncio.timeout(self._budget_s * 2):
+                return await per_key(self._router, keys, command, self._budget_s)
+
+        answers = await self._errors(bounded())
+        for answer in answers.values():
+            if isinstance(answer, Exception):
+                raise self._unavailable(str(answer))
+        return request_status(request_id, answers[result], answers[status])
 
     async def wait_many(
         self,

@@ -1,4 +1,4 @@
-"""The client commands of ``conveyor``: submit, result, wait and topics create.
+"""The client commands of ``conveyor``: submit, result, status, wait, cancel and topics create.
 
 Each command parses its input completely (files, ``--params``, settings)
 before it connects to anything, prints results as JSON lines on stdout and
@@ -26,6 +26,7 @@ from producers.admin import create_model_topics
 from producers.client import AsyncClient
 from producers.errors import ClientError, InvalidInput, ResultTimeout, ServiceUnavailable
 from producers.progress import ProgressBar
+from producers.results import RequestStatus
 from producers.settings import ClientSettings
 from schemas import ContentType, ContractError, Result, Status, topics_for
 
@@ -63,7 +64,7 @@ def add_client_commands(
     commands: argparse._SubParsersAction[argparse.ArgumentParser],
     connection: argparse.ArgumentParser,
 ) -> None:
-    """Add submit, result, wait and topics to ``commands``; ``connection`` holds the
+    """Add submit, result, status, wait, cancel and topics to ``commands``; ``connection`` holds the
     ``--kafka-bootstrap`` and ``--redis-url`` options each of them accepts."""
     submit = commands.add_parser(
         "submit",
@@ -97,6 +98,25 @@ def add_client_commands(
     )
     result.add_argument("request_id", metavar="ID")
     result.set_defaults(handler=_runner(_result))
+
+    status = commands.add_parser(
+        "status",
+        parents=[connection],
+        help="print where a request stands: queued, running or done (with its result)",
+    )
+    status.add_argument("request_id", metavar="ID")
+    status.set_defaults(handler=_runner(_status))
+
+    cancel = commands.add_parser(
+        "cancel",
+        parents=[connection],
+        help="cancel requests not started yet; print where each stood",
+        description="Set each request's cancellation key. Workers started with "
+        "--cancellation answer a request cancelled before its batch runs with error code "
+        "'cancelled', without running it; a request that already has a result keeps it.",
+    )
+    cancel.add_argument("request_ids", nargs="+", metavar="ID")
+    cancel.set_defaults(handler=_runner(_cancel))
 
     wait = commands.add_parser(
         "wait", parents=[connection], help="wait for a request's result and print it"
@@ -198,16 +218,45 @@ async def _submit(args: argparse.Namespace, settings: ClientSettings) -> int:
 
 async def _result(args: argparse.Namespace, settings: ClientSettings) -> int:
     async with AsyncClient(settings) as client:
-        result = await client.result(args.request_id)
+        status = await client.status(args.request_id)
+    result = status.result
     if result is None:
         return _fail(
             f"conveyor {args.command}",
-            f"no result for {args.request_id} yet: it is pending, the id is unknown, or the "
-            "result outlived its time in Redis; `conveyor wait ID` waits for it",
+            f"no result for {args.request_id} yet: {_pending(status)}; "
+            "`conveyor wait ID` waits for it",
             EXIT_NO_RESULT,
         )
     _print(_document(result))
     return _exit_status(result)
+
+
+async def _status(args: argparse.Namespace, settings: ClientSettings) -> int:
+    async with AsyncClient(settings) as client:
+        status = await client.status(args.request_id)
+    _print(status.document())
+    return EXIT_OK
+
+
+async def _cancel(args: argparse.Namespace, settings: ClientSettings) -> int:
+    ids: list[str] = args.request_ids
+    async with AsyncClient(settings) as client:
+        for request_id in ids:
+            status = await client.cancel(request_id)
+            _print({"id": request_id, "state_when_cancelled": status.state})
+    return EXIT_OK
+
+
+def _pending(status: RequestStatus) -> str:
+    if status.state == "running":
+        return (
+            f"running on worker {status.worker} since {status.started_ms} "
+            f"(epoch ms), attempt {status.attempt}"
+        )
+    return (
+        "no worker has started it (it is queued, the id is unknown, or its result outlived "
+        "its time in Redis)"
+    )
 
 
 async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:

@@ -30,14 +30,22 @@ def sniff_content_type(data: bytes) -> ContentType | None:
 
 
 def load_payload(
-    payload: bytes | Path, content_type: ContentType | str | None, limits: Limits
+    payload: bytes | Path,
+    content_type: ContentType | str | None,
+    limits: Limits,
+    max_bytes: int | None = None,
 ) -> tuple[bytes, ContentType | str]:
-    """The payload bytes and media type; raises ``InvalidInput`` naming the file and limit."""
+    """The payload bytes and media type; raises ``InvalidInput`` naming the file and limit.
+
+    ``max_bytes`` (default ``limits.max_payload_bytes``) is the largest payload taken:
+    larger when the client may send payloads by reference.
+    """
     what = f"file {payload}" if isinstance(payload, Path) else "payload"
-    data = _read(payload, limits) if isinstance(payload, Path) else payload
+    limit = limits.max_payload_bytes if max_bytes is None else max_bytes
+    data = _read(payload, limit) if isinstance(payload, Path) else payload
     if not isinstance(data, bytes):
         raise InvalidInput(f"a payload is bytes or a pathlib.Path, not {type(payload).__name__}")
-    _check_size(what, len(data), limits)
+    _check_size(what, len(data), limit)
     if content_type is not None:
         return data, content_type
     sniffed = sniff_content_type(data)
@@ -50,21 +58,21 @@ def load_payload(
     return data, sniffed
 
 
-def _read(path: Path, limits: Limits) -> bytes:
+def _read(path: Path, limit: int) -> bytes:
     try:
         # Checked before reading: a huge file is refused without loading it.
-        _check_size(f"file {path}", path.stat().st_size, limits)
+        _check_size(f"file {path}", path.stat().st_size, limit)
         return path.read_bytes()
     except OSError as exc:
         raise InvalidInput(f"cannot read file {path}: {exc.strerror or exc}") from None
 
 
-def _check_size(what: str, size: int, limits: Limits) -> None:
+def _check_size(what: str, size: int, limit: int) -> None:
     if size == 0:
         raise InvalidInput(f"{what} is empty; a request needs payload bytes")
-    if size > limits.max_payload_bytes:
+    if size > limit:
         raise InvalidInput(
-            f"{what} is {size} bytes, more than the {limits.max_payload_bytes} bytes a worker "
-            "accepts (max_payload_bytes): send a smaller payload, or store it elsewhere and "
-            'send {"uri": ...} as application/json'
+            f"{what} is {size} bytes, more than the {limit} bytes a worker accepts "
+            "(max_payload_bytes in a record, max_dataref_bytes by reference with "
+            "dataref_store set): send a smaller payload"
         )

@@ -20,7 +20,8 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -31,13 +32,43 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producers.errors import ResultTimeout, ServiceUnavailable
 from producers.security import redis_options
 from producers.settings import ClientSettings
-from schemas import Result, decode_result, result_key
+from schemas import Result, cancel_key, decode_result, result_key, status_key
 
 T = TypeVar("T")
 # Keys per MGET and channels per SUBSCRIBE: one round trip each, none of them huge.
 _CHUNK = 500
 # Notifications drained at once before reading their keys with one MGET.
 _DRAIN = 500
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    """Where a request stands: ``queued`` (no worker has started it: waiting in its
+    topic, or an id that was never sent), ``running`` (a worker started its batch;
+    seen only when workers track status) or ``done`` (``result`` holds its answer)."""
+
+    id: str
+    state: Literal["queued", "running", "done"]
+    result: Result | None = None
+    attempt: int | None = None
+    """Starts so far (with status tracking), this one included."""
+    worker: str | None = None
+    """The worker that started it last."""
+    started_ms: int | None = None
+    """When that worker started it, epoch milliseconds."""
+
+    def document(self) -> dict[str, Any]:
+        """As JSON: the result document when done, else the state and what is known."""
+        if self.result is not None:
+            return {
+                "id": self.id,
+                "state": self.state,
+                "result": self.result.model_dump(mode="json"),
+            }
+        fields = {"attempt": self.attempt, "worker": self.worker, "started_ms": self.started_ms}
+        return {"id": self.id, "state": self.state} | {
+            name: value for name, value in fields.items() if value is not None
+        }
 
 
 class ResultReader:
@@ -67,6 +98,23 @@ class ResultReader:
         key = result_key(request_id)
         raw = await self._bounded(self._redis.get(key))
         return None if raw is None else _decode(raw)
+
+    async def status(self, request_id: str) -> RequestStatus:
+        """Where the request stands now: one pipelined GET and HGETALL."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(result_key(request_id))
+        pipe.hgetall(status_key(request_id))
+        raw, fields = await self._bounded(pipe.execute())
+        return _status(request_id, raw, fields)
+
+    async def cancel(self, request_id: str, ttl_s: int) -> RequestStatus:
+        """Set the request's cancel key (kept ``ttl_s``); where it stood then."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(cancel_key(request_id), b"1", ex=ttl_s)
+        pipe.get(result_key(request_id))
+        pipe.hgetall(status_key(request_id))
+        _, raw, fields = await self._bounded(pipe.execute())
+        return _status(request_id, raw, fields)
 
     async def wait_many(
         self,
@@ -186,6 +234,26 @@ class ResultReader:
             "is it running (`make up`)? Point the client at it with --redis-url or "
             "CONVEYOR_REDIS_URL, and check the CONVEYOR_REDIS_* security settings"
         )
+
+
+def request_status(request_id: str, raw: bytes | None, fields: dict[bytes, bytes]) -> RequestStatus:
+    """The status that a request's result value and status hash (both as read) say."""
+    return _status(request_id, raw, fields)
+
+
+def _status(request_id: str, raw: bytes | None, fields: dict[bytes, bytes]) -> RequestStatus:
+    if raw is not None:
+        return RequestStatus(request_id, "done", result=_decode(raw))
+    if not fields:
+        return RequestStatus(request_id, "queued")
+    attempt, worker, started = (fields.get(f) for f in (b"attempt", b"worker", b"started_ms"))
+    return RequestStatus(
+        request_id,
+        "running",
+        attempt=int(attempt) if attempt is not None else None,
+        worker=worker.decode(errors="replace") if worker is not None else None,
+        started_ms=int(started) if started is not None else None,
+    )
 
 
 async def _release(pubsub: PubSub) -> None:

@@ -9,17 +9,21 @@ win over the environment. Build it once, in ``main`` or the CLI, and pass it dow
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producers.redis_cluster import check_cluster_url
+from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity, redis_location
-from schemas import DEFAULT_LIMITS, Limits, topics_for
+from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
+
+KiB = 1024
 
 
-class ClientSettings(BaseSettings, ConnectionSecurity):
+class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """Connection settings of a ``Client`` or ``AsyncClient``."""
 
     # extra="ignore": the worker's CONVEYOR_* variables may share this environment.
@@ -45,6 +49,23 @@ class ClientSettings(BaseSettings, ConnectionSecurity):
     """Redis ``CLIENT SETNAME`` of the client's connections, to find them in ``CLIENT LIST``."""
     limits: Limits = DEFAULT_LIMITS
     """The limits requests are checked against before they are sent."""
+    dataref_store: Literal["redis", "s3", "off"] = "redis"
+    """Where payloads above ``dataref_threshold_bytes`` are stored, to be sent by
+    reference (``ce_dataref``); ``off`` sends every payload in the record."""
+    dataref_threshold_bytes: int = Field(default=768 * KiB, ge=1)
+    """Payloads larger than this go by reference: below Kafka's default 1 MB record
+    limit (``max.message.bytes``), with room for the headers."""
+    dataref_ttl_s: int = Field(default=3600, ge=1)
+    """How long a payload stored in Redis is kept (and what ``ce_dataexpires`` says;
+    for S3, give the bucket a lifecycle rule that keeps objects at least this long)."""
+    dataref_redis_prefix: str = Field(default=DEFAULT_DATA_PREFIX, min_length=1)
+    """Payloads stored in Redis are keys ``<prefix><request id>``."""
+    dataref_s3_bucket: str | None = None
+    """The bucket payloads are stored in with ``dataref_store="s3"``."""
+    dataref_s3_prefix: str = "conveyor/data/"
+    """Payloads stored in S3 are objects ``<prefix><request id>``."""
+    cancel_ttl_s: int = Field(default=86_400, ge=1)
+    """How long a cancellation (``conveyor:cancel:{<id>}``) is kept."""
 
     @field_validator("topic_prefix")
     @classmethod
@@ -65,6 +86,14 @@ class ClientSettings(BaseSettings, ConnectionSecurity):
         self.check_redis_url(self.redis_url)
         if self.redis_cluster:
             check_cluster_url(self.redis_url.get_secret_value())
+        return self
+
+    @model_validator(mode="after")
+    def _check_dataref_store(self) -> ClientSettings:
+        if self.dataref_store == "s3":
+            if self.dataref_s3_bucket is None:
+                raise ValueError('dataref_store "s3" needs dataref_s3_bucket')
+            parse_dataref(f"s3://{self.dataref_s3_bucket}/k")  # raises naming the rule
         return self
 
     @property

@@ -6,16 +6,20 @@ I/O and depends on no other part of Conveyor; docs/contract.md describes the
 same contract for producers and readers in any language.
 """
 
+from schemas.dataref import DEFAULT_DATA_PREFIX, DataRef, parse_dataref, redis_dataref, s3_dataref
 from schemas.dlq import dlq_headers
 from schemas.errors import ContractError, ErrorCode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.naming import (
     DEFAULT_LANE,
     ModelTopics,
+    cancel_key,
     consumer_group,
     is_valid_request_id,
     is_valid_topic,
+    payload_key,
     result_key,
+    status_key,
     topics_for,
 )
 from schemas.request import (
@@ -45,6 +49,7 @@ from schemas.result import (
 )
 
 __all__ = [
+    "DEFAULT_DATA_PREFIX",
     "DEFAULT_LANE",
     "DEFAULT_LIMITS",
     "REQUEST_TYPE",
@@ -52,6 +57,7 @@ __all__ = [
     "SPECVERSION",
     "ContentType",
     "ContractError",
+    "DataRef",
     "ErrorCode",
     "ErrorInfo",
     "Header",
@@ -63,6 +69,7 @@ __all__ = [
     "Result",
     "Status",
     "Timings",
+    "cancel_key",
     "consumer_group",
     "decode_request",
     "decode_result",
@@ -74,8 +81,13 @@ __all__ = [
     "is_valid_topic",
     "new_request_id",
     "ok_result",
+    "parse_dataref",
+    "payload_key",
+    "redis_dataref",
     "result_headers",
     "result_key",
+    "s3_dataref",
     "status_for",
+    "status_key",
     "topics_for",
 ]

@@ -43,6 +43,21 @@ class ErrorCode(StrEnum):
     """The model raised on this item (after the batch was split to isolate it)."""
     out_of_memory = "out_of_memory"
     """The item did not fit in accelerator memory even in a batch of one."""
+    dataref_missing = "dataref_missing"
+    """The object that ``ce_dataref`` names does not exist: it was never stored, the
+    name is wrong, or it was deleted (before its ``ce_dataexpires``, when that is set)."""
+    dataref_expired = "dataref_expired"
+    """The object that ``ce_dataref`` names is gone and its ``ce_dataexpires`` has
+    passed: the request waited in its topic longer than its payload was kept."""
+    dataref_too_large = "dataref_too_large"
+    """The object that ``ce_dataref`` names is larger than the worker's
+    ``max_dataref_bytes``."""
+    dataref_denied = "dataref_denied"
+    """The worker may not read the object that ``ce_dataref`` names: its store, key
+    prefix or bucket is not one this worker reads from, or the store refused access."""
+    cancelled = "cancelled"
+    """The request was cancelled (``conveyor:cancel:{<id>}`` set) before its batch ran;
+    the model never saw it."""
     result_too_large = "result_too_large"
     """The model's answer was larger than the reply topic accepts (its
     ``max.message.bytes``); the message gives both sizes. Raise the topic's limit or

@@ -23,10 +23,13 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from schemas.dataref import DataRef
 from schemas.errors import ContractError, ErrorCode
 from schemas.limits import Limits
 from schemas.request import (
     _CONTENT_TYPE_H,
+    _DATAEXPIRES_H,
+    _DATAREF_H,
     _DEADLINE_H,
     _ID_CHARS,
     _ID_H,
@@ -66,6 +69,8 @@ class FastMeta(NamedTuple):
     seq: int | None
     traceparent: str | None
     supersede: bool | None = None  # ce_supersede; None when absent: the worker's setting decides
+    dataref: DataRef | None = None
+    """Never set by ``parse_request``: records with ``ce_dataref`` take the full decoder."""
 
 
 _NO_PARAMS: dict[str, Any] = {}  # shared, never mutated: handlers read params only
@@ -137,6 +142,8 @@ def _with_optional(
     request_id: str, content_type: ContentType, found: Mapping[str, bytes], limits: Limits
 ) -> FastMeta | None:
     """The optional headers, read with the full decoder's own checks."""
+    if _DATAREF_H in found or _DATAEXPIRES_H in found:
+        return None  # payload by reference: rare, and its value rules differ
     try:
         _time(found, _TIME_H, limits)  # checked, not kept: workers do not use ce_time
         deadline = _time(found, _DEADLINE_H, limits)

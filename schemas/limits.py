@@ -30,6 +30,9 @@ class Limits(BaseModel, frozen=True, use_attribute_docstrings=True):
     """Deepest nesting of objects and arrays in ``ce_params``; the top-level object is depth 1."""
     max_payload_bytes: int = Field(default=16 * MiB, ge=1)
     """Largest record value."""
+    max_dataref_bytes: int = Field(default=256 * MiB, ge=1)
+    """Largest payload stored by reference (``ce_dataref``). Workers check the stored
+    object's size before they read it."""
     max_pixels: int = Field(default=40_000_000, ge=1)
     """Most pixels (width x height) of a decoded image. Workers check it while decoding,
     before allocating the image, so a small compressed "decompression bomb" is refused."""

@@ -15,6 +15,8 @@ _TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 REQUEST_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 DEFAULT_RESULT_PREFIX = "conveyor:result:"
+CANCEL_PREFIX = "conveyor:cancel:"
+STATUS_PREFIX = "conveyor:status:"
 _LONGEST_SUFFIX = len(".requests")
 DEFAULT_LANE = "default"
 """The lane name of a model's plain request topic, ``<prefix>.<model>.requests``."""
@@ -104,6 +106,30 @@ def result_key(request_id: str, prefix: str = DEFAULT_RESULT_PREFIX) -> str:
     Raises ``ContractError`` when ``request_id`` is not a valid request id, so a
     key can never be built from untrusted text.
     """
+    return prefix + _checked(request_id)
+
+
+def cancel_key(request_id: str) -> str:
+    """The Redis key that cancels a request: ``conveyor:cancel:{<request id>}``.
+
+    The braces are a Redis Cluster hash tag: a request's cancel and status keys
+    live in one slot, so a worker checks and marks a batch with one script per slot.
+    """
+    return CANCEL_PREFIX + "{" + _checked(request_id) + "}"
+
+
+def status_key(request_id: str) -> str:
+    """The Redis hash that says a request is running: ``conveyor:status:{<request id>}``
+    with fields ``attempt``, ``worker`` and ``started_ms``."""
+    return STATUS_PREFIX + "{" + _checked(request_id) + "}"
+
+
+def payload_key(request_id: str, prefix: str) -> str:
+    """The Redis key the SDK stores a request's payload under: ``<prefix><request id>``."""
+    return prefix + _checked(request_id)
+
+
+def _checked(request_id: str) -> str:
     if _REQUEST_ID.fullmatch(request_id) is None:
         raise ContractError(
             ErrorCode.bad_request,
@@ -111,4 +137,4 @@ def result_key(request_id: str, prefix: str = DEFAULT_RESULT_PREFIX) -> str:
             "a request id is 1–128 characters of [A-Za-z0-9._:-]",
             seen=request_id,
         )
-    return prefix + request_id
+    return request_id

@@ -21,6 +21,7 @@ from typing import Annotated, Any, NamedTuple
 import orjson
 from pydantic import BaseModel, Field
 
+from schemas.dataref import DataRef, parse_dataref
 from schemas.errors import ContractError, ErrorCode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.naming import REQUEST_ID_PATTERN, is_valid_topic
@@ -45,6 +46,8 @@ class Header(StrEnum):
     SEQ = "ce_seq"
     SUPERSEDE = "ce_supersede"
     TRACEPARENT = "traceparent"
+    DATAREF = "ce_dataref"
+    DATAEXPIRES = "ce_dataexpires"
 
 
 class ContentType(StrEnum):
@@ -72,6 +75,8 @@ _STREAM_H = Header.STREAM.value
 _SEQ_H = Header.SEQ.value
 _SUPERSEDE_H = Header.SUPERSEDE.value
 _TRACEPARENT_H = Header.TRACEPARENT.value
+_DATAREF_H = Header.DATAREF.value
+_DATAEXPIRES_H = Header.DATAEXPIRES.value
 _KNOWN_HEADERS = frozenset(h.value for h in Header)
 _REQUIRED_COUNT = 5  # ce_specversion, ce_id, ce_type, ce_source, content-type
 _MEDIA_TYPES = {c.value: c for c in ContentType}
@@ -126,6 +131,9 @@ class RequestMeta(BaseModel, frozen=True):
     setting decides."""
     traceparent: str | None = None
     """W3C ``traceparent``, passed on to the result record."""
+    dataref: DataRef | None = None
+    """``ce_dataref`` (with ``ce_dataexpires``): where the payload is stored when the
+    record carries a reference instead of the bytes (``schemas.dataref``)."""
     timestamp_ms: int
     """The record's Kafka timestamp (epoch ms): when it was produced."""
 
@@ -135,7 +143,7 @@ class Request:
     """A decoded request record."""
 
     meta: RequestMeta
-    payload: bytes  # the record value itself, never copied
+    payload: bytes  # the record value itself, never copied; empty with ``meta.dataref``
 
 
 class OutgoingRecord(NamedTuple):
@@ -190,7 +198,7 @@ def decode_request(
                 ErrorCode.bad_request, duplicate, "header appears more than once; send it once"
             )
         meta = _decode_meta(found, request_id, timestamp_ms, limits)
-        payload = _check_value(value, limits)
+        payload = _check_value(value, limits) if meta.dataref is None else _no_value(value)
     except ContractError as err:
         err.request_id = request_id
         raise
@@ -211,12 +219,16 @@ def encode_request(
     supersede: bool | None = None,
     traceparent: str | None = None,
     time: datetime | None = None,
+    dataref: str | None = None,
+    dataexpires: datetime | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> OutgoingRecord:
     """Build a request record; raises ``ContractError`` if a worker would refuse it.
 
     Datetimes must be timezone-aware; they are sent in UTC. ``params`` must be
-    JSON-serialisable with finite floats (orjson writes NaN as null).
+    JSON-serialisable with finite floats (orjson writes NaN as null). With
+    ``dataref`` (``schemas.dataref``) the payload is stored elsewhere and
+    ``payload`` must be empty.
     """
     # Text is encoded with surrogatepass so that a lone surrogate reaches the
     # decoder as invalid UTF-8 and fails there, as a ContractError.
@@ -243,6 +255,10 @@ def encode_request(
         headers.append((_SUPERSEDE_H, b"true" if supersede else b"false"))
     if traceparent is not None:
         headers.append((_TRACEPARENT_H, _utf8(traceparent)))
+    if dataref is not None:
+        headers.append((_DATAREF_H, _utf8(dataref)))
+    if dataexpires is not None:
+        headers.append((_DATAEXPIRES_H, _format_time(_DATAEXPIRES_H, dataexpires)))
     key = _utf8(stream if stream is not None else request_id)
     decoded = decode_request(headers, key, payload, 0, limits)
     if traceparent is not None and decoded.meta.traceparent is None:
@@ -303,6 +319,7 @@ def _decode_meta(
         "seq": None,
         "supersede": None,
         "traceparent": None,
+        "dataref": None,
         "timestamp_ms": timestamp_ms,
     }
     # The required headers are all present by now, so any other known one is optional.
@@ -321,6 +338,7 @@ def _read_optional(
     fields["stream"], fields["seq"] = _stream(found, limits)
     fields["supersede"] = _supersede(found, fields["stream"])
     fields["traceparent"] = _traceparent(found, limits)
+    fields["dataref"] = _dataref(found, limits)
 
 
 def _trusted_meta(fields: dict[str, Any]) -> RequestMeta:
@@ -359,6 +377,19 @@ def _check_value(value: bytes | None, limits: Limits) -> bytes:
             seen=len(value),
         )
     return value
+
+
+def _no_value(value: bytes | None) -> bytes:
+    """The value of a request with ``ce_dataref``: empty (or null), the payload is elsewhere."""
+    if value:
+        raise ContractError(
+            ErrorCode.bad_request,
+            "value",
+            "a request with ce_dataref has an empty value; send the payload bytes or a "
+            "reference to them, not both",
+            seen=f"{len(value)} bytes",
+        )
+    return b""
 
 
 def _expect(found: Mapping[str, bytes | None], name: str, expected: bytes) -> None:
@@ -575,6 +606,24 @@ def _traceparent(found: Mapping[str, bytes | None], limits: Limits) -> str | Non
     if trace_id == "0" * 32 or parent_id == "0" * 16:
         return None
     return text
+
+
+def _dataref(found: Mapping[str, bytes | None], limits: Limits) -> DataRef | None:
+    expires = _time(found, _DATAEXPIRES_H, limits)
+    text = _text(found, _DATAREF_H, limits.max_header_value_bytes)
+    if text is None:
+        if expires is not None:
+            raise ContractError(
+                ErrorCode.bad_request,
+                _DATAEXPIRES_H,
+                "needs ce_dataref: it says when the referenced payload stops being kept",
+            )
+        return None
+    try:
+        ref = parse_dataref(text)
+    except ValueError as exc:
+        raise ContractError(ErrorCode.bad_request, _DATAREF_H, str(exc), seen=text) from None
+    return ref if expires is None else ref._replace(expires=expires)
 
 
 def _utf8(text: str) -> bytes:

@@ -35,8 +35,10 @@ class Status(StrEnum):
     """The model ran; ``outputs`` holds the answer and ``error`` is null."""
     error = "error"
     """A well-formed request could not be answered: its payload did not decode or
-    was too large once decoded (``decode_failed``, ``image_too_large``), or the
-    model or worker failed (``model_error``, ``out_of_memory``, ``internal``)."""
+    was too large once decoded (``decode_failed``, ``image_too_large``), its
+    referenced payload could not be read (``dataref_*``), it was cancelled
+    (``cancelled``), or the model or worker failed (``model_error``,
+    ``out_of_memory``, ``internal``)."""
     expired = "expired"
     """The answer stopped being useful before the model ran, so the model was skipped:
     ``ce_deadline`` passed (code ``expired``) or, in freshest-frame mode, a newer frame
@@ -114,8 +116,9 @@ class Result(BaseModel, frozen=True):
     worker: str
     """Which worker process wrote the result."""
     attempt: Annotated[int, Field(ge=1)] = 1
-    """1 in this version: a redelivered request is recognised in Redis (its first answer
-    stays) but not counted here. Reserved for counting attempts."""
+    """How many times a worker started this request, this time included, when the
+    workers track status (``--track-status``); 1 otherwise (a redelivered request is
+    then recognised in Redis, its first answer stays, but not counted)."""
 
     @model_validator(mode="after")
     def _status_matches_error(self) -> Self:

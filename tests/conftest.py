@@ -20,15 +20,19 @@ from tests.integration.harness import NOTES, REPO, ROWS, fault_table
 
 KAFKA_PORT = int(os.environ.get("KAFKA_PORT", "9092"))
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
+S3_PORT = int(os.environ.get("S3_PORT", "8333"))
+# The local store's identity (compose/local/env.sh): test credentials, not secrets.
+S3_ACCESS_KEY = os.environ.get("S3_ACCESS_KEY", "conveyor-local")
+S3_SECRET_KEY = os.environ.get("S3_SECRET_KEY", "conveyor-local-secret")
 
 
-def require_listening(service: str, port: int) -> None:
+def require_listening(service: str, port: int, start: str = "make up") -> None:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     except OSError as exc:
         pytest.fail(
             f"{service} is not reachable on 127.0.0.1:{port} ({exc}). "
-            "Run `make up` first, or run the whole suite with `make test`.",
+            f"Run `{start}` first, or run the whole suite with `make test`.",
             pytrace=False,
         )
 
@@ -67,6 +71,33 @@ def kafka_bootstrap() -> str:
 def redis_url() -> str:
     require_listening("Redis", REDIS_PORT)
     return f"redis://127.0.0.1:{REDIS_PORT}/0"
+
+
+@pytest.fixture(scope="session")
+def s3_options() -> dict[str, str]:
+    """S3Settings fields for SeaweedFS's S3 gateway that `make up-s3` starts."""
+    require_listening("SeaweedFS's S3 gateway", S3_PORT, "make up-s3")
+    return {
+        "s3_endpoint_url": f"http://127.0.0.1:{S3_PORT}",
+        "s3_access_key_id": S3_ACCESS_KEY,
+        "s3_secret_access_key": S3_SECRET_KEY,
+        "s3_addressing_style": "path",
+    }
+
+
+@pytest.fixture
+async def s3_bucket(s3_options: dict[str, str], uid: str) -> AsyncIterator[str]:
+    """A bucket of this test's own, emptied and deleted afterwards."""
+    from producers.s3 import S3Settings, s3_client
+
+    name = f"t-{uid}"
+    async with s3_client(S3Settings.model_validate(s3_options)) as s3:
+        await s3.create_bucket(Bucket=name)
+        yield name
+        listed = await s3.list_objects_v2(Bucket=name)
+        for entry in listed.get("Contents", []):
+            await s3.delete_object(Bucket=name, Key=entry["Key"])
+        await s3.delete_bucket(Bucket=name)
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ class Answers:
                 "published_ms": now_ms,
             }
             try:
-                data = encode(meta.id, _OK, output, None, timings)
+                data = encode(meta.id, _OK, output, None, timings, item.attempt)
                 if len(data) > limit:
                     data = self._too_large(item, len(data), timings)
                 else:
@@ -106,20 +106,30 @@ class Answers:
         )
         status = status_for(ErrorCode.result_too_large)
         error = (ErrorCode.result_too_large.value, message)
-        return self._encoder.encode(item.meta.id, status, None, error, timings)
+        return self._encoder.encode(item.meta.id, status, None, error, timings, item.attempt)
 
     def _error(
-        self, request_id: str, code: ErrorCode, message: str, timings: Any, built: Built
+        self,
+        request_id: str,
+        code: ErrorCode,
+        message: str,
+        timings: Any,
+        built: Built,
+        attempt: int = 1,
     ) -> bytes:
         status = status_for(code)
         built.statuses[status.value] = built.statuses.get(status.value, 0) + 1
-        return self._encoder.encode(request_id, status, None, (code.value, message), timings)
+        return self._encoder.encode(
+            request_id, status, None, (code.value, message), timings, attempt
+        )
 
     def _refused(self, refusal: Refusal, now_ms: float, built: Built) -> None:
         record = refusal.record
         if refusal.request_id is not None:
             timings = _timings(refusal, now_ms)
-            data = self._error(refusal.request_id, refusal.code, refusal.message, timings, built)
+            data = self._error(
+                refusal.request_id, refusal.code, refusal.message, timings, built, refusal.attempt
+            )
             built.outbox.add(
                 refusal.request_id,
                 data,

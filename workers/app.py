@@ -18,7 +18,9 @@ from redis.exceptions import RedisError
 from producers.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
+from workers.admission import Admission
 from workers.answers import Answers
+from workers.claims import Claims
 from workers.consumer import Consumer
 from workers.health import Check, HealthServer
 from workers.loader import load_handler
@@ -89,7 +91,19 @@ async def run_worker(settings: WorkerSettings) -> None:
         answers = Answers(
             settings.served_name, handler.version, settings.worker_id, publisher.max_result_bytes
         )
-        pipeline = Pipeline(settings, consumer, publisher, runner, answers, metrics, transactions)
+        claims = await stack.enter_async_context(Claims.open(settings, metrics))
+        admission = await stack.enter_async_context(Admission.open(settings, metrics))
+        pipeline = Pipeline(
+            settings,
+            consumer,
+            publisher,
+            runner,
+            answers,
+            metrics,
+            claims=claims,
+            admission=admission,
+            transactions=transactions,
+        )
         log.info(
             "worker %s ready: serving %s from %s (%s)",
             settings.worker_id,

@@ -114,6 +114,17 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "metrics_port",
         "unready_after_s",
     ),
+    "payloads by reference, cancellation and status": (
+        "dataref_redis_prefix",
+        "dataref_s3_buckets",
+        "s3_endpoint_url",
+        "s3_region",
+        "s3_access_key_id",
+        "s3_secret_access_key",
+        "s3_addressing_style",
+        "cancellation",
+        "track_status",
+    ),
     "configuration": ("config_file",),
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""

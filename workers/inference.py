@@ -273,6 +273,7 @@ def _refuse(item: Item, code: ErrorCode, message: str) -> Refusal:
         item.received_ms,
         reply_to=meta.reply_to,
         traceparent=meta.traceparent,
+        attempt=item.attempt,
     )
 
 

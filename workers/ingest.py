@@ -3,7 +3,10 @@
 ``Ingest.parse`` runs on the event loop: one strict header parse per record
 (``schemas.fastpath.parse_request``), falling back to the full decoder only for
 records the fast parse does not take, which either decode after all or get the
-decoder's precise error. ``Ingest.preprocess`` turns payloads into tensors with
+decoder's precise error; it also says whether any request of the chunk carries
+its payload by reference (``ce_dataref``: only the full decoder reads those), so
+that the pipeline fetches them first (``workers.claims``). ``Ingest.preprocess``
+turns payloads into tensors with
 the handler's ``preprocess``; it is thread-safe, so the pipeline runs chunks of
 large payloads (images: Pillow releases the GIL while it decodes) in a thread
 pool, and chunks of small ones inline, where a thread hop would cost more than
@@ -16,9 +19,10 @@ Nothing here can raise for a record: whatever a producer sent ends as an
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from schemas import ContractError, ErrorCode, Limits, RequestMeta, decode_request, is_valid_topic
 from schemas.fastpath import FastMeta, parse_request
@@ -34,6 +38,16 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 64 * 1024
 """Chunks whose payloads add up to no more than this are preprocessed on the event loop."""
 
+_VALUE = operator.attrgetter("record.value")
+
+
+class Parsed(NamedTuple):
+    """A partition chunk, parsed."""
+
+    items: list[Item]
+    refused: list[Refusal]
+    referenced: bool  # some item carries its payload by reference (``meta.dataref``)
+
 
 class Ingest:
     """Parses and preprocesses records for one handler under one set of limits."""
@@ -46,11 +60,12 @@ class Ingest:
         self._max_age_ms = max_age_ms
         self._metrics = metrics
 
-    def parse(self, records: Sequence[Record], span: Span) -> tuple[list[Item], list[Refusal]]:
+    def parse(self, records: Sequence[Record], span: Span) -> Parsed:
         """Contract-check a partition's fetched records (all of ``span``), in order."""
         now_ms, now = time.time() * 1000.0, time.monotonic()
         items: list[Item] = []
         refused: list[Refusal] = []
+        referenced = False
         limits, max_age_ms = self._limits, self._max_age_ms
         for record in records:
             meta = parse_request(record.headers, record.value, limits)
@@ -58,21 +73,29 @@ class Ingest:
                 meta = self._slow(record, span, now_ms, refused)
                 if meta is None:
                     continue
+                referenced = referenced or meta.dataref is not None
             deadline_at = None
             if meta.deadline is not None or max_age_ms is not None:
                 deadline_at = _deadline(meta, record.timestamp, max_age_ms, now, now_ms)
             items.append(Item(record, span, meta, now_ms, now, deadline_at))
-        return items, refused
+        return Parsed(items, refused, referenced)
 
     def preprocess(self, items: Sequence[Item]) -> tuple[list[Item], list[Refusal]]:
-        """Run the handler's ``preprocess`` on each item; failures become refusals."""
+        """Run the handler's ``preprocess`` on each item's record value."""
+        # Parse refused records without a value, and sent those with a reference to claims.
+        return self.preprocess_payloads(items, map(_VALUE, items))
+
+    def preprocess_payloads(
+        self, items: Sequence[Item], payloads: Iterable[bytes]
+    ) -> tuple[list[Item], list[Refusal]]:
+        """Run the handler's ``preprocess`` on each item with its payload (``payloads[i]``
+        for ``items[i]``); failures become refusals."""
         ready: list[Item] = []
         refused: list[Refusal] = []
         preprocess = self._handler.preprocess
-        for item in items:
+        for item, payload in zip(items, payloads, strict=True):
             meta = item.meta
             try:
-                payload = cast(bytes, item.record.value)  # parse refused records without one
                 item.tensor = preprocess(payload, meta.content_type, meta.params)
             except ContractError as exc:
                 log.warning(
@@ -154,6 +177,7 @@ def _from_meta(meta: RequestMeta) -> FastMeta:
         meta.seq,
         meta.traceparent,
         meta.supersede,
+        meta.dataref,
     )
 
 

@@ -293,6 +293,25 @@ class Metrics:
             "conveyor_redeliveries_total",
             "Redelivered requests whose result was already in Redis (left unchanged).",
         ).labels(model)
+        self._cancelled = counter(
+            "conveyor_cancelled_total",
+            "Requests answered 'cancelled' before their batch ran: the model never saw them.",
+        ).labels(model)
+        self._admission_failures = counter(
+            "conveyor_admission_failures_total",
+            "Batches run without their cancellation and status check (Redis did not answer).",
+        ).labels(model)
+        self._dataref_objects = counter(
+            "conveyor_dataref_objects_total", "Payloads read by reference (ce_dataref)."
+        ).labels(model)
+        self._dataref_bytes = counter(
+            "conveyor_dataref_bytes_total", "Bytes of payloads read by reference."
+        ).labels(model)
+        self._dataref_retries = counter(
+            "conveyor_dataref_retries_total",
+            "Calls to a payload store that failed (unreachable, time-out) and were retried.",
+            "store",
+        )
         self._batch_size = Histogram(
             "conveyor_batch_size",
             "Requests per batch sent to the model.",
@@ -407,6 +426,22 @@ class Metrics:
         """``count`` frames were answered 'superseded' (freshest-frame mode)."""
         if count:
             self._superseded.inc(count)
+
+    def cancelled(self, count: int) -> None:
+        """``count`` requests were cancelled before their batch ran."""
+        self._cancelled.inc(count)
+
+    def admission_failed(self) -> None:
+        self._admission_failures.inc()
+
+    def dataref_fetched(self, objects: int, nbytes: int) -> None:
+        """``objects`` payloads of ``nbytes`` in all were read by reference."""
+        if objects:
+            self._dataref_objects.inc(objects)
+            self._dataref_bytes.inc(nbytes)
+
+    def dataref_retry(self, store: str) -> None:
+        self._dataref_retries.labels(self._model, store).inc()
 
     def dead_letters(self, count: int) -> None:
         """``count`` records were written to the dead-letter topic."""

@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from schemas import topics_for
+from workers.admission import Admission
 from workers.answers import Answers
 from workers.batcher import Batch
+from workers.claims import Claims
 from workers.delivery import AtLeastOnce, Delivery, ExactlyOnce
 from workers.freshest import LatestFrames
 from workers.handlers import Handler
@@ -102,9 +104,14 @@ class Pipeline:
         runner: ModelRunner,
         answers: Answers,
         metrics: Metrics,
+        *,
+        claims: Claims | None = None,
+        admission: Admission | None = None,
         transactions: TransactionalSink | None = None,
     ) -> None:
-        """``transactions``: deliver exactly once through them; at least once without."""
+        """``claims`` reads payloads by reference (none: every reference is refused);
+        ``admission`` checks each batch for cancellations and marks it running (none: off);
+        ``transactions``: deliver exactly once through them (none: at least once)."""
         self._s = settings
         self._source = source
         self._metrics = metrics
@@ -116,6 +123,8 @@ class Pipeline:
             else ExactlyOnce(answers, transactions, self._tracker, source)
         )
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
+        self._claims = claims or Claims.from_settings(settings, metrics, {})
+        self._admission = admission
         self._inference = Inference(runner, self._finished)
         topics = topics_for(settings.served_name, settings.topic_prefix)
         lanes = settings.request_lanes
@@ -209,7 +218,7 @@ class Pipeline:
 
     def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
         span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
-        items, refused = self._ingest.parse(records, span)
+        items, refused, referenced = self._ingest.parse(records, span)
         framed = [item for item in items if item.meta.stream is not None]
         if framed:
             self._frames.arrived(framed)
@@ -222,6 +231,10 @@ class Pipeline:
         if refused:
             self._outcomes.put_nowait(Outcome(refused=refused))
         lane = self._lane_of[tp[0]]
+        if referenced:  # payloads stored elsewhere: fetch them, then preprocess
+            resolved = asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
+            self._decoding.put_nowait(_Decoding(lane, items, resolved))
+            return
         loop = asyncio.get_running_loop()
         for start in range(0, len(items), _PREPROCESS_CHUNK):
             chunk = items[start : start + _PREPROCESS_CHUNK]
@@ -245,6 +258,12 @@ class Pipeline:
         self._frames.left(frames)
         self._metrics.superseded(len(frames))
         return [superseded_refusal(item) for item in frames]
+
+    async def _preprocess_fetched(self, items: list[Item], payloads: list[bytes]) -> Decoded:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, self._ingest.preprocess_payloads, items, payloads
+        )
 
     def _lag(self) -> dict[tuple[str, int], int]:
         """Per partition: records not fetched yet plus those in flight."""
@@ -285,6 +304,8 @@ class Pipeline:
                     )
                 # Items of partitions revoked meanwhile are left to their new owner.
                 items = [item for item in batch.items if not item.span.released]
+                if items and self._admission is not None:
+                    items = await self._admit(items)
                 if items:
                     self._inference.submit(items)
                 else:
@@ -292,6 +313,14 @@ class Pipeline:
         finally:
             await self._inference.wait_idle()
             self._outcomes.put_nowait(None)
+
+    async def _admit(self, items: list[Item]) -> list[Item]:
+        """The batch less its cancelled requests, which are answered at once."""
+        assert self._admission is not None
+        admitted, cancelled = await self._admission.admit(items)
+        if cancelled:
+            self._outcomes.put_nowait(Outcome(refused=cancelled))
+        return admitted
 
     async def _next_batch(self) -> Batch[Item] | None:
         """Wait for the batcher to close a batch; None once the input is done and drained."""

@@ -157,10 +157,6 @@ class Publisher:
         """Seconds results have been failing to become durable (0 while they do)."""
         return self._failures.stalled_for()
 
-    def config_problem(self) -> str | None:
-        """The configuration error results are waiting on, if any."""
-        return self._failures.config_problem
-
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result is in Redis and acked on Kafka, and every dead letter acked.
 
@@ -238,11 +234,13 @@ class Publisher:
         for (topic, partition), indices in groups.items():
             for batch in self._batches(producer, indices, outbox, values):
                 pending.append(((topic, partition), batch))
-        sends = [
-            await producer.send_batch(batch, topic, partition=partition)
-            for (topic, partition), (batch, _) in pending
-        ]
-        results = await asyncio.gather(*sends, return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                self._send_batch(producer, batch, topic, partition)
+                for (topic, partition), (batch, _) in pending
+            ),
+            return_exceptions=True,
+        )
         failed: dict[tuple[str, int], list[int]] = defaultdict(list)
         first_error: BaseException | None = None
         for ((topic, partition), (_, indices)), result in zip(pending, results, strict=True):
@@ -259,6 +257,13 @@ class Publisher:
         groups.update(failed)
         if first_error is not None:
             raise first_error
+
+    async def _send_batch(
+        self, producer: AIOKafkaProducer, batch: Any, topic: str, partition: int
+    ) -> None:
+        """Queue one producer batch and wait for the broker's acknowledgement."""
+        delivered = await producer.send_batch(batch, topic, partition=partition)
+        await delivered
 
     def _batches(
         self,

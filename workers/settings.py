@@ -28,8 +28,16 @@ from pydantic_settings import (
 )
 
 from producers.redis_cluster import check_cluster_url
+from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity
-from schemas import DEFAULT_LANE, DEFAULT_LIMITS, Limits, topics_for
+from schemas import (
+    DEFAULT_DATA_PREFIX,
+    DEFAULT_LANE,
+    DEFAULT_LIMITS,
+    Limits,
+    parse_dataref,
+    topics_for,
+)
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
@@ -126,7 +134,7 @@ def _parse_lanes(value: Any) -> Any:
     return tuple(lanes)
 
 
-class WorkerSettings(BaseSettings, ConnectionSecurity):
+class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """Everything a worker process needs to know, validated once at start."""
 
     model_config = SettingsConfigDict(
@@ -286,6 +294,28 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         "session timeout takes its partitions back without a rebalance",
     )
 
+    # Payloads by reference (ce_dataref), cancellation and status (docs/contract.md).
+    dataref_redis_prefix: str = Field(
+        default=DEFAULT_DATA_PREFIX,
+        min_length=1,
+        description="a ce_dataref may name Redis keys (redis:KEY) with this prefix only",
+    )
+    dataref_s3_buckets: str = Field(
+        default="",
+        description="comma-separated S3 buckets a ce_dataref may name (s3://BUCKET/KEY); "
+        "empty: none (the store is set with the s3_* settings)",
+    )
+    cancellation: bool = Field(
+        default=False,
+        description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
+        "when their batch is about to run (one Redis call per batch)",
+    )
+    track_status: bool = Field(
+        default=False,
+        description="mark requests running in Redis (conveyor:status:{ID}) when their batch "
+        "starts and count attempts in results (one Redis call per batch)",
+    )
+
     worker_id: str = Field(default_factory=_default_worker_id)
     """this worker's name in results, logs and Kafka client ids (e.g. the pod name)"""
     limits: Limits = DEFAULT_LIMITS
@@ -391,6 +421,18 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
         tail = re.split(r"[:/]", self.model)[-1]
         return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
 
+    @field_validator("dataref_s3_buckets")
+    @classmethod
+    def _check_buckets(cls, value: str) -> str:
+        for bucket in _split(value):
+            parse_dataref(f"s3://{bucket}/k")  # raises ValueError naming the rule
+        return value
+
+    @property
+    def s3_buckets(self) -> frozenset[str]:
+        """The buckets of ``dataref_s3_buckets``."""
+        return frozenset(_split(self.dataref_s3_buckets))
+
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
@@ -399,3 +441,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity):
     def request_lanes(self) -> tuple[LaneSpec, ...]:
         """Every lane served, highest first; without ``lanes``, the default lane alone."""
         return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)
+
+
+def _split(names: str) -> list[str]:
+    return [name.strip() for name in names.split(",") if name.strip()]

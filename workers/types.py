@@ -70,6 +70,7 @@ class Item:
     received_at: float  # monotonic seconds: for waiting and deadlines
     deadline_at: float | None  # monotonic seconds
     tensor: Any = None  # what the handler's preprocess made of the payload
+    attempt: int = 1  # counted in Redis when status is tracked (workers.admission)
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +92,7 @@ class Refusal:
     traceparent: str | None = None
     dead_letter: bool = True
     batch: BatchTiming | None = None  # set when the model ran on it (model failures)
+    attempt: int = 1
 
 
 @dataclass(frozen=True, slots=True)

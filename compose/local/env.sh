@@ -8,11 +8,25 @@ KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_HEAP=${KAFKA_HEAP:-"-Xms256m -Xmx1g"}
 REDIS_HOST=127.0.0.1
 REDIS_PORT=${REDIS_PORT:-6379}
+# SeaweedFS's S3 gateway, the S3-compatible object store of the tests (Apache-2.0),
+# built from its Go module; the other ports follow S3_PORT as in SeaweedFS's defaults
+# (S3 8333: filer 8888, master 9333, volume 8080; gRPC on each port + 10000).
+SEAWEEDFS_VERSION=${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}
+S3_HOST=127.0.0.1
+S3_PORT=${S3_PORT:-8333}
+SEAWEEDFS_FILER_PORT=${SEAWEEDFS_FILER_PORT:-$((S3_PORT + 555))}
+SEAWEEDFS_MASTER_PORT=${SEAWEEDFS_MASTER_PORT:-$((S3_PORT + 1000))}
+SEAWEEDFS_VOLUME_PORT=${SEAWEEDFS_VOLUME_PORT:-$((S3_PORT - 253))}
+# Credentials of the local store only (tests and the demo); never a real secret.
+S3_ACCESS_KEY=${S3_ACCESS_KEY:-conveyor-local}
+S3_SECRET_KEY=${S3_SECRET_KEY:-conveyor-local-secret}
 CACHE_DIR=${CONVEYOR_CACHE_DIR:-$ROOT/.cache}
 RUN_DIR=${CONVEYOR_RUN_DIR:-$ROOT/.run}
 KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
 KAFKA_DIR=$RUN_DIR/kafka-$KAFKA_PORT
 REDIS_DIR=$RUN_DIR/redis-$REDIS_PORT
+WEED_BIN=$CACHE_DIR/seaweedfs-$SEAWEEDFS_VERSION/weed
+SEAWEEDFS_DIR=$RUN_DIR/seaweedfs-$S3_PORT
 READY_TIMEOUT=${READY_TIMEOUT:-90}
 
 log() { printf '[conveyor] %s\n' "$*" >&2; }

@@ -5,10 +5,12 @@ Kafka: a real Metadata request (API key 3, version 4) that must list at least
 registered and unfenced). Redis: a PING that must answer PONG. A Redis Cluster
 node: ``cluster_state:ok`` from its own view, its replication link up if it is a
 replica, and with ``--replicas R`` every primary that holds slots has R replicas
-not marked failed. Polls until ready, until the timeout, or until the watched
+not marked failed. S3: an unsigned request for a bucket that must be answered as
+S3 answers one (403 or 404 with an S3 error document), which the gateway does
+once its filer is up. Polls until ready, until the timeout, or until the watched
 process exits; never a fixed sleep.
 
-Usage: python3 ready.py kafka|redis|redis-cluster HOST PORT [--timeout S] [--pid PID]
+Usage: python3 ready.py kafka|redis|redis-cluster|s3 HOST PORT [--timeout S] [--pid PID]
                         [--brokers N] [--replicas R]
 """
 
@@ -52,6 +54,19 @@ def redis_ping(host: str, port: int, timeout: float = 2.0) -> bool:
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.sendall(b"PING\r\n")
         return sock.recv(64).startswith(b"+PONG")
+
+
+def s3_answers(host: str, port: int, timeout: float = 2.0) -> bool:
+    request = (
+        f"GET /conveyor-ready-probe HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(request.encode())
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/") else b""
+    return status in (b"403", b"404") and b"<Error>" in answer
 
 
 def redis_text(host: str, port: int, *command: str, timeout: float = 2.0) -> str:
@@ -99,7 +114,7 @@ def _alive(pid: int | None) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("service", choices=["kafka", "redis", "redis-cluster"])
+    parser.add_argument("service", choices=["kafka", "redis", "redis-cluster", "s3"])
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("--timeout", type=float, default=90.0)
@@ -120,6 +135,10 @@ def main() -> int:
                 if brokers >= args.brokers:
                     return 0
                 last_error = f"metadata lists {brokers} of {args.brokers} brokers"
+            elif args.service == "s3":
+                if s3_answers(args.host, args.port):
+                    return 0
+                last_error = "the S3 gateway does not answer as S3 yet"
             elif args.service == "redis-cluster":
                 problem = redis_cluster_problem(args.host, args.port, args.replicas)
                 if problem is None:

@@ -33,6 +33,9 @@ from workers.demo_model import build_digits_model, heldout_digits
 __all__ = ["LocalService", "Workers", "admin_for", "check", "setup", "tally", "until_answered"]
 
 
+_PORT_VARIABLE = {"kafka.sh": "KAFKA_PORT", "redis.sh": "REDIS_PORT", "seaweedfs.sh": "S3_PORT"}
+
+
 @dataclass
 class LocalService:
     """A Kafka broker or Redis server of this test's own, started by compose/local scripts."""
@@ -46,7 +49,7 @@ class LocalService:
         env = {
             **os.environ,
             "CONVEYOR_RUN_DIR": str(self.run_dir),
-            "KAFKA_PORT" if self.script == "kafka.sh" else "REDIS_PORT": str(self.port),
+            _PORT_VARIABLE[self.script]: str(self.port),
             **self.env,
         }
         subprocess.run(
@@ -93,6 +96,29 @@ def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
     service.start()
     yield service
     service.stop()
+
+
+@pytest.fixture
+def private_s3(tmp_path: Path) -> Iterator[LocalService]:
+    """SeaweedFS of this test's own: its S3 port and the ports derived from it are free."""
+    while True:
+        port = free_port()
+        derived = (port + 555, port + 1000, port - 253)
+        wanted = [*derived, *(p + 10000 for p in derived)]
+        if all(1024 < p < 65536 and not _listening(p) for p in wanted):
+            break
+    service = LocalService("seaweedfs.sh", port, tmp_path / "run")
+    service.start()
+    yield service
+    service.stop()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")

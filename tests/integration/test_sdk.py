@@ -307,7 +307,9 @@ async def test_unknown_model_is_refused_before_sending(settings: ClientSettings,
 async def test_a_record_too_large_for_its_topic_is_reported_as_such(
     settings: ClientSettings, kafka_admin: AIOKafkaAdminClient, uid: str
 ) -> None:
-    """A topic made with Kafka's ~1 MB default refuses a 2 MiB request: the SDK says so."""
+    """A topic made with Kafka's ~1 MB default refuses a 2 MiB request: the SDK says so
+    (with payloads by reference off: on, the payload would go to Redis instead)."""
+    settings = settings.model_copy(update={"dataref_store": "off"})
     model = f"small{uid}"
     topic = topics_for(model).requests
     limit = 1024 * 1024
@@ -341,7 +343,8 @@ async def test_the_largest_payload_fits_the_topics_the_cli_creates(
             [topics.requests, topics.results, topics.dlq], settings.limits.max_record_bytes
         )
         payload = b"x" * settings.limits.max_payload_bytes
-        async with AsyncClient(settings) as client:
+        inline = settings.model_copy(update={"dataref_store": "off"})  # in the record itself
+        async with AsyncClient(inline) as client:
             request_id = await client.submit(payload, model=model, content_type="text/plain")
         assert request_id
     finally:

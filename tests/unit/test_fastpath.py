@@ -47,6 +47,8 @@ OPTIONAL = [
     "ce_seq",
     "ce_supersede",
     "traceparent",
+    "ce_dataref",
+    "ce_dataexpires",
 ]
 near_valid = st.builds(
     lambda base, extra, order: order.sample(base + extra, len(base) + len(extra)),
@@ -90,6 +92,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
         meta.seq,
         meta.traceparent,
         meta.supersede,
+        meta.dataref,
     )
 
 

@@ -19,8 +19,10 @@ import orjson
 import pytest
 import torch
 
-from schemas import ContentType, ErrorCode, Status, decode_result, encode_request
+from schemas import ContentType, DataRef, ErrorCode, Status, decode_result, encode_request
+from workers.admission import CANCELLED, Admission, RequestState
 from workers.answers import Answers
+from workers.claims import Claims, Fault, PayloadStore
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.runner import ModelRunner
@@ -202,6 +204,9 @@ def records(
 def make(
     source: FakeSource,
     model: EchoModel,
+    *,
+    stores: Mapping[str, PayloadStore] | None = None,
+    state: RequestState | None = None,
     transactions: TransactionalSink | None = None,
     metrics: Metrics | None = None,
     **settings: Any,
@@ -211,8 +216,19 @@ def make(
     sink = FakeSink()
     runner = ModelRunner(model, device="cpu")
     answers = Answers("t", model.version, "w1", max_result_bytes=1 << 20)
+    metrics = metrics or Metrics("t")
+    claims = None if stores is None else Claims.from_settings(s, metrics, stores)
+    admission = None if state is None else Admission(state, metrics)
     pipeline = Pipeline(
-        s, source, sink, runner, answers, metrics or Metrics("t"), transactions=transactions
+        s,
+        source,
+        sink,
+        runner,
+        answers,
+        metrics,
+        claims=claims,
+        admission=admission,
+        transactions=transactions,
     )
     return pipeline, sink
 
@@ -727,3 +743,122 @@ async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> Non
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+# -- payloads by reference, cancellation, status --------------------------------------
+
+
+@dataclass
+class MemoryStore:
+    """A payload store of the claims port, in memory (the adapters have their own tests)."""
+
+    objects: dict[str, bytes]
+
+    async def sizes(self, refs: Sequence[DataRef]) -> list[int | Fault | None]:
+        return [len(self.objects[r.key]) if r.key in self.objects else None for r in refs]
+
+    async def read(self, refs: Sequence[DataRef], max_bytes: int) -> list[bytes | Fault | None]:
+        return [self.objects.get(r.key) for r in refs]
+
+
+def referenced(partition: int, first: int, count: int) -> list[FakeRecord]:
+    """Requests whose one-byte payloads are stored as conveyor:data:<id>."""
+    out = []
+    for n in range(first, first + count):
+        rid = f"p{partition}-{n}"
+        record = encode_request(
+            b"",
+            request_id=rid,
+            content_type=ContentType.TEXT,
+            source="t",
+            dataref=f"redis:conveyor:data:{rid}",
+        )
+        out.append(FakeRecord(TOPIC, partition, n, 0, record.key, record.value, record.headers))
+    return out
+
+
+async def test_referenced_payloads_are_served_in_partition_order_among_inline_ones() -> None:
+    mixed = records(0, 4) + referenced(0, 4, 4) + records(0, 4, first=8)
+    stored = {f"conveyor:data:p0-{n}": bytes([100 + n]) for n in range(4, 8)}
+    del stored["conveyor:data:p0-6"]  # one of them was never stored
+    source = FakeSource({0: mixed})
+    pipeline, sink = make(source, EchoModel(), stores={"redis": MemoryStore(stored)})
+    await run_until(pipeline, lambda: len(sink.stored) == 12)
+    outputs = {i: decode_result(v).outputs for i, v in sink.stored.items()}
+    assert [outputs[f"p0-{n}"] for n in (4, 5, 7)] == [104, 105, 107]  # the stored bytes
+    error = decode_result(sink.stored["p0-6"]).error
+    assert error is not None
+    assert error.code == ErrorCode.dataref_missing
+    ok = [i for i in sink.published_ids() if i != "p0-6"]
+    assert ok == sorted(ok, key=lambda i: int(i.split("-")[1]))
+    assert source.committed == {0: 12}
+
+
+async def test_a_worker_without_stores_refuses_references() -> None:
+    source = FakeSource({0: referenced(0, 0, 2)})
+    pipeline, sink = make(source, EchoModel())
+    await run_until(pipeline, lambda: len(sink.stored) == 2)
+    assert {decode_result(v).error.code for v in sink.stored.values()} == {  # type: ignore[union-attr]
+        ErrorCode.dataref_denied
+    }
+
+
+@dataclass
+class FakeState:
+    """Cancellations and attempt counts, as the Redis script keeps them."""
+
+    cancelled: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)  # ids per call
+
+    async def start(self, ids: Sequence[str]) -> list[int]:
+        self.sizes.append(len(ids))
+        out = []
+        for request_id in ids:
+            if request_id in self.cancelled:
+                out.append(CANCELLED)
+            else:
+                self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
+                out.append(self.attempts[request_id])
+        return out
+
+
+async def test_cancelled_requests_are_answered_without_reaching_the_model() -> None:
+    source = FakeSource({0: records(0, 40, first=100)})
+    model = EchoModel()
+    state = FakeState(cancelled={f"p0-{n}" for n in range(100, 140, 2)})
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, state=state, metrics=metrics)
+    await run_until(pipeline, lambda: len(sink.stored) == 40)
+    results = {i: decode_result(v) for i, v in sink.stored.items()}
+    cancelled = {i for i, r in results.items() if r.error is not None}
+    assert cancelled == state.cancelled
+    assert {results[i].error.code for i in cancelled} == {ErrorCode.cancelled}  # type: ignore[union-attr]
+    assert {results[i].status for i in cancelled} == {Status.error}
+    assert model.seen == 20
+    assert not any(box.dead for box in sink.outboxes)
+    # One call per batch of at most max_batch_size (8) requests, not one per request.
+    assert max(state.sizes) <= 8
+    assert len(state.sizes) < 40
+    assert b'conveyor_cancelled_total{model="t"} 20.0' in metrics.render()
+
+
+async def test_results_carry_the_attempt_the_state_counted() -> None:
+    source = FakeSource({0: records(0, 3, first=100)})
+    state = FakeState(attempts={"p0-101": 2})  # started twice before, by workers that died
+    pipeline, sink = make(source, EchoModel(), state=state)
+    await run_until(pipeline, lambda: len(sink.stored) == 3)
+    assert [decode_result(sink.stored[f"p0-{n}"]).attempt for n in (100, 101, 102)] == [1, 3, 1]
+
+
+async def test_a_state_store_that_fails_lets_the_batch_run() -> None:
+    class Down:
+        async def start(self, ids: Sequence[str]) -> list[int]:
+            raise ConnectionError("Redis is down")
+
+    source = FakeSource({0: records(0, 5, first=100)})
+    metrics = Metrics("t")
+    pipeline, sink = make(source, EchoModel(), state=Down(), metrics=metrics)
+    await run_until(pipeline, lambda: len(sink.stored) == 5)
+    assert {decode_result(v).status for v in sink.stored.values()} == {Status.ok}
+    assert b"conveyor_admission_failures_total" in metrics.render()
