@@ -13,6 +13,8 @@ fresh model name (so fresh topics and consumer groups), each worker a real
    the worker's first fetch to every result being in Redis, repeated (median);
    with ``--baseline-tree`` the worker of an earlier checkout serves the same
    kind of backlog between the repeats, for a ratio measured in the same run;
+   with ``--overhead-variant FLAGS`` this worker with those flags does too (e.g.
+   ``--delivery exactly-once``, for the cost of transactions against at-least-once);
    then a run sampled by py-spy (steady serving only) for the profile by area.
 3. latency: open-loop load at 25/50/75% of the digits CNN's peak (scenario 4's
    micro-batched rate); end-to-end percentiles from each result's timings
@@ -116,6 +118,7 @@ class Bench:
     baseline_tree: Path | None = None  # a checkout of the previous design, run side by side
     only: frozenset[str] = frozenset()  # scenarios to run; empty: all
     overhead_options: tuple[str, ...] = ()  # more worker flags for scenario 2 (both trees)
+    overhead_variant: tuple[str, ...] = ()  # scenario 2 also runs this worker with these flags
 
     def model(self, scenario: str) -> str:
         return f"bench-{self.run_id}-{scenario}"
@@ -156,11 +159,13 @@ class Bench:
         ids: Sequence[str],
         tree: Path = REPO,
         profile: Path | None = None,
+        label: str | None = None,
     ) -> dict[str, Any]:
         """Produce ``records``, then start a worker (from ``tree``) on them; rate and batches
-        once all are in. With ``profile``, py-spy samples the worker into that file."""
+        once all are in. With ``profile``, py-spy samples the worker into that file.
+        ``label`` names the worker's log (default: the tree's directory name)."""
         await produce_backlog(self.services, topics.requests, records, PARTITIONS)
-        log_path = self.log_dir / f"{model}-{tree.name}-{len(ids)}.log"
+        log_path = self.log_dir / f"{model}-{label or tree.name}-{len(ids)}.log"
         async with WorkerChild(argv, log_path, cwd=tree) as worker:
             sampler = None
             if profile is not None:
@@ -333,13 +338,17 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     design's worker serves the same kind of backlog, interleaved run by run."""
     plan = bench.plan
     options = ["--max-batch-size", str(OVERHEAD_BATCH), *bench.overhead_options]
-    trees = {"current": REPO} | ({"previous": bench.baseline_tree} if bench.baseline_tree else {})
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    arms = {"current": (REPO, options)}
+    if bench.baseline_tree:
+        arms["previous"] = (bench.baseline_tree, options)
+    if bench.overhead_variant:
+        arms["variant"] = (REPO, [*options, *bench.overhead_variant])
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     profile_path = bench.log_dir / f"{bench.model('overhead')}.pyspy.txt"
     async with bench.fresh_model("overhead") as (model, topics, ids):
         argv = bench.worker_argv(IDENTITY, model, options)
         for repeat in range(plan.overhead_repeats):
-            for name, tree in trees.items():
+            for name, (tree, flags) in arms.items():
                 # Same topic and group: each worker gets only the records produced for it.
                 records, batch_ids = _requests(
                     model,
@@ -349,8 +358,11 @@ async def overhead(bench: Bench) -> dict[str, Any]:
                     f"{name}{repeat}-",
                 )
                 ids += batch_ids
+                arm_argv = bench.worker_argv(IDENTITY, model, flags)
                 runs[name].append(
-                    await bench.serve_backlog(topics, model, argv, records, batch_ids, tree)
+                    await bench.serve_backlog(
+                        topics, model, arm_argv, records, batch_ids, tree, label=name
+                    )
                 )
         profile = None
         if plan.profile_seconds:
@@ -373,6 +385,14 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "met": rate >= OVERHEAD_GOAL,
         "profile": profile,
     }
+    if "variant" in rates:
+        variant = statistics.median(rates["variant"])
+        section |= {
+            "variant_options": list(bench.overhead_variant),
+            "variant_rates": rates["variant"],
+            "variant_rate": variant,
+            "variant_ratio": variant / rate,
+        }
     if "previous" in rates:
         previous = statistics.median(rates["previous"])
         section |= {
@@ -616,6 +636,16 @@ def print_table(report: dict[str, Any]) -> None:
             _verdict(o["met"], f">= {OVERHEAD_GOAL:,.0f}/s"),
         ),
     ]
+    if "variant_rate" in o:
+        rows.append(
+            (
+                "2 overhead, variant",
+                f"{o['variant_rate']:,.0f} req/s",
+                " ".join(o["variant_options"]),
+                f"{o['variant_ratio']:.2f}x",
+                "",
+            )
+        )
     if "previous_rate" in o:
         rows.append(
             (
@@ -709,7 +739,8 @@ def _say(message: str) -> None:
 
 
 def _default_kafka_libs() -> Path:
-    """The jars ``compose/local`` runs the broker from (the version its pom names)."""
+    """The jars ``compose/local`` runs the broker from (the version its pom names, in its
+    cache directory: ``CONVEYOR_CACHE_DIR``, else ``.cache``)."""
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
     found = re.search(r"<kafka.version>(.+?)</kafka.version>", pom)
     version = os.environ.get("KAFKA_VERSION") or (found.group(1) if found else "")
@@ -746,6 +777,12 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="more worker flags for scenario 2, e.g. '--max-in-flight 8192' (both trees)",
     )
+    parser.add_argument(
+        "--overhead-variant",
+        default="",
+        help="scenario 2 also runs this worker with these flags, interleaved, and reports the "
+        "ratio, e.g. '--delivery exactly-once' for the cost of transactions",
+    )
     return parser
 
 
@@ -762,6 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline_tree=args.baseline_tree.resolve() if args.baseline_tree else None,
         only=frozenset(name for name in args.only.split(",") if name),
         overhead_options=tuple(shlex.split(args.overhead_options)),
+        overhead_variant=tuple(shlex.split(args.overhead_variant)),
     )
     # aiokafka logs retries it recovers from (e.g. leader elections on new topics).
     logging.getLogger("aiokafka").setLevel(logging.ERROR)

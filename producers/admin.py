@@ -1,4 +1,4 @@
-"""Create a model's topics: requests, results and dead letters.
+"""Create a model's topics: requests (one per priority lane), results and dead letters.
 
 A topic's partition count caps how many workers of a model can share its
 work: each partition is read by one worker of the group at a time, so the
@@ -42,21 +42,29 @@ class TopicState:
 
 
 async def create_model_topics(
-    settings: ClientSettings, model: str, partitions: int, replication_factor: int = 1
+    settings: ClientSettings,
+    model: str,
+    partitions: int,
+    replication_factor: int = 1,
+    lanes: Sequence[str] = (),
 ) -> list[TopicState]:
-    """Create ``model``'s request and result topics with ``partitions`` partitions, and its DLQ.
+    """Create ``model``'s request and result topics with ``partitions`` partitions, and its DLQ;
+    with ``lanes``, a request topic per priority lane too (``<requests>.<lane>``).
 
     Every new topic gets ``max.message.bytes`` from ``settings.limits``. Raises
-    ``InvalidInput`` for a bad model name or count, ``ServiceUnavailable`` when
-    Kafka cannot be reached, and ``ClientError`` when the broker refuses.
+    ``InvalidInput`` for a bad model name, lane name or count, ``ServiceUnavailable``
+    when Kafka cannot be reached, and ``ClientError`` when the broker refuses.
     """
     if partitions < 1 or replication_factor < 1:
         raise InvalidInput("partitions and replication factor must be at least 1")
     try:
         topics = topics_for(model, settings.topic_prefix)
+        lane_topics = [topics.lane(lane) for lane in lanes]
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
-    wanted = {topics.requests: partitions, topics.results: partitions, topics.dlq: _DLQ_PARTITIONS}
+    wanted = {topics.requests: partitions}
+    wanted |= dict.fromkeys(lane_topics, partitions)
+    wanted |= {topics.results: partitions, topics.dlq: _DLQ_PARTITIONS}
     config = {MAX_MESSAGE_BYTES: str(settings.limits.max_record_bytes)}
     admin = _admin(settings)
     try:

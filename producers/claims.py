@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from producers.cluster_keys import per_key
 from producers.errors import ClientError, ServiceUnavailable
@@ -117,6 +117,8 @@ class Uploader:
                     await pipe.execute()
                     queued = 0
             await pipe.execute()
+        except (NoPermissionError, AuthenticationError) as exc:
+            raise _refused_by_redis(settings, exc) from exc
         except (RedisError, OSError) as exc:
             raise ServiceUnavailable(
                 f"cannot store payloads in Redis at {settings.redis_location} "
@@ -147,6 +149,9 @@ class Uploader:
         except (RedisError, OSError) as exc:
             answers = {"": exc}
         failed = [answer for answer in answers.values() if isinstance(answer, Exception)]
+        refused = [f for f in failed if isinstance(f, NoPermissionError | AuthenticationError)]
+        if refused:
+            raise _refused_by_redis(settings, refused[0])
         if failed:
             raise ServiceUnavailable(
                 f"cannot store payloads in the Redis Cluster at {settings.redis_location} "
@@ -190,3 +195,15 @@ class Uploader:
             self._s3 = await context.enter_async_context(s3_client(self._settings))
             self._s3_context = context
         return self._s3
+
+
+def _refused_by_redis(settings: ClientSettings, exc: BaseException) -> PayloadStoreRefused:
+    """Redis would not let this caller store a payload: retrying cannot help."""
+    return PayloadStoreRefused(
+        f"Redis at {settings.redis_location} refused to store a payload "
+        f"({type(exc).__name__}: {exc}): payloads above dataref_threshold_bytes "
+        f"({settings.dataref_threshold_bytes}) are stored under "
+        f"{settings.dataref_redis_prefix}*, which needs +set on that pattern for this "
+        "Redis user (docs/security.md), or set CONVEYOR_DATAREF_STORE to s3 or off; "
+        "nothing was sent"
+    )

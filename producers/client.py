@@ -94,16 +94,19 @@ class AsyncClient:
         request_id: str | None = None,
         reply_to: str | None = None,
         content_type: ContentType | str | None = None,
+        lane: str | None = None,
     ) -> str:
         """Send one request to ``model``; returns its request id once the broker has it.
 
         ``content_type`` defaults to what the payload's magic bytes say (JPEG,
         PNG, WebP, npy). A payload larger than ``settings.dataref_threshold_bytes``
         is stored first (Redis or S3, ``settings.dataref_store``) and sent by
-        reference (``ce_dataref``). Raises ``InvalidInput`` or ``schemas.ContractError`` for
-        input a worker would refuse, ``UnknownModel`` when the model has no
-        request topic, and ``ServiceUnavailable`` when Kafka cannot be reached;
-        in every case nothing was sent.
+        reference (``ce_dataref``). ``lane`` sends it to the model's priority lane of
+        that name (topic ``<prefix>.<model>.requests.<lane>``), served before the plain
+        request topic by workers started with ``--lanes``. Raises ``InvalidInput`` or
+        ``schemas.ContractError`` for input a worker would refuse, ``UnknownModel``
+        when the model (or lane) has no request topic, and ``ServiceUnavailable`` when
+        Kafka cannot be reached; in every case nothing was sent.
         """
         ids = await self.submit_many(
             [payload],
@@ -113,6 +116,7 @@ class AsyncClient:
             request_ids=None if request_id is None else [request_id],
             reply_to=reply_to,
             content_type=content_type,
+            lane=lane,
         )
         return ids[0]
 
@@ -126,6 +130,7 @@ class AsyncClient:
         request_ids: Sequence[str] | None = None,
         reply_to: str | None = None,
         content_type: ContentType | str | None = None,
+        lane: str | None = None,
     ) -> list[str]:
         """Send one request per payload, batched; returns their ids in payload order.
 
@@ -133,7 +138,7 @@ class AsyncClient:
         input sends nothing. Options apply to every request; ``request_ids``,
         when given, has one id per payload.
         """
-        topic = _request_topic(model, self.settings)
+        topic = _request_topic(model, lane, self.settings)
         ids, records, stored = self._encode_all(
             list(payloads),
             params=params,
@@ -289,6 +294,7 @@ class Client:
         request_id: str | None = None,
         reply_to: str | None = None,
         content_type: ContentType | str | None = None,
+        lane: str | None = None,
     ) -> str:
         """See ``AsyncClient.submit``."""
         return self._call(
@@ -300,6 +306,7 @@ class Client:
                 request_id=request_id,
                 reply_to=reply_to,
                 content_type=content_type,
+                lane=lane,
             )
         )
 
@@ -313,6 +320,7 @@ class Client:
         request_ids: Sequence[str] | None = None,
         reply_to: str | None = None,
         content_type: ContentType | str | None = None,
+        lane: str | None = None,
     ) -> list[str]:
         """See ``AsyncClient.submit_many``."""
         return self._call(
@@ -324,6 +332,7 @@ class Client:
                 request_ids=request_ids,
                 reply_to=reply_to,
                 content_type=content_type,
+                lane=lane,
             )
         )
 
@@ -370,9 +379,10 @@ class Client:
             raise
 
 
-def _request_topic(model: str, settings: ClientSettings) -> str:
+def _request_topic(model: str, lane: str | None, settings: ClientSettings) -> str:
     try:
-        return topics_for(model, settings.topic_prefix).requests
+        topics = topics_for(model, settings.topic_prefix)
+        return topics.requests if lane is None else topics.lane(lane)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
 

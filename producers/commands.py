@@ -28,7 +28,7 @@ from producers.errors import ClientError, InvalidInput, ResultTimeout, ServiceUn
 from producers.progress import ProgressBar
 from producers.results import RequestStatus
 from producers.settings import ClientSettings
-from schemas import ContentType, ContractError, Result, Status
+from schemas import ContentType, ContractError, Result, Status, topics_for
 
 EXIT_OK = 0
 EXIT_NOT_OK = 1
@@ -73,6 +73,9 @@ def add_client_commands(
     )
     submit.add_argument("files", nargs="+", type=Path, metavar="FILE")
     submit.add_argument("--model", required=True, help="model name (topic conveyor.MODEL.requests)")
+    submit.add_argument(
+        "--lane", help="priority lane: send to conveyor.MODEL.requests.LANE (default: none)"
+    )
     submit.add_argument("--wait", action="store_true", help="wait for and print the results")
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds --wait waits")
     submit.add_argument("--params", help="JSON object of model parameters, e.g. '{\"top_k\": 3}'")
@@ -128,11 +131,18 @@ def add_client_commands(
         "create",
         parents=[connection],
         help="create a model's request, result and dead-letter topics",
-        description="Create conveyor.MODEL.requests, .results and .dlq. Give the request "
-        "topic at least as many partitions as the most workers you plan to run for the "
-        "model: a worker beyond the partition count gets no work.",
+        description="Create conveyor.MODEL.requests, .results and .dlq (and "
+        "conveyor.MODEL.requests.LANE per priority lane). Give the request topics at least "
+        "as many partitions as the most workers you plan to run for the model: a worker "
+        "beyond the partition count gets no work.",
     )
     create.add_argument("--model", required=True, help="model name")
+    create.add_argument(
+        "--lanes",
+        default="",
+        help="comma-separated priority lanes, e.g. high: a request topic for each "
+        "(the worker's --lanes names them too)",
+    )
     create.add_argument(
         "--partitions", type=int, required=True, help=">= the most workers planned for the model"
     )
@@ -178,6 +188,7 @@ async def _submit(args: argparse.Namespace, settings: ClientSettings) -> int:
             params=params,
             deadline=deadline,
             content_type=args.content_type,
+            lane=args.lane,
         )
         if not args.wait:
             for path, request_id in zip(files, ids, strict=True):
@@ -256,9 +267,12 @@ async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:
 
 
 async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> int:
+    lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
     states = await create_model_topics(
-        settings, args.model, args.partitions, args.replication_factor
+        settings, args.model, args.partitions, args.replication_factor, lanes
     )
+    topics = topics_for(args.model, settings.topic_prefix)  # checked by the call above
+    request_topics = {topics.requests, *(topics.lane(lane) for lane in lanes)}
     needed = settings.limits.max_record_bytes
     status = EXIT_OK
     name = f"conveyor {args.command}"
@@ -269,7 +283,7 @@ async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> 
         print(
             f"{verb} {state.name} ({state.partitions} partition{plural}, max.message.bytes {size})"
         )
-        if state.name.endswith(".requests") and state.partitions < args.partitions:
+        if state.name in request_topics and state.partitions < args.partitions:
             status = _fail(
                 name,
                 f"{state.name} already exists with {state.partitions} partitions, fewer than "

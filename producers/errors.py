@@ -31,7 +31,8 @@ class UnknownModel(ClientError):
         super().__init__(
             f"topic {topic} does not exist, so no worker serves model {model!r}: "
             f"create it with `conveyor topics create --model {model} --partitions N` "
-            "(N >= the most workers you plan to run), then start `conveyor worker`"
+            "(N >= the most workers you plan to run; --lanes NAME for a priority lane), "
+            "then start `conveyor worker`"
         )
         self.model = model
         self.topic = topic

@@ -48,6 +48,7 @@ from producers.sender import RequestSender
 from producers.settings import ClientSettings
 from schemas import (
     ContentType,
+    ErrorCode,
     OutgoingRecord,
     Result,
     Status,
@@ -296,6 +297,7 @@ async def stream_video(
     model: str,
     stream_id: str,
     on_sent: Callable[[SentFrame], None] | None = None,
+    freshest: bool | None = None,
 ) -> int:
     """Send ``source``'s frames to ``model`` as stream ``stream_id``; returns how many were sent.
 
@@ -303,6 +305,10 @@ async def stream_video(
     each frame once the broker has it. Decoding runs in a thread, so the event
     loop stays free. Use a stream id of its own for each run: a request id
     ``<stream id>:<seq>`` that already has a result in Redis keeps that result.
+    ``freshest`` sets ``ce_supersede`` on every frame: True lets a worker answer a
+    frame ``superseded`` (status ``expired``) when a newer one is already waiting,
+    so results keep up with live video under load; False asks for every frame;
+    None leaves it to the worker's ``supersede_frames`` setting.
     Raises ``InvalidInput`` for a bad stream id or a broken file,
     ``UnknownModel`` and ``ServiceUnavailable`` as ``AsyncClient.submit`` does.
     """
@@ -316,7 +322,7 @@ async def stream_video(
     sent = 0
     try:
         while chunk := await _next_chunk(frames):
-            records = [_frame_record(settings, stream_id, frame) for frame in chunk]
+            records = [_frame_record(settings, stream_id, frame, freshest) for frame in chunk]
             await sender.send(model, topic, records)
             sent += len(chunk)
             if on_sent is not None:
@@ -347,7 +353,9 @@ async def _next_chunk(frames: Iterator[Frame]) -> list[Frame]:
         raise
 
 
-def _frame_record(settings: ClientSettings, stream_id: str, frame: Frame) -> OutgoingRecord:
+def _frame_record(
+    settings: ClientSettings, stream_id: str, frame: Frame, freshest: bool | None
+) -> OutgoingRecord:
     return encode_request(
         frame.jpeg,
         request_id=frame_request_id(stream_id, frame.seq),
@@ -355,6 +363,7 @@ def _frame_record(settings: ClientSettings, stream_id: str, frame: Frame) -> Out
         source=settings.source,
         stream=stream_id,
         seq=frame.seq,
+        supersede=freshest,
         time=datetime.now(UTC),
         limits=settings.limits,
     )
@@ -490,6 +499,9 @@ class AsyncStreamReader:
             bootstrap_servers=self._settings.kafka_bootstrap,
             group_id=None,  # a private reader: it must not take partitions from anyone
             enable_auto_commit=False,
+            # Workers in exactly-once delivery write results in transactions: never read
+            # an aborted one. Without transactions this reads exactly what is there.
+            isolation_level="read_committed",
             **kafka_options(self._settings),
         )
         try:
@@ -699,6 +711,14 @@ def add_stream_command(
     stream.add_argument("--size", type=_size, metavar="WxH", help="resize frames, e.g. 224x224")
     stream.add_argument("--wait", action="store_true", help="then print the results in frame order")
     stream.add_argument(
+        "--freshest",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="freshest-frame mode (ce_supersede): a frame still waiting when a newer one "
+        "arrives is answered 'superseded' instead of run; --no-freshest asks for every frame "
+        "(default: the worker's setting)",
+    )
+    stream.add_argument(
         "--timeout",
         type=float,
         default=30.0,
@@ -735,7 +755,7 @@ async def run_stream(args: argparse.Namespace, settings: ClientSettings) -> int:
             async with aclosing(reader.results(sent)) as results:
                 async for frame in results:
                     _print_json(_frame_document(frame))
-                    if frame.result is None or frame.result.status is not Status.ok:
+                    if not _answered(frame, args.freshest):
                         status = EXIT_NOT_OK
             return status
 
@@ -758,7 +778,12 @@ async def _send(
 
     try:
         sent = await stream_video(
-            settings, source, model=args.model, stream_id=args.stream_id, on_sent=sent_one
+            settings,
+            source,
+            model=args.model,
+            stream_id=args.stream_id,
+            on_sent=sent_one,
+            freshest=args.freshest,
         )
     finally:
         if progress is not None:
@@ -769,6 +794,17 @@ async def _send(
         file=sys.stderr,
     )
     return sent
+
+
+def _answered(frame: FrameResult, freshest: bool | None) -> bool:
+    """Whether the frame got the answer asked for: ok, or superseded when asked for that."""
+    result = frame.result
+    if result is None:
+        return False
+    if result.status is Status.ok:
+        return True
+    code = result.error.code if result.error is not None else None
+    return freshest is not False and code == ErrorCode.superseded
 
 
 def _print_sent(frame: SentFrame) -> None:

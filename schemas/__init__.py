@@ -11,6 +11,7 @@ from schemas.dlq import dlq_headers
 from schemas.errors import ContractError, ErrorCode
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.naming import (
+    DEFAULT_LANE,
     ModelTopics,
     cancel_key,
     consumer_group,
@@ -50,6 +51,7 @@ from schemas.result import (
 
 __all__ = [
     "DEFAULT_DATA_PREFIX",
+    "DEFAULT_LANE",
     "DEFAULT_LIMITS",
     "REQUEST_TYPE",
     "RESULT_TYPE",

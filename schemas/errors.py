@@ -36,6 +36,9 @@ class ErrorCode(StrEnum):
     malformed JSON or NumPy data, or a tensor of the wrong shape for the model."""
     expired = "expired"
     """``ce_deadline`` passed before the model ran."""
+    superseded = "superseded"
+    """Freshest-frame mode: a newer frame of the same ``ce_stream`` was already waiting,
+    so this older one was answered without running the model."""
     model_error = "model_error"
     """The model raised on this item (after the batch was split to isolate it)."""
     out_of_memory = "out_of_memory"

@@ -46,6 +46,7 @@ from schemas.request import (
     _params,
     _reply_to,
     _stream,
+    _supersede,
     _time,
     _traceparent,
 )
@@ -67,6 +68,7 @@ class FastMeta(NamedTuple):
     stream: str | None
     seq: int | None
     traceparent: str | None
+    supersede: bool | None = None  # ce_supersede; None when absent: the worker's setting decides
     dataref: DataRef | None = None
     """Never set by ``parse_request``: records with ``ce_dataref`` take the full decoder."""
 
@@ -98,7 +100,7 @@ def parse_request(
     ):
         return None
     if len(found) == len(_REQUIRED):
-        return FastMeta(request_id.decode(), content_type, _NO_PARAMS, *_NONE_5)
+        return FastMeta(request_id.decode(), content_type, _NO_PARAMS, *_NONE_6)
     return _with_optional(request_id.decode(), content_type, found, limits)
 
 
@@ -133,7 +135,7 @@ def _source_ok(source: bytes | None, limits: Limits) -> bool:
     return True
 
 
-_NONE_5 = (None, None, None, None, None)
+_NONE_6 = (None, None, None, None, None, None)
 
 
 def _with_optional(
@@ -148,6 +150,7 @@ def _with_optional(
         reply_to = _reply_to(found, limits)
         params = _params(found, limits) if _PARAMS_H in found else _NO_PARAMS
         stream, seq = _stream(found, limits)
+        supersede = _supersede(found, stream)
     except ContractError:
         return None
     return FastMeta(
@@ -159,6 +162,7 @@ def _with_optional(
         stream,
         seq,
         _traceparent(found, limits),
+        supersede,
     )
 
 

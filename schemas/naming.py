@@ -18,6 +18,9 @@ DEFAULT_RESULT_PREFIX = "conveyor:result:"
 CANCEL_PREFIX = "conveyor:cancel:"
 STATUS_PREFIX = "conveyor:status:"
 _LONGEST_SUFFIX = len(".requests")
+DEFAULT_LANE = "default"
+"""The lane name of a model's plain request topic, ``<prefix>.<model>.requests``."""
+_LANE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,28 @@ class ModelTopics:
     requests: str  # where producers send requests
     results: str  # where workers publish results (unless a request names ce_replyto)
     dlq: str  # where records that cannot get a result go, with the reason in headers
+
+    def lane(self, name: str) -> str:
+        """The request topic of priority lane ``name``: ``<requests>.<name>``, and the
+        plain request topic for ``default``.
+
+        Raises ``ValueError`` for a name that is not 1–32 characters of
+        ``[a-z0-9_-]`` starting with a letter or digit, or a topic name too long.
+        """
+        if name == DEFAULT_LANE:
+            return self.requests
+        if _LANE.fullmatch(name) is None:
+            raise ValueError(
+                f"lane name {name!r} must be 1–32 characters of [a-z0-9_-], "
+                "starting with a letter or digit"
+            )
+        topic = f"{self.requests}.{name}"
+        if len(topic) > MAX_TOPIC_LENGTH:
+            raise ValueError(
+                f"lane topic {topic} would have {len(topic)} characters, "
+                f"Kafka allows {MAX_TOPIC_LENGTH}"
+            )
+        return topic
 
 
 def is_valid_topic(name: str) -> bool:

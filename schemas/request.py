@@ -44,6 +44,7 @@ class Header(StrEnum):
     PARAMS = "ce_params"
     STREAM = "ce_stream"
     SEQ = "ce_seq"
+    SUPERSEDE = "ce_supersede"
     TRACEPARENT = "traceparent"
     DATAREF = "ce_dataref"
     DATAEXPIRES = "ce_dataexpires"
@@ -72,6 +73,7 @@ _REPLYTO_H = Header.REPLYTO.value
 _PARAMS_H = Header.PARAMS.value
 _STREAM_H = Header.STREAM.value
 _SEQ_H = Header.SEQ.value
+_SUPERSEDE_H = Header.SUPERSEDE.value
 _TRACEPARENT_H = Header.TRACEPARENT.value
 _DATAREF_H = Header.DATAREF.value
 _DATAEXPIRES_H = Header.DATAEXPIRES.value
@@ -85,6 +87,7 @@ _REQUEST_TYPE_RAW = REQUEST_TYPE.encode()
 _ID_CHARS = re.compile(rb"[A-Za-z0-9._:-]+")
 _ID_RULE = "1–{} characters of [A-Za-z0-9._:-]"
 _SEQ = re.compile(rb"[0-9]{1,19}")
+_SUPERSEDE_VALUES = {b"true": True, b"false": False}
 _MAX_SEQ = 2**63 - 1  # a Java long: producers in any language can hold it
 # RFC 3339 section 5.6; [0-9] rather than \d, which also matches non-ASCII digits.
 _RFC3339 = re.compile(
@@ -122,6 +125,10 @@ class RequestMeta(BaseModel, frozen=True):
     """``ce_stream``: the video stream (or other ordered sequence) this request belongs to."""
     seq: Annotated[int, Field(ge=0, le=_MAX_SEQ)] | None = None
     """``ce_seq``: position in the stream (e.g. frame number)."""
+    supersede: bool | None = None
+    """``ce_supersede``: whether a newer frame of the same stream, already waiting in the
+    worker, may answer this one ``superseded`` (freshest-frame mode); None: the worker's
+    setting decides."""
     traceparent: str | None = None
     """W3C ``traceparent``, passed on to the result record."""
     dataref: DataRef | None = None
@@ -209,6 +216,7 @@ def encode_request(
     reply_to: str | None = None,
     stream: str | None = None,
     seq: int | None = None,
+    supersede: bool | None = None,
     traceparent: str | None = None,
     time: datetime | None = None,
     dataref: str | None = None,
@@ -243,6 +251,8 @@ def encode_request(
         headers.append((_STREAM_H, _utf8(stream)))
     if seq is not None:
         headers.append((_SEQ_H, str(seq).encode()))
+    if supersede is not None:
+        headers.append((_SUPERSEDE_H, b"true" if supersede else b"false"))
     if traceparent is not None:
         headers.append((_TRACEPARENT_H, _utf8(traceparent)))
     if dataref is not None:
@@ -307,6 +317,7 @@ def _decode_meta(
         "params": {},
         "stream": None,
         "seq": None,
+        "supersede": None,
         "traceparent": None,
         "dataref": None,
         "timestamp_ms": timestamp_ms,
@@ -325,6 +336,7 @@ def _read_optional(
     fields["reply_to"] = _reply_to(found, limits)
     fields["params"] = _params(found, limits)
     fields["stream"], fields["seq"] = _stream(found, limits)
+    fields["supersede"] = _supersede(found, fields["stream"])
     fields["traceparent"] = _traceparent(found, limits)
     fields["dataref"] = _dataref(found, limits)
 
@@ -555,6 +567,21 @@ def _stream(found: Mapping[str, bytes | None], limits: Limits) -> tuple[str | No
             ErrorCode.bad_request, name, "needs ce_stream: a sequence number is per stream"
         )
     return stream, int(raw)
+
+
+def _supersede(found: Mapping[str, bytes | None], stream: str | None) -> bool | None:
+    name = _SUPERSEDE_H
+    if name not in found:
+        return None
+    raw = found[name]
+    supersede = None if raw is None else _SUPERSEDE_VALUES.get(raw)
+    if supersede is None:
+        raise ContractError(ErrorCode.bad_request, name, "must be true or false", seen=raw)
+    if stream is None:
+        raise ContractError(
+            ErrorCode.bad_request, name, "needs ce_stream: frames supersede within a stream"
+        )
+    return supersede
 
 
 def _traceparent(found: Mapping[str, bytes | None], limits: Limits) -> str | None:

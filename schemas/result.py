@@ -25,6 +25,7 @@ _JSON_RAW = ContentType.JSON.value.encode()
 # Bad input is an ``error`` (DESIGN.md: bad input gives `error` with a clear code);
 # ``rejected`` is kept for records that are not v1 requests at all.
 _REJECTED_CODES = frozenset({ErrorCode.unsupported_type})
+_EXPIRED_CODES = frozenset({ErrorCode.expired, ErrorCode.superseded})
 
 
 class Status(StrEnum):
@@ -39,7 +40,9 @@ class Status(StrEnum):
     (``cancelled``), or the model or worker failed (``model_error``,
     ``out_of_memory``, ``internal``)."""
     expired = "expired"
-    """``ce_deadline`` passed before the model ran (code ``expired``); the model was skipped."""
+    """The answer stopped being useful before the model ran, so the model was skipped:
+    ``ce_deadline`` passed (code ``expired``) or, in freshest-frame mode, a newer frame
+    of the same stream was already waiting (code ``superseded``)."""
     rejected = "rejected"
     """The record broke the wire contract (``bad_request``, ``unsupported_type``,
     ``unsupported_media_type``, ``payload_too_large``): sending it again fails the same way."""
@@ -47,7 +50,7 @@ class Status(StrEnum):
 
 def status_for(code: ErrorCode | str) -> Status:
     """The status a worker gives a result with this error code."""
-    if code == ErrorCode.expired:
+    if code in _EXPIRED_CODES:
         return Status.expired
     return Status.rejected if code in _REJECTED_CODES else Status.error
 

@@ -23,6 +23,7 @@ from workers.types import DeadLetter, Item, Outbox, Outcome, Refusal
 log = logging.getLogger(__name__)
 
 _OK = Status.ok
+_WAITED = frozenset({ErrorCode.expired, ErrorCode.superseded})  # answered after waiting
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ def _timings(refusal: Refusal, now_ms: float) -> dict[str, Any]:
         queue_ms = start_ms - refusal.received_ms
     else:
         start_ms, finished_ms, inference_ms, size = None, now_ms, 0.0, 0
-        queued = refusal.code is ErrorCode.expired
+        queued = refusal.code in _WAITED
         queue_ms = now_ms - refusal.received_ms if queued else 0.0
     return {
         "produced_ms": refusal.record.timestamp,

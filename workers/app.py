@@ -31,6 +31,7 @@ from workers.publisher import Publisher
 from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings
 from workers.topics import TopicFacts, check_topics
+from workers.transactions import Transactions
 
 log = logging.getLogger("conveyor.worker")
 
@@ -78,14 +79,15 @@ async def run_worker(settings: WorkerSettings) -> None:
         publisher = parts.publisher = await stack.enter_async_context(
             Publisher(settings, topics, facts, encoder, metrics=metrics)
         )
-        consumer = parts.consumer = await stack.enter_async_context(
-            Consumer(
-                settings,
-                topics.requests,
-                consumer_group(settings.served_name, settings.topic_prefix),
-                metrics,
-            )
-        )
+        group = consumer_group(settings.served_name, settings.topic_prefix)
+        request_topics = [topics.lane(lane.name) for lane in settings.request_lanes]
+        consumer = Consumer(settings, request_topics, group, metrics)
+        transactions = None
+        if settings.delivery == "exactly-once":
+            transactions = Transactions(publisher, group, settings.transaction_timeout_ms)
+            stack.push_async_callback(transactions.aclose)
+            consumer.on_assign(transactions.open)  # fence the previous owner, then fetch
+        parts.consumer = await stack.enter_async_context(consumer)
         answers = Answers(
             settings.served_name, handler.version, settings.worker_id, publisher.max_result_bytes
         )
@@ -100,12 +102,14 @@ async def run_worker(settings: WorkerSettings) -> None:
             metrics,
             claims=claims,
             admission=admission,
+            transactions=transactions,
         )
         log.info(
-            "worker %s ready: serving %s from %s",
+            "worker %s ready: serving %s from %s (%s)",
             settings.worker_id,
             settings.served_name,
-            topics.requests,
+            ", ".join(request_topics),
+            settings.delivery,
         )
         await pipeline.run(stop)
         stats = pipeline.stats

@@ -10,7 +10,9 @@ answered ``expired`` without ever reaching the model.
 The caller owns the clock: every method that needs the time takes ``now``, in
 monotonic seconds, so tests drive the batcher with plain numbers and never sleep.
 Order is always kept (frames of one stream must reach the model in order), both
-in batches and in `split`.
+in batches and in `split`. `withdraw` takes out items a caller no longer wants run
+(frames superseded by newer ones, ``workers.freshest``), keeping the others' order;
+``workers.lanes`` builds priority lanes from one batcher per lane.
 """
 
 from __future__ import annotations
@@ -124,6 +126,31 @@ class Batcher(Generic[T]):
         size = min(self.max_batch_size, len(self._queue))
         taken = [self._queue.popleft() for _ in range(size)]
         return _batch(taken, expired, reason, now)
+
+    def due(self, now: float, backlog: bool = False) -> CloseReason | None:
+        """Why `poll` would close a batch of items at ``now``, or None (expired items aside)."""
+        return self._due(now, backlog)
+
+    def take_expired(self, now: float) -> Batch[T] | None:
+        """Remove the expired items alone: a Batch with no items, reason ``deadline``, or None."""
+        expired = self._take_expired(now)
+        return _batch([], expired, CloseReason.DEADLINE, now) if expired else None
+
+    def withdraw(self, unwanted: Callable[[T], bool]) -> list[T]:
+        """Remove and return every queued item for which ``unwanted(item)`` holds, in order;
+        the others keep their order and arrival times. One pass over the queue."""
+        taken: list[T] = []
+        kept: deque[_Entry[T]] = deque()
+        for entry in self._queue:
+            if unwanted(entry.item):
+                taken.append(entry.item)
+            else:
+                kept.append(entry)
+        if taken:
+            self._queue = kept
+            self._deadlines = [(e.deadline, e.seq) for e in kept if e.deadline is not None]
+            heapq.heapify(self._deadlines)
+        return taken
 
     def next_deadline(self) -> float | None:
         """When `poll` will next have something to return without new input: the

@@ -78,6 +78,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "decode_threads",
         "decode_memory_mb",
         "event_loop",
+        "lanes",
+        "supersede_frames",
     ),
     "Kafka": (
         "kafka_bootstrap",
@@ -88,6 +90,8 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_drain_ms",
         "group_instance_id",
         "permanent_error_grace_s",
+        "delivery",
+        "transaction_timeout_ms",
     ),
     "Redis": ("redis_url", "redis_cluster", "redis_replica_acks", "result_ttl_s"),
     "security": (

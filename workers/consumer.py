@@ -1,10 +1,18 @@
 """The worker's Kafka side: a consumer-group member that fetches, pauses and commits.
 
 ``Consumer`` is the ``RecordSource`` of the pipeline (``workers.types``): it hands
-out records per partition, pauses for backpressure, commits the positions it is
-given, and before the group takes partitions away it waits for the pipeline to
-drain and commit them (``on_revoke``). Which positions are safe to commit is the
-pipeline's business (``workers.offsets``), not this adapter's.
+out records per partition of its request topics (one per priority lane), pauses
+topics for backpressure, commits the positions it is given, and before the group
+takes partitions away it waits for the pipeline to drain and commit them
+(``on_revoke``). Which positions are safe to commit is the pipeline's business
+(``workers.offsets``), not this adapter's.
+
+With an assignment handler (``on_assign``; exactly-once delivery starts its
+transactional producers there), new partitions are held paused until the handler
+returns, and fetching then starts at their committed positions as read *after*
+it: an offset another worker committed in a transaction that the handler's
+producers aborted or waited for is never missed. ``restart`` runs the same steps
+again for partitions whose work in flight was dropped.
 
 No record can stop it: fetch responses are read with ``workers.kafka_records``
 (a record aiokafka's parser refuses is read leniently and refused by the worker),
@@ -16,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence, Set
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import (
@@ -31,7 +39,7 @@ from producers.security import kafka_connect_failed, kafka_options
 from workers import kafka_records
 from workers.metrics import Metrics
 from workers.settings import WorkerSettings
-from workers.types import ConfigError, Record, Revoked
+from workers.types import Assigned, ConfigError, Record, Revoked
 from workers.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
@@ -44,17 +52,29 @@ class FetchConfigError(ConfigError):
     """Kafka refuses this worker's reads, and kept refusing past the grace period."""
 
 
+class TakeOverError(ConfigError):
+    """New partitions could not be taken over (assignment handler, committed positions):
+    fetching them from anywhere else could break exactly-once delivery, so the worker
+    stops and its partitions go to another."""
+
+
 class Consumer:
-    """A consumer-group member on one model's request topic, with manual commits."""
+    """A consumer-group member on one model's request topics, with manual commits."""
 
     def __init__(
-        self, settings: WorkerSettings, topic: str, group: str, metrics: Metrics | None = None
+        self,
+        settings: WorkerSettings,
+        topics: str | Sequence[str],
+        group: str,
+        metrics: Metrics | None = None,
     ) -> None:
         kafka_records.install()
         self._metrics = metrics
-        self._topic = topic
+        self._topics = [topics] if isinstance(topics, str) else list(topics)
         self._settings = settings
         self._revoked: Revoked | None = None
+        self._assigned: Assigned | None = None
+        self._assign_error: BaseException | None = None  # the handler's, raised by fetch
         self._next_offset: dict[TP, int] = {}  # per partition, after the last record fetched
         self._kafka = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
@@ -71,7 +91,9 @@ class Consumer:
             fetch_max_bytes=max(50 << 20, settings.limits.max_payload_bytes + 65536),
             **kafka_options(settings),
         )
-        self.paused = False
+        self._paused_topics: frozenset[str] = frozenset()  # backpressure
+        self._held: set[TopicPartition] = set()  # waiting for the assignment handler
+        self._pauses_stale = False  # assignment or holds changed since pauses were applied
         self._failures = 0  # fetches failed in a row
         self.config_problem: str | None = None
         """Why Kafka refuses this worker's reads right now, if it does."""
@@ -79,7 +101,7 @@ class Consumer:
 
     async def start(self) -> None:
         """Join the group; raises ``ConnectFailed`` naming the cause if Kafka refuses us."""
-        self._kafka.subscribe([self._topic], listener=_Rebalance(self))
+        self._kafka.subscribe(self._topics, listener=_Rebalance(self))
         try:
             await self._kafka.start()
         except KafkaError as exc:
@@ -102,8 +124,22 @@ class Consumer:
     def on_revoke(self, handler: Revoked) -> None:
         self._revoked = handler
 
+    def on_assign(self, handler: Assigned) -> None:
+        """Call ``handler`` with new partitions before fetching them (see the module doc).
+
+        A ``ConfigError`` it raises ends the worker: the next ``fetch`` raises it.
+        """
+        self._assigned = handler
+
+    async def restart(self, partitions: Collection[TP]) -> None:
+        """Hold ``partitions``, run the assignment handler for them, then fetch them from
+        their committed positions; records fetched past those are fetched again."""
+        await self._take_over({TopicPartition(*tp) for tp in partitions})
+
     async def fetch(self, timeout_ms: int, max_records: int) -> Mapping[TP, Sequence[Record]]:
         """The next records per partition; after an error, none (it is retried next time)."""
+        if self._assign_error is not None:
+            raise self._assign_error
         try:
             batches: dict[TP, list[Record]] = await self._kafka.getmany(
                 timeout_ms=timeout_ms, max_records=max_records
@@ -152,15 +188,59 @@ class Consumer:
                 lag[tp] = max(0, end - fetched)
         return lag
 
-    def set_paused(self, paused: bool) -> None:
-        """Pause or resume fetching from every assigned partition (backpressure)."""
-        if paused == self.paused:
+    def set_paused(self, topics: Set[str]) -> None:
+        """Fetch from every assigned partition except those of ``topics`` (backpressure)."""
+        if topics == self._paused_topics and not self._pauses_stale:
             return
-        if paused:
-            self._kafka.pause(*self._kafka.assignment())
-        else:
-            self._kafka.resume(*self._kafka.paused())
-        self.paused = paused
+        self._paused_topics = frozenset(topics)
+        self._apply_pauses()
+
+    def _apply_pauses(self) -> None:
+        """Pause what backpressure and the assignment handler hold; resume the rest."""
+        assigned = self._kafka.assignment()
+        wanted = {tp for tp in assigned if tp.topic in self._paused_topics} | (
+            self._held & assigned
+        )
+        paused = self._kafka.paused()
+        if wanted - paused:
+            self._kafka.pause(*(wanted - paused))
+        if paused - wanted:
+            self._kafka.resume(*(paused - wanted))
+        self._pauses_stale = False
+
+    async def _take_over(self, partitions: set[TopicPartition]) -> None:
+        """Hold ``partitions``, run the assignment handler, fetch from committed positions."""
+        # Never for a partition no longer ours: its producer would fence the new owner's.
+        partitions &= self._kafka.assignment()
+        if self._assigned is None or not partitions:
+            return
+        self._held |= partitions
+        self._apply_pauses()
+        try:
+            await self._assigned({(tp.topic, tp.partition) for tp in partitions})
+            await self._seek_to_committed(partitions & self._kafka.assignment())
+        except ConfigError as exc:
+            self._assign_error = exc  # the partitions stay held: the worker stops
+            return
+        except Exception as exc:  # the listener's caller would only log it
+            log.exception("taking over %s failed", _names(partitions))
+            self._assign_error = TakeOverError(f"taking over {_names(partitions)} failed: {exc!r}")
+            return
+        finally:
+            self._pauses_stale = True
+        self._held -= partitions
+        self._apply_pauses()
+
+    async def _seek_to_committed(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            committed = await self._kafka.committed(tp)
+            if tp not in self._kafka.assignment():
+                continue  # revoked while asking
+            if committed is None:
+                await self._kafka.seek_to_beginning(tp)
+            else:
+                self._kafka.seek(tp, committed)
+            self._next_offset.pop((tp.topic, tp.partition), None)
 
     async def commit(self, positions: Mapping[TP, int]) -> bool:
         """Commit positions of partitions still assigned; False when Kafka refused."""
@@ -188,10 +268,11 @@ class Consumer:
         for tp in revoked:
             self._next_offset.pop(tp, None)
 
-    def _keep_paused(self, assigned: set[TopicPartition]) -> None:
-        if self.paused and assigned:
-            # New partitions start paused too while backpressure holds.
-            self._kafka.pause(*assigned)
+    async def _assign(self, assigned: set[TopicPartition]) -> None:
+        # New partitions of paused topics start paused while backpressure holds.
+        self._pauses_stale = True
+        self._apply_pauses()
+        await self._take_over(assigned)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -205,7 +286,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("partitions assigned: %s", _names(assigned))
-        self._consumer._keep_paused(assigned)
+        await self._consumer._assign(assigned)
 
 
 def _names(tps: Mapping[TopicPartition, int] | set[TopicPartition]) -> str:

@@ -284,3 +284,17 @@ def expired_refusal(item: Item) -> Refusal:
     refusal = _refuse(item, ErrorCode.expired, f"deadline {when} passed before inference")
     refusal.dead_letter = False
     return refusal
+
+
+def superseded_refusal(item: Item) -> Refusal:
+    """A newer frame of the item's stream was waiting: ``superseded``, no dead letter."""
+    meta = item.meta
+    frame = "a frame" if meta.seq is None else f"frame {meta.seq}"
+    refusal = _refuse(
+        item,
+        ErrorCode.superseded,
+        f"{frame} of stream {meta.stream} was superseded by a newer frame of the stream "
+        "before inference (freshest-frame mode)",
+    )
+    refusal.dead_letter = False
+    return refusal

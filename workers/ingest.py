@@ -176,6 +176,7 @@ def _from_meta(meta: RequestMeta) -> FastMeta:
         meta.stream,
         meta.seq,
         meta.traceparent,
+        meta.supersede,
         meta.dataref,
     )
 

@@ -176,6 +176,41 @@ class BulkHistogram(Collector):
         yield family
 
 
+class LabelledBulkHistogram(Collector):
+    """One histogram metric with a series per value of one more label (e.g. per lane),
+    each a `BulkHistogram`."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labels: Mapping[str, str],
+        label: str,
+        values: Iterable[str],
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label_names = [*labels, label]
+        self._series = {
+            value: BulkHistogram(name, documentation, buckets, {**labels, label: value})
+            for value in values
+        }
+
+    def series(self, value: str) -> BulkHistogram:
+        return self._series[value]
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)
+        for series in self._series.values():
+            for part in series.collect():
+                family.samples.extend(part.samples)
+        yield family
+
+
 def _le(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
 
@@ -204,6 +239,8 @@ class Metrics:
         self._throughput = RateMeter(rate_window_s)
         self._lag_series: dict[tuple[str, int], Gauge] = {}  # label children, by partition
         self._lag_total = 0
+        self._lane_queue: LabelledBulkHistogram | None = None  # with priority lanes only
+        self._lane_e2e: LabelledBulkHistogram | None = None
         ProcessCollector(registry=self.registry)
         self._define(model)
 
@@ -246,6 +283,11 @@ class Metrics:
             "conveyor_reply_topic_fallbacks_total",
             "Results sent to the model's results topic because their ce_replyto topic "
             "does not exist.",
+        ).labels(model)
+        self._superseded = counter(
+            "conveyor_superseded_total",
+            "Frames answered 'superseded' without reaching the model: a newer frame of their "
+            "stream was already waiting (freshest-frame mode).",
         ).labels(model)
         self._redeliveries = counter(
             "conveyor_redeliveries_total",
@@ -321,6 +363,29 @@ class Metrics:
             "conveyor_gpu_memory_allocated_bytes", "Bytes held by tensors on the GPU."
         )
 
+    def define_lanes(self, lanes: Sequence[str]) -> None:
+        """Add per-lane series of queue wait and end-to-end time (priority lanes)."""
+        by_model = {"model": self._model}
+        self._lane_queue = LabelledBulkHistogram(
+            "conveyor_lane_queue_wait_seconds",
+            "Per request, by priority lane: from the worker receiving it to its batch starting.",
+            _QUEUE_BUCKETS,
+            by_model,
+            "lane",
+            lanes,
+        )
+        self._lane_e2e = LabelledBulkHistogram(
+            "conveyor_lane_end_to_end_seconds",
+            "Per request, by priority lane: from the Kafka record timestamp to its result "
+            "being written.",
+            _E2E_BUCKETS,
+            by_model,
+            "lane",
+            lanes,
+        )
+        self.registry.register(self._lane_queue)
+        self.registry.register(self._lane_e2e)
+
     # -- per batch ------------------------------------------------------------------------
 
     def batch_closed(self, reason: str) -> None:
@@ -346,6 +411,21 @@ class Metrics:
                 total += count
         self._e2e.observe_many(e2e_s)
         self._throughput.add(total, self._clock())
+
+    def lane_queue_wait(self, lane: str, queue_s: Sequence[float]) -> None:
+        """Queue waits of one batch's requests, all of ``lane`` (after `define_lanes`)."""
+        if self._lane_queue is not None:
+            self._lane_queue.series(lane).observe_many(queue_s)
+
+    def lane_end_to_end(self, lane: str, e2e_s: Sequence[float]) -> None:
+        """End-to-end seconds of results of requests of ``lane`` (after `define_lanes`)."""
+        if self._lane_e2e is not None:
+            self._lane_e2e.series(lane).observe_many(e2e_s)
+
+    def superseded(self, count: int) -> None:
+        """``count`` frames were answered 'superseded' (freshest-frame mode)."""
+        if count:
+            self._superseded.inc(count)
 
     def cancelled(self, count: int) -> None:
         """``count`` requests were cancelled before their batch ran."""

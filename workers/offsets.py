@@ -23,7 +23,7 @@ calls `open`, the publish stage calls `finish`, and the commit step asks for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 __all__ = ["OffsetTracker", "Span"]
@@ -146,6 +146,20 @@ class OffsetTracker(Generic[TP]):
             return sum(part.open for part in self._partitions.values())
         part = self._partitions.get(tp)
         return 0 if part is None else part.open
+
+    def in_flight_by_partition(self) -> Iterator[tuple[TP, int]]:
+        """``(partition, records in flight)`` for every partition tracked."""
+        for tp, part in self._partitions.items():
+            yield tp, part.open
+
+    def open_spans(self, tp: TP) -> Iterator[Span]:
+        """The spans of ``tp`` with records in flight, oldest first."""
+        part = self._partitions.get(tp)
+        if part is None:
+            return
+        for span in part.spans:
+            if span.open:
+                yield span
 
     def forget(self, tp: TP) -> None:
         """Drop all state of ``tp``: call it once a revoked partition is drained and

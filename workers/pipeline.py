@@ -5,9 +5,10 @@
     commit ◀─ finish spans ◀─ publish (Redis script + producer batches) ◀─ outcomes ◀┘
 
 Every record fetched ends in exactly one answer (an item the model answered, or a
-refusal: bad input, expired, model failure), and its span is finished only after
-the publisher made that answer durable (``workers.offsets``); ``workers.commits``
-decides when positions go to Kafka. Work crosses stages as typed messages
+refusal: bad input, expired, superseded, model failure), and its span is finished
+only after that answer is durable (``workers.offsets``); the delivery policy
+(``workers.delivery``: at least once, or exactly once with Kafka transactions)
+writes answers and decides when positions are committed. Work crosses stages as typed messages
 (``workers.types``), and per-record Python is kept to a minimum: a strict header
 parse, the handler's preprocess, one encoded document per result, one decrement
 per finished record. Everything else (Redis, the producer, metrics, commits)
@@ -20,7 +21,12 @@ The pipeline depends on ports, not on aiokafka and redis-py: ``RecordSource``
 Backpressure: fetching pauses while the records in flight exceed what the model
 gets through in ``in_flight_target_ms`` (measured), capped by ``max_in_flight``,
 never below two batches; so a revoked partition drains in about that long,
-well inside the group's rebalance timeout.
+well inside the group's rebalance timeout. With priority lanes
+(``workers.lanes``) the budget is shared by weight, lane by lane, and each batch
+comes from one lane. In freshest-frame mode (``workers.freshest``) a waiting
+frame with a newer frame of its stream behind it is answered ``superseded``,
+before its payload is decoded when both came in one fetch, else when the next
+batch closes.
 """
 
 from __future__ import annotations
@@ -28,19 +34,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from schemas import topics_for
 from workers.admission import Admission
 from workers.answers import Answers
-from workers.batcher import Batch, Batcher
+from workers.batcher import Batch
 from workers.claims import Claims
-from workers.commits import Committer
+from workers.delivery import AtLeastOnce, Delivery, ExactlyOnce
+from workers.freshest import LatestFrames
 from workers.handlers import Handler
-from workers.inference import Inference, expired_refusal
+from workers.inference import Inference, expired_refusal, superseded_refusal
 from workers.ingest import INLINE_BYTES, Ingest
+from workers.lanes import LaneBatcher, paused_lanes
 from workers.metrics import Metrics
 from workers.offsets import OffsetTracker
 from workers.runner import ModelRunner
@@ -54,6 +63,7 @@ from workers.types import (
     Refusal,
     ResultSink,
     TopicPartition,
+    TransactionalSink,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +72,15 @@ _FETCH_TIMEOUT_MS = 100
 _PREPROCESS_CHUNK = 64  # items per thread-pool job: amortises the hand-off cost
 
 Decoded = tuple[list[Item], list[Refusal]]
+_NOTHING: frozenset[str] = frozenset()
+
+
+class _Decoding(NamedTuple):
+    """A chunk of one lane's items on its way through preprocessing."""
+
+    lane: int
+    items: list[Item]  # what went in
+    decoded: Awaitable[Decoded]
 
 
 @dataclass(slots=True)
@@ -88,27 +107,41 @@ class Pipeline:
         *,
         claims: Claims | None = None,
         admission: Admission | None = None,
+        transactions: TransactionalSink | None = None,
     ) -> None:
         """``claims`` reads payloads by reference (none: every reference is refused);
-        ``admission`` checks each batch for cancellations and marks it running (none: off)."""
+        ``admission`` checks each batch for cancellations and marks it running (none: off);
+        ``transactions``: deliver exactly once through them (none: at least once)."""
         self._s = settings
         self._source = source
-        self._sink = sink
-        self._answers = answers
         self._metrics = metrics
         handler: Handler = runner.handler
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._committer = Committer(self._tracker, source)
+        self._delivery: Delivery = (
+            AtLeastOnce(answers, sink, self._tracker, source)
+            if transactions is None
+            else ExactlyOnce(answers, transactions, self._tracker, source)
+        )
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._admission = admission
         self._inference = Inference(runner, self._finished)
-        self._batcher: Batcher[Item] = Batcher(
-            settings.max_batch_size, settings.max_delay_s, deadline_of=_deadline
+        topics = topics_for(settings.served_name, settings.topic_prefix)
+        lanes = settings.request_lanes
+        self._lane_names = [lane.name for lane in lanes]
+        self._lane_topics = [topics.lane(lane.name) for lane in lanes]
+        self._lane_of = {topic: index for index, topic in enumerate(self._lane_topics)}
+        self._lane_weights = [lane.weight for lane in lanes]
+        self._every_topic = frozenset(self._lane_topics)
+        if len(lanes) > 1:
+            metrics.define_lanes(self._lane_names)
+        self._batcher: LaneBatcher[Item] = LaneBatcher(
+            self._lane_weights, settings.max_batch_size, settings.max_delay_s, _deadline
         )
+        self._frames: LatestFrames[Item] = LatestFrames(self._freshest_stream)
         self._pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
-        self._decoding: asyncio.Queue[Awaitable[Decoded] | None] = asyncio.Queue()
-        self._ready: deque[Item] = deque()
+        self._decoding: asyncio.Queue[_Decoding | None] = asyncio.Queue()
+        self._ready: list[tuple[int, list[Item]]] = []  # preprocessed chunks by lane
         self._arrived = asyncio.Event()
         self._input_done = False
         self._outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
@@ -124,7 +157,7 @@ class Pipeline:
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._batch_loop(), name="batch")
                 tasks.create_task(self._publish_loop(), name="publish")
-            await self._committer.flush()
+            await self._delivery.flush()
         except BaseExceptionGroup as group:
             # A configuration error ends the worker with its own message (exit status 3).
             config = [exc for exc in group.exceptions if isinstance(exc, ConfigError)]
@@ -132,7 +165,7 @@ class Pipeline:
                 raise config[0] from None
             raise
         finally:
-            await self._committer.close()
+            await self._delivery.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._inference.close()
 
@@ -155,7 +188,7 @@ class Pipeline:
         try:
             while not stop.is_set():
                 in_flight = self._tracker.in_flight()
-                self._source.set_paused(in_flight >= self.in_flight_cap())
+                self._source.set_paused(self._paused_topics(in_flight))
                 fetch = asyncio.ensure_future(
                     self._source.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
                 )
@@ -164,7 +197,7 @@ class Pipeline:
                 self._metrics.set_in_flight(in_flight)
                 self._metrics.set_lag(self._lag())
                 if not chunks:
-                    await self._committer.flush()  # idle: retry a commit that failed before
+                    await self._delivery.flush()  # idle: retry a commit that failed before
                 for tp, records in chunks.items():
                     if records:
                         self._ingest_chunk(tp, records)
@@ -172,15 +205,35 @@ class Pipeline:
             stopping.cancel()
             await self._decoding.put(None)
 
+    def _paused_topics(self, in_flight: int) -> frozenset[str]:
+        """The request topics to stop fetching: all at the cap, or lanes at their share."""
+        cap = self.in_flight_cap()
+        if len(self._lane_topics) == 1:
+            return self._every_topic if in_flight >= cap else _NOTHING
+        per_lane = [0] * len(self._lane_topics)
+        for (topic, _), count in self._tracker.in_flight_by_partition():
+            per_lane[self._lane_of[topic]] += count
+        paused = paused_lanes(per_lane, cap, self._lane_weights)
+        return frozenset(topic for topic, p in zip(self._lane_topics, paused, strict=True) if p)
+
     def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
         span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
         items, refused, referenced = self._ingest.parse(records, span)
+        framed = [item for item in items if item.meta.stream is not None]
+        if framed:
+            self._frames.arrived(framed)
+            if self._frames.superseded:  # older frames of one fetch: never decoded
+                gone = [item for item in framed if self._frames.is_superseded(item)]
+                if gone:
+                    left = set(map(id, gone))
+                    items = [item for item in items if id(item) not in left]
+                    refused += self._superseded(gone)
         if refused:
             self._outcomes.put_nowait(Outcome(refused=refused))
+        lane = self._lane_of[tp[0]]
         if referenced:  # payloads stored elsewhere: fetch them, then preprocess
-            self._decoding.put_nowait(
-                asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
-            )
+            resolved = asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
+            self._decoding.put_nowait(_Decoding(lane, items, resolved))
             return
         loop = asyncio.get_running_loop()
         for start in range(0, len(items), _PREPROCESS_CHUNK):
@@ -189,11 +242,22 @@ class Pipeline:
             if size <= INLINE_BYTES:  # a thread hop would cost more than the work
                 done: asyncio.Future[Decoded] = loop.create_future()
                 done.set_result(self._ingest.preprocess(chunk))
-                self._decoding.put_nowait(done)
+                self._decoding.put_nowait(_Decoding(lane, chunk, done))
             else:
-                self._decoding.put_nowait(
-                    loop.run_in_executor(self._pool, self._ingest.preprocess, chunk)
-                )
+                decoded = loop.run_in_executor(self._pool, self._ingest.preprocess, chunk)
+                self._decoding.put_nowait(_Decoding(lane, chunk, decoded))
+
+    def _freshest_stream(self, item: Item) -> str | None:
+        """The item's stream when it is in freshest-frame mode, else None."""
+        meta = item.meta
+        wanted = self._s.supersede_frames if meta.supersede is None else meta.supersede
+        return meta.stream if wanted else None
+
+    def _superseded(self, frames: list[Item]) -> list[Refusal]:
+        """Answers for waiting frames that a newer frame of their stream superseded."""
+        self._frames.left(frames)
+        self._metrics.superseded(len(frames))
+        return [superseded_refusal(item) for item in frames]
 
     async def _preprocess_fetched(self, items: list[Item], payloads: list[bytes]) -> Decoded:
         loop = asyncio.get_running_loop()
@@ -210,10 +274,13 @@ class Pipeline:
     async def _collect_loop(self) -> None:
         """Take preprocessed chunks in fetch order: items to the batcher, refusals out."""
         while (chunk := await self._decoding.get()) is not None:
-            items, refused = await chunk
+            items, refused = await chunk.decoded
             if refused:
                 self._outcomes.put_nowait(Outcome(refused=refused))
-            self._ready.extend(items)
+                if len(self._frames):  # frames that failed to decode wait no more
+                    kept = set(map(id, items))
+                    self._frames.left(item for item in chunk.items if id(item) not in kept)
+            self._ready.append((chunk.lane, items))
             self._arrived.set()
         self._input_done = True
         self._arrived.set()
@@ -229,6 +296,8 @@ class Pipeline:
                     self._inference.release_slot()
                     return
                 self._metrics.batch_closed(batch.reason)
+                self._frames.left(batch.items)
+                self._frames.left(batch.expired)
                 if batch.expired:
                     self._outcomes.put_nowait(
                         Outcome(refused=[expired_refusal(i) for i in batch.expired])
@@ -258,8 +327,13 @@ class Pipeline:
         while True:
             now = time.monotonic()
             if self._ready:
-                self._batcher.add_many(self._ready, now)
+                for lane, items in self._ready:
+                    self._batcher.add_many(lane, items, now)
                 self._ready.clear()
+            if self._frames.superseded:
+                gone = self._batcher.withdraw(self._frames.is_superseded)
+                if gone:
+                    self._outcomes.put_nowait(Outcome(refused=self._superseded(gone)))
             backlog = not self._decoding.empty()
             batch = self._batcher.poll(now, backlog=backlog)
             if batch is not None:
@@ -282,6 +356,9 @@ class Pipeline:
             start_ms = timing.start_ms
             queue_s = [(start_ms - item.received_ms) / 1000.0 for item in outcome.answered]
             self._metrics.observe_batch(timing.size, queue_s, timing.inference_ms / 1000.0)
+            if len(self._lane_names) > 1 and outcome.answered:  # a batch is of one lane
+                lane = self._lane_of[outcome.answered[0].record.topic]
+                self._metrics.lane_queue_wait(self._lane_names[lane], queue_s)
         self._outcomes.put_nowait(outcome)
 
     # -- publish and commit -------------------------------------------------------------
@@ -301,24 +378,35 @@ class Pipeline:
                 return
 
     async def _publish(self, outcomes: list[Outcome]) -> None:
-        built = self._answers.outbox(outcomes)
-        report = await self._sink.publish(built.outbox)
+        delivered = await self._delivery.deliver(outcomes)
         durable_ms = time.time() * 1000.0
-        finish = self._tracker.finish
-        for span in built.finished:
-            finish(span)
-        self._metrics.observe_results(
-            built.statuses, [(durable_ms - produced) / 1000.0 for produced in built.produced_ms]
-        )
-        self._metrics.dead_letters(len(built.outbox.dead))
-        self._metrics.duplicates(report.duplicates)
         stats = self.stats
-        stats.answered += len(built.finished)
-        stats.duplicates += report.duplicates
-        for status, count in built.statuses.items():
-            stats.by_status[status] = stats.by_status.get(status, 0) + count
+        for built in delivered.built:
+            self._metrics.observe_results(
+                built.statuses,
+                [(durable_ms - produced) / 1000.0 for produced in built.produced_ms],
+            )
+            self._metrics.dead_letters(len(built.outbox.dead))
+            stats.answered += len(built.finished)
+            for status, count in built.statuses.items():
+                stats.by_status[status] = stats.by_status.get(status, 0) + count
+        if len(self._lane_names) > 1:
+            self._observe_lanes(delivered.outcomes, durable_ms)
+        self._metrics.duplicates(delivered.duplicates)
+        stats.duplicates += delivered.duplicates
         self._progress.set()
-        self._committer.request()
+
+    def _observe_lanes(self, outcomes: Sequence[Outcome], durable_ms: float) -> None:
+        """End-to-end time of each answer, by the lane its request came in."""
+        by_lane: dict[int, list[float]] = {}
+        for outcome in outcomes:
+            records = [item.record for item in outcome.answered]
+            records += [refusal.record for refusal in outcome.refused if refusal.request_id]
+            for record in records:
+                e2e_s = (durable_ms - record.timestamp) / 1000.0
+                by_lane.setdefault(self._lane_of[record.topic], []).append(e2e_s)
+        for lane, values in by_lane.items():
+            self._metrics.lane_end_to_end(self._lane_names[lane], values)
 
     # -- rebalance ----------------------------------------------------------------------
 
@@ -335,7 +423,7 @@ class Pipeline:
                 await asyncio.wait_for(self._progress.wait(), left)
             except TimeoutError:
                 break
-        await self._committer.flush(partitions)
+        await self._delivery.release(partitions)
         handed_back = sum(self._tracker.in_flight(tp) for tp in partitions)
         if handed_back:
             self.stats.handed_back += handed_back

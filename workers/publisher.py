@@ -101,19 +101,19 @@ class Publisher:
         self._dlq_limit = max_message_bytes(facts, topics.dlq)
         self.max_result_bytes = results_limit - _RECORD_OVERHEAD - 1024  # 1 KiB of headers
         """The largest result document the results topic takes, with its headers."""
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap,
-            client_id=settings.worker_id,
-            acks="all",
-            # Not idempotent on purpose: a retried send may duplicate a reply record,
-            # which is harmless (same bytes, same key), while an idempotent producer
-            # can end in a fatal sequence error after a broker restart.
-            enable_idempotence=False,
-            linger_ms=0,  # batches are built here, whole; nothing to wait for
-            max_batch_size=min(_BATCH_BYTES, results_limit),
-            max_request_size=max(results_limit, self._dlq_limit, 1 << 20) + 65536,
+        self._producer_options: dict[str, Any] = {
+            "bootstrap_servers": settings.kafka_bootstrap,
+            "client_id": settings.worker_id,
+            "acks": "all",
+            "linger_ms": 0,  # batches are built here, whole; nothing to wait for
+            "max_batch_size": min(_BATCH_BYTES, results_limit),
+            "max_request_size": max(results_limit, self._dlq_limit, 1 << 20) + 65536,
             **kafka_options(settings),
-        )
+        }
+        # Not idempotent on purpose: a retried send may duplicate a reply record,
+        # which is harmless (same bytes, same key), while an idempotent producer
+        # can end in a fatal sequence error after a broker restart.
+        self._producer = AIOKafkaProducer(**self._producer_options, enable_idempotence=False)
         self._partitions: dict[str, int] = {
             name: count for name, count in facts.partitions.items() if name != topics.requests
         }
@@ -162,40 +162,81 @@ class Publisher:
 
         Raises ``PublishConfigError`` when a configuration error outlasted its grace.
         """
-        ids, values = outbox.ids, outbox.values
+        sent, duplicates = await self.store(outbox.ids, outbox.values)
+        groups = await self._groups(outbox)
+        producer = self._producer
+        await self._failures.retry("kafka", lambda: self._send_all(producer, groups, outbox, sent))
+        if outbox.dead:
+            await self._failures.retry("kafka", lambda: self._dead_letters(producer, outbox.dead))
+        return PublishReport(duplicates=duplicates)
+
+    async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """Write results to Redis, first result wins (retried through outages).
+
+        Returns the values for the reply topic (the stored bytes where an id already had
+        an answer) and how many ids had one.
+        """
         stored = await self._failures.retry("redis", lambda: self._store.write_first(ids, values))
-        duplicates = 0
-        sent = values
-        if any(value is not None for value in stored):
-            sent = [
-                mine if first is None else first for mine, first in zip(values, stored, strict=True)
-            ]
-            duplicates = sum(1 for first in stored if first is not None)
+        if all(first is None for first in stored):
+            return list(values), 0
+        sent = [
+            mine if first is None else first for mine, first in zip(values, stored, strict=True)
+        ]
+        return sent, sum(1 for first in stored if first is not None)
+
+    async def send(
+        self, producer: AIOKafkaProducer, outbox: Outbox, values: Sequence[bytes]
+    ) -> None:
+        """One attempt at writing every result (``values``) and dead letter of ``outbox``
+        through ``producer``, e.g. inside a transaction; raises the first error."""
+        await self._send_all(producer, await self._groups(outbox), outbox, values)
+        await self._dead_letters(producer, list(outbox.dead))
+
+    def transactional_producer(self, transactional_id: str, timeout_ms: int) -> AIOKafkaProducer:
+        """A producer sized as this publisher's, for transactions under ``transactional_id``."""
+        return AIOKafkaProducer(
+            **self._producer_options,
+            transactional_id=transactional_id,
+            transaction_timeout_ms=timeout_ms,
+        )
+
+    def note_failure(self, what: str, exc: BaseException) -> None:
+        """A write failed outside ``publish`` (a transaction): counts for readiness and, for a
+        configuration error past its grace, raises ``PublishConfigError``."""
+        self._failures.failed(what, exc)
+
+    def note_success(self) -> None:
+        """Writes outside ``publish`` succeed again."""
+        self._failures.succeeded()
+
+    # -- the reply topic ------------------------------------------------------------------
+
+    async def _groups(self, outbox: Outbox) -> dict[tuple[str, int], list[int]]:
+        """Indices of ``outbox``'s results by reply topic and partition."""
         groups: dict[tuple[str, int], list[int]] = defaultdict(list)
         for i, (reply_to, partition) in enumerate(
             zip(outbox.reply_to, outbox.partitions, strict=True)
         ):
             topic = self._results_topic if reply_to is None else await self._reply_topic(reply_to)
             groups[(topic, partition % self._partitions[topic])].append(i)
-        await self._failures.retry("kafka", lambda: self._send_all(groups, outbox, sent))
-        if outbox.dead:
-            await self._failures.retry("kafka", lambda: self._dead_letters(outbox.dead))
-        return PublishReport(duplicates=duplicates)
-
-    # -- the reply topic ------------------------------------------------------------------
+        return groups
 
     async def _send_all(
-        self, groups: dict[tuple[str, int], list[int]], outbox: Outbox, values: Sequence[bytes]
+        self,
+        producer: AIOKafkaProducer,
+        groups: dict[tuple[str, int], list[int]],
+        outbox: Outbox,
+        values: Sequence[bytes],
     ) -> None:
         """Send every group as producer batches; groups acknowledged are removed, so a
         retry after an outage sends only what is left."""
         pending = []
         for (topic, partition), indices in groups.items():
-            for batch in self._batches(indices, outbox, values):
+            for batch in self._batches(producer, indices, outbox, values):
                 pending.append(((topic, partition), batch))
         results = await asyncio.gather(
             *(
-                self._send_batch(batch, topic, partition)
+                self._send_batch(producer, batch, topic, partition)
                 for (topic, partition), (batch, _) in pending
             ),
             return_exceptions=True,
@@ -206,7 +247,9 @@ class Publisher:
             if not isinstance(result, BaseException):
                 continue
             if isinstance(result, _TOO_LARGE):
-                await self._refused_as_too_large(topic, partition, indices, outbox, values)
+                await self._refused_as_too_large(
+                    producer, topic, partition, indices, outbox, values
+                )
                 continue
             failed[(topic, partition)].extend(indices)
             first_error = first_error or result
@@ -215,23 +258,29 @@ class Publisher:
         if first_error is not None:
             raise first_error
 
-    async def _send_batch(self, batch: Any, topic: str, partition: int) -> None:
+    async def _send_batch(
+        self, producer: AIOKafkaProducer, batch: Any, topic: str, partition: int
+    ) -> None:
         """Queue one producer batch and wait for the broker's acknowledgement."""
-        delivered = await self._producer.send_batch(batch, topic, partition=partition)
+        delivered = await producer.send_batch(batch, topic, partition=partition)
         await delivered
 
     def _batches(
-        self, indices: list[int], outbox: Outbox, values: Sequence[bytes]
+        self,
+        producer: AIOKafkaProducer,
+        indices: list[int],
+        outbox: Outbox,
+        values: Sequence[bytes],
     ) -> list[tuple[Any, list[int]]]:
         batches = []
         members: list[int] = []
-        batch = self._producer.create_batch()
+        batch = producer.create_batch()
         ids, headers = outbox.ids, outbox.headers
         for i in indices:
             key = ids[i].encode()
             if batch.append(key=key, value=values[i], timestamp=None, headers=headers[i]) is None:
                 batches.append((batch, members))
-                batch, members = self._producer.create_batch(), []
+                batch, members = producer.create_batch(), []
                 batch.append(key=key, value=values[i], timestamp=None, headers=headers[i])
             members.append(i)
         batches.append((batch, members))
@@ -239,6 +288,7 @@ class Publisher:
 
     async def _refused_as_too_large(
         self,
+        producer: AIOKafkaProducer,
         topic: str,
         partition: int,
         indices: list[int],
@@ -250,7 +300,7 @@ class Publisher:
         for i in indices:
             key = outbox.ids[i].encode()
             try:
-                await self._send_one(topic, partition, key, values[i], outbox.headers[i])
+                await self._send_one(producer, topic, partition, key, values[i], outbox.headers[i])
             except _TOO_LARGE:
                 log.error(
                     "reply topic %s refused the %d-byte result of %s as too large; "
@@ -270,17 +320,18 @@ class Publisher:
                     ),
                     None,
                 )
-                await self._send_one(topic, partition, key, error, outbox.headers[i])
+                await self._send_one(producer, topic, partition, key, error, outbox.headers[i])
 
     async def _send_one(
         self,
+        producer: AIOKafkaProducer,
         topic: str,
         partition: int | None,
         key: bytes | None,
         value: bytes | None,
         headers: Sequence[tuple[str, bytes | None]],
     ) -> None:
-        future = await self._producer.send(
+        future = await producer.send(
             topic, value, key=key, partition=partition, headers=list(headers)
         )
         await future
@@ -319,20 +370,20 @@ class Publisher:
 
     # -- dead letters ---------------------------------------------------------------------
 
-    async def _dead_letters(self, letters: list[DeadLetter]) -> None:
+    async def _dead_letters(self, producer: AIOKafkaProducer, letters: list[DeadLetter]) -> None:
         """Send every dead letter, cut to fit the topic; acknowledged ones leave the list."""
         while letters:
             letter = self._fit(letters[0])
             try:
                 await self._send_one(
-                    self._dlq_topic, None, letter.key, letter.value, letter.headers
+                    producer, self._dlq_topic, None, letter.key, letter.value, letter.headers
                 )
             except _TOO_LARGE:
                 # The topic's limit is lower than it said at start-up: keep headers only.
                 log.error("dead-letter topic refused a copy as too large; sending it empty")
                 value, cut = truncated(letter.value or b"", 0)
                 headers = [*letter.headers, *cut]
-                await self._send_one(self._dlq_topic, None, letter.key, value, headers)
+                await self._send_one(producer, self._dlq_topic, None, letter.key, value, headers)
             letters.pop(0)
 
     def _fit(self, letter: DeadLetter) -> DeadLetter:
@@ -374,15 +425,19 @@ class _Failures:
             try:
                 result = await attempt()
             except (RedisError, KafkaError, OSError) as exc:
-                self._failed(what, exc)
+                self.failed(what, exc)
                 log.warning("%s failed (%s); retrying in %.1f s", what, _describe(exc), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
                 continue
-            self._failing_since = self._config_since = self.config_problem = None
+            self.succeeded()
             return result
 
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def succeeded(self) -> None:
+        self._failing_since = self._config_since = self.config_problem = None
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Note a failure; raises ``PublishConfigError`` for a configuration error past grace."""
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = now

@@ -16,12 +16,13 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -30,7 +31,14 @@ from pydantic_settings import (
 from producers.redis_cluster import check_cluster_url
 from producers.s3 import S3Settings
 from producers.security import ConnectionSecurity
-from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
+from schemas import (
+    DEFAULT_DATA_PREFIX,
+    DEFAULT_LANE,
+    DEFAULT_LIMITS,
+    Limits,
+    parse_dataref,
+    topics_for,
+)
 from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
@@ -95,6 +103,36 @@ def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
             "the flag names with underscores (max_batch_size = 64)"
         )
     return values
+
+
+_MAX_LANE_WEIGHT = 1000
+
+
+class LaneSpec(NamedTuple):
+    """One priority lane of ``WorkerSettings.lanes``."""
+
+    name: str  # DEFAULT_LANE for the model's plain request topic
+    weight: int  # its share of batches and of records in flight while lanes compete
+
+
+def _no_lanes() -> tuple[LaneSpec, ...]:
+    """none: the plain request topic alone"""
+    return ()
+
+
+def _parse_lanes(value: Any) -> Any:
+    """``"high:8,default,bulk"`` (a flag or variable) → ``(("high", 8), ("default", 1), …)``."""
+    if not isinstance(value, str):
+        return value
+    lanes = []
+    for part in value.split(","):
+        if not part.strip():
+            continue
+        name, _, weight = part.strip().partition(":")
+        if weight and not weight.isdigit():
+            raise ValueError(f"lane {part.strip()!r}: the weight after ':' must be a number")
+        lanes.append((name, int(weight) if weight else 1))
+    return tuple(lanes)
 
 
 class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
@@ -174,6 +212,32 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     )
     decode_threads: int = Field(default_factory=_default_decode_threads, ge=1, le=256)
     """threads that decode and preprocess payloads on the CPU"""
+    lanes: Annotated[tuple[LaneSpec, ...], NoDecode] = Field(
+        default_factory=_no_lanes,
+        description="priority lanes, highest first, as NAME[:WEIGHT],... (e.g. high:8): lane "
+        "NAME reads topic <prefix>.<model>.requests.NAME, and 'default' (weight 1, last unless "
+        "listed) the plain request topic. The highest lane with work is served first; while "
+        "lanes compete, each gets at least WEIGHT/(sum of weights) of the batches",
+    )
+    supersede_frames: bool = Field(
+        default=False,
+        description="freshest-frame mode for requests with ce_stream and no ce_supersede "
+        "header: an older frame still waiting when a newer frame of its stream arrives is "
+        "answered 'superseded' without running the model",
+    )
+    delivery: Literal["at-least-once", "exactly-once"] = Field(
+        default="at-least-once",
+        description="exactly-once: results, dead letters and consumed offsets of each request "
+        "partition go in one Kafka transaction per publish, so a read_committed reader of the "
+        "reply topic sees each request once (docs/reliability.md)",
+    )
+    transaction_timeout_ms: int = Field(
+        default=60_000,
+        ge=1_000,
+        le=900_000,
+        description="exactly-once: the broker aborts a transaction open this long (a worker "
+        "that died without a successor), unblocking read_committed readers",
+    )
     decode_memory_mb: int = Field(
         default=1024,
         ge=16,
@@ -326,9 +390,29 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}")
         return value
 
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _read_lanes(cls, value: Any) -> Any:
+        return _parse_lanes(value)
+
+    @field_validator("lanes")
+    @classmethod
+    def _check_lanes(cls, lanes: tuple[LaneSpec, ...]) -> tuple[LaneSpec, ...]:
+        names = [lane.name for lane in lanes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lane names must be unique, got {', '.join(names)}")
+        for lane in lanes:
+            if not 1 <= lane.weight <= _MAX_LANE_WEIGHT:
+                raise ValueError(f"lane {lane.name}: weight must be 1 to {_MAX_LANE_WEIGHT}")
+        if lanes and DEFAULT_LANE not in names:
+            lanes = (*lanes, LaneSpec(DEFAULT_LANE, 1))
+        return lanes
+
     @model_validator(mode="after")
     def _check_names(self) -> WorkerSettings:
-        topics_for(self.served_name, self.topic_prefix)  # raises ValueError naming the bad part
+        topics = topics_for(self.served_name, self.topic_prefix)  # ValueError naming the part
+        for lane in self.lanes:
+            topics.lane(lane.name)  # ValueError naming a bad lane name
         self.check_redis_url(self.redis_url)
         return self
 
@@ -376,6 +460,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
+
+    @property
+    def request_lanes(self) -> tuple[LaneSpec, ...]:
+        """Every lane served, highest first; without ``lanes``, the default lane alone."""
+        return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)
 
 
 def _split(names: str) -> list[str]:

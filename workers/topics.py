@@ -18,7 +18,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 from producers.security import kafka_options
-from schemas import ModelTopics
+from schemas import DEFAULT_LANE, ModelTopics
 from workers.settings import WorkerSettings
 from workers.types import ConfigError
 
@@ -45,12 +45,14 @@ class TopicFacts:
 
 
 async def check_topics(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
-    """Describe the request, results and dead-letter topics of ``topics``.
+    """Describe the request topics (one per priority lane), results and dead-letter
+    topics of ``topics``.
 
     Raises ``TopicProblem`` when any is missing or unauthorized, ``KafkaError`` or
     ``OSError`` when Kafka cannot be asked.
     """
-    names = [topics.requests, topics.results, topics.dlq]
+    lanes = [topics.lane(lane.name) for lane in settings.request_lanes]
+    names = [*lanes, topics.results, topics.dlq]
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka_bootstrap,
         client_id=f"{settings.worker_id}-admin",
@@ -90,8 +92,8 @@ def _partitions(
     if missing:
         problems.append(
             f"topics {', '.join(sorted(missing))} do not exist on {settings.kafka_bootstrap}; "
-            f"create them with `conveyor topics create --model {settings.served_name}` "
-            "(add --partitions N for N workers)"
+            f"create them with `conveyor topics create --model {settings.served_name}"
+            f"{_lanes_flag(settings)}` (add --partitions N for N workers)"
         )
     if forbidden:
         problems.append(
@@ -101,6 +103,11 @@ def _partitions(
     if problems:
         raise TopicProblem("; ".join(problems))
     return {name: counts[name] for name in names}
+
+
+def _lanes_flag(settings: WorkerSettings) -> str:
+    names = [lane.name for lane in settings.lanes if lane.name != DEFAULT_LANE]
+    return f" --lanes {','.join(names)}" if names else ""
 
 
 def _max_message_bytes(responses: Sequence[object]) -> dict[str, int]:

@@ -16,9 +16,10 @@ answer is durable.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import enum
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from schemas import ErrorCode
 from schemas.fastpath import FastMeta
@@ -159,6 +160,7 @@ class PublishReport:
 
 
 Revoked = Callable[[set[TopicPartition]], Awaitable[None]]
+Assigned = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
 class RecordSource(Protocol):
@@ -169,14 +171,19 @@ class RecordSource(Protocol):
     ) -> Mapping[TopicPartition, Sequence[Record]]:
         """The next records per partition, in offset order; empty after ``timeout_ms``."""
 
-    def set_paused(self, paused: bool) -> None:
-        """Stop or resume fetching (backpressure)."""
+    def set_paused(self, topics: Set[str]) -> None:
+        """Fetch from every assigned partition except those of ``topics`` (backpressure)."""
 
     async def commit(self, positions: Mapping[TopicPartition, int]) -> bool:
         """Commit these positions; False when it failed (retried later by the caller)."""
 
     def on_revoke(self, handler: Revoked) -> None:
         """Call ``handler`` with partitions about to be taken away, and wait for it."""
+
+    async def restart(self, partitions: Collection[TopicPartition]) -> None:
+        """Fetch ``partitions`` again from their committed positions, as after a new
+        assignment (the assignment handler runs for them again first); records fetched
+        past those positions are fetched again."""
 
     def lag(self) -> Mapping[TopicPartition, int]:
         """Per partition, records not fetched yet."""
@@ -187,3 +194,35 @@ class ResultSink(Protocol):
 
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result and dead letter in ``outbox`` is durable."""
+
+
+class PartitionCommit(NamedTuple):
+    """What one transaction writes: a request partition's results, dead letters and position."""
+
+    partition: TopicPartition
+    outbox: Outbox  # results and dead letters of records of ``partition`` only
+    position: int  # the partition's next position: every record below it is answered
+
+
+class Committed(enum.Enum):
+    """How a partition's transaction ended."""
+
+    YES = "committed"
+    LOST = "lost"  # failed or fenced: read the partition again from its committed position
+    CLOSED = "closed"  # the partition was revoked meanwhile: its next owner answers it
+
+
+class TransactionalSink(Protocol):
+    """Where answers go in exactly-once delivery (``workers.transactions.Transactions``)."""
+
+    async def publish(self, parts: Sequence[PartitionCommit]) -> tuple[list[Committed], int]:
+        """Write results to Redis (first answer wins), then each part in one transaction.
+
+        Returns how each part's transaction ended, and how many results Redis had already.
+        """
+
+    async def close(self, partitions: Collection[TopicPartition]) -> None:
+        """Stop writing for ``partitions`` (revoked); a transaction in progress is abandoned."""
+
+    async def aclose(self) -> None:
+        """Stop writing for every partition."""

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from redis.asyncio.cluster import RedisCluster
 
@@ -218,12 +218,23 @@ async def until_answered(redis_url: str, ids: list[str], count: int, timeout: fl
         await asyncio.sleep(0.05)
 
 
-async def read_topic(bootstrap: str, topic: str, expect: int, timeout: float) -> list[Any]:
+async def read_topic(
+    bootstrap: str,
+    topic: str,
+    expect: int,
+    timeout: float,
+    isolation_level: str = "read_uncommitted",
+) -> list[Any]:
     """Every record of ``topic`` from the beginning: at least ``expect`` of them (or as
     many as came before ``timeout``), then on to the end offsets as they stand then,
-    so a duplicate never hides a record that is there."""
+    so a duplicate never hides a record that is there. ``read_committed`` skips records
+    of aborted transactions and reads only up to the last stable offset."""
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level=isolation_level,
     )
     await consumer.start()
     records: list[Any] = []
@@ -454,14 +465,16 @@ async def tally(
     model: str,
     ids: Sequence[str],
     timeout: float = 120,
+    isolation_level: str = "read_uncommitted",
 ) -> Row:
-    """Wait for every id's answer, then count what reached Redis and the reply topic."""
+    """Wait for every id's answer, then count what reached Redis and the reply topic
+    (as a reader with ``isolation_level`` sees it)."""
     await wait_for_results(redis_url, ids, timeout)
     async with redis_reader(redis_url) as client:
         stored = await _values(client, [result_key(i) for i in ids])
     in_redis = {i: v for i, v in zip(ids, stored, strict=True) if v is not None}
     replies = await read_topic(
-        bootstrap, topics_for(model).results, expect=len(in_redis), timeout=60
+        bootstrap, topics_for(model).results, len(in_redis), 60, isolation_level
     )
     documents: dict[str, set[bytes]] = defaultdict(set)
     copies: dict[str, int] = defaultdict(int)
@@ -514,3 +527,56 @@ async def submit_paced(
             )
             await asyncio.sleep(pause_s)  # the pace of the stream, not a wait for readiness
     return sent
+
+
+# -- exactly-once delivery -----------------------------------------------------------------
+
+
+async def extra_records_uncommitted(bootstrap: str, model: str, ids: list[str]) -> int:
+    """Reply records beyond one per id, as a read_uncommitted reader sees them."""
+    records = await read_topic(bootstrap, topics_for(model).results, len(ids), 60)
+    counts = Counter(record.key.decode() for record in records)
+    return sum(count - 1 for count in counts.values())
+
+
+async def kill_inside_a_transaction(
+    worker: WorkerProcess, bootstrap: str, topic: str, partitions: int = 3
+) -> bool:
+    """SIGKILL ``worker`` while it has a transaction open on ``topic`` (records there past
+    the last stable offset), if it opens one within 30 s: the worker is stopped
+    (SIGSTOP) whenever one looks open, checked again while it cannot finish it, then
+    killed or let go on. Returns whether the kill left a transaction open."""
+    readers = [
+        AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level=level)
+        for level in ("read_committed", "read_uncommitted")
+    ]
+    for reader in readers:
+        await reader.start()
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+
+    async def open_transaction() -> bool:
+        stable, ends = [await reader.end_offsets(tps) for reader in readers]
+        return any(ends[tp] > stable[tp] for tp in tps)
+
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if await open_transaction():
+                worker.signal(signal.SIGSTOP)
+                await asyncio.sleep(0.2)  # let a commit already sent complete
+                if await open_transaction():
+                    break
+                worker.signal(signal.SIGCONT)
+            await asyncio.sleep(0.002)  # polling the broker, not waiting for readiness
+        worker.signal(signal.SIGKILL)
+        worker.wait()
+        return await open_transaction()
+    finally:
+        for reader in readers:
+            await reader.stop()
+
+
+def check_exactly_once(row: Row, logs: str) -> None:
+    assert row.lost == 0, logs[-5000:]
+    assert row.duplicate_visible == 0, logs[-5000:]
+    assert row.redelivered == 0, logs[-5000:]  # no id twice for a read_committed reader

@@ -23,7 +23,7 @@ from schemas import (
     result_key,
     topics_for,
 )
-from tests.integration.harness import REPO, WorkerProcess, create_model_topics
+from tests.integration.harness import REPO, WorkerProcess, create_model_topics, read_topic
 from workers.demo_model import build_digits_model, heldout_digits
 
 
@@ -138,6 +138,36 @@ async def test_topics_create_makes_three_topics_and_is_idempotent(
     more = await _run_cli([*argv, "--partitions", "6"])
     assert more.returncode == 1
     assert "fewer than the 6 asked for" in more.stderr
+
+
+async def test_lanes_get_their_own_request_topics_and_submit_picks_one(
+    kafka_admin: AIOKafkaAdminClient,
+    connection: list[str],
+    model_name: str,
+    drop_topics: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    image = tmp_path / "a.png"
+    image.write_bytes(heldout_digits()[0][0])
+    drop_topics.append(model_name)
+    topics = topics_for(model_name)
+    create = ["topics", "create", "--model", model_name, "--partitions", "2", "--lanes", "high"]
+    assert await asyncio.to_thread(main, [*connection, *create]) == 0
+    assert f"created {topics.lane('high')} (2 partitions," in capsys.readouterr().out
+    try:
+        submit = ["submit", str(image), "--model", model_name, "--lane", "high"]
+        assert await asyncio.to_thread(main, [*connection, *submit]) == 0
+        request_id = orjson.loads(capsys.readouterr().out.splitlines()[-1])["id"]
+        kafka_bootstrap = connection[1]
+        sent = await read_topic(kafka_bootstrap, topics.lane("high"), 1, 30)
+        assert [record.key.decode() for record in sent] == [request_id]
+        assert await read_topic(kafka_bootstrap, topics.requests, 0, 2) == []
+        missing = ["submit", str(image), "--model", model_name, "--lane", "low"]
+        assert await asyncio.to_thread(main, [*connection, *missing]) == 2
+        assert f"topic {topics.lane('low')} does not exist" in capsys.readouterr().err
+    finally:
+        await kafka_admin.delete_topics([topics.lane("high")])
 
 
 async def test_topics_create_flags_an_existing_topic_too_small_for_large_payloads(

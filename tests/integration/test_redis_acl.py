@@ -156,3 +156,23 @@ def test_caller_user_reads_but_cannot_write_results(
         caller.close()
         admin.delete(key)
         admin.close()
+
+
+async def test_a_read_only_caller_is_told_its_large_payload_cannot_be_stored(
+    acl_user: dict[str, tuple[str, str]], kafka_bootstrap: str, redis_url: str, uid: str
+) -> None:
+    """Payloads above the threshold go to Redis by reference; a caller whose user may
+    not write there gets a clear refusal, not an outage to retry."""
+    from producers.claims import PayloadStoreRefused
+
+    name, password = acl_user["caller"]
+    settings = ClientSettings(
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=SecretStr(redis_url),
+        redis_username=name,
+        redis_password=SecretStr(password),
+        dataref_threshold_bytes=1024,
+    )
+    async with AsyncClient(settings) as client:
+        with pytest.raises(PayloadStoreRefused, match=r"conveyor:data:\*, which needs \+set"):
+            await client.submit(b"\x89PNG" + bytes(4096), model=f"m{uid}", content_type="image/png")

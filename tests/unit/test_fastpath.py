@@ -45,6 +45,7 @@ OPTIONAL = [
     "ce_params",
     "ce_stream",
     "ce_seq",
+    "ce_supersede",
     "traceparent",
     "ce_dataref",
     "ce_dataexpires",
@@ -90,6 +91,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
         meta.stream,
         meta.seq,
         meta.traceparent,
+        meta.supersede,
         meta.dataref,
     )
 
@@ -105,6 +107,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
     reply_to=st.none() | topics,
     stream=st.none() | ids,
     seq=st.integers(min_value=0, max_value=2**63 - 1),
+    supersede=st.none() | st.booleans(),
     traceparent=st.none() | traceparents,
 )
 def test_fast_parse_takes_every_record_the_sdk_writes(
@@ -118,6 +121,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
     reply_to: str | None,
     stream: str | None,
     seq: int,
+    supersede: bool | None,
     traceparent: str | None,
 ) -> None:
     record = encode_request(
@@ -131,6 +135,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
         reply_to=reply_to,
         stream=stream,
         seq=seq if stream is not None else None,
+        supersede=supersede if stream is not None else None,
         traceparent=traceparent,
     )
     fast = parse_request(record.headers, record.value, Limits())
@@ -138,13 +143,14 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
     assert fast is not None
     assert fast.id == meta.id
     assert fast.params == meta.params
-    assert (fast.deadline, fast.reply_to, fast.stream, fast.seq, fast.traceparent) == (
-        meta.deadline,
-        meta.reply_to,
-        meta.stream,
-        meta.seq,
-        meta.traceparent,
-    )
+    assert (
+        fast.deadline,
+        fast.reply_to,
+        fast.stream,
+        fast.seq,
+        fast.traceparent,
+        fast.supersede,
+    ) == (meta.deadline, meta.reply_to, meta.stream, meta.seq, meta.traceparent, meta.supersede)
 
 
 @given(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,7 +27,15 @@ from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
-from workers.types import Outbox, PublishReport, Revoked, TopicPartition
+from workers.types import (
+    Committed,
+    Outbox,
+    PartitionCommit,
+    PublishReport,
+    Revoked,
+    TopicPartition,
+    TransactionalSink,
+)
 
 TOPIC = "conveyor.t.requests"
 POISON = 255
@@ -83,55 +92,73 @@ class FakeRecord:
     checksum: int | None = None
 
 
+Key = int | TopicPartition  # a partition of TOPIC, or (topic, partition)
+
+
+def _tp(key: Key) -> TopicPartition:
+    return (TOPIC, key) if isinstance(key, int) else key
+
+
 @dataclass
 class FakeSource:
-    """Partitions of records; fetch hands them out in order, a few at a time."""
+    """Partitions of records; fetch hands them out in order, a few at a time.
 
-    partitions: dict[int, list[FakeRecord]]
-    position: dict[int, int] = field(default_factory=dict)
-    committed: dict[int, int] = field(default_factory=dict)
+    Partitions are keyed by number (partitions of TOPIC) or by (topic, partition);
+    ``position`` and ``committed`` use the same keys.
+    """
+
+    partitions: dict[Key, list[FakeRecord]]
+    position: dict[Key, int] = field(default_factory=dict)
+    committed: dict[Key, int] = field(default_factory=dict)
     paused_seen: list[bool] = field(default_factory=list)
-    paused: bool = False
+    paused: frozenset[str] = frozenset()
     revoke_handler: Revoked | None = None
+    restarted: list[TopicPartition] = field(default_factory=list)
 
     async def fetch(
         self, timeout_ms: int, max_records: int
     ) -> Mapping[TopicPartition, Sequence[FakeRecord]]:
         await asyncio.sleep(0)
-        if self.paused:
-            await asyncio.sleep(timeout_ms / 1000)
-            return {}
         out: dict[TopicPartition, list[FakeRecord]] = {}
-        for p, records in self.partitions.items():
-            start = self.position.get(p, 0)
+        for key, records in self.partitions.items():
+            if _tp(key)[0] in self.paused:
+                continue
+            start = self.position.get(key, 0)
             chunk = records[start : start + max(1, max_records // 4)]
             if chunk:
-                out[(TOPIC, p)] = chunk
-                self.position[p] = start + len(chunk)
+                out[_tp(key)] = chunk
+                self.position[key] = start + len(chunk)
         if not out:
             await asyncio.sleep(timeout_ms / 1000)
         return out
 
-    def set_paused(self, paused: bool) -> None:
-        self.paused = paused
-        self.paused_seen.append(paused)
+    def set_paused(self, topics: AbstractSet[str]) -> None:
+        self.paused = frozenset(topics)
+        self.paused_seen.append(bool(topics))
 
     async def commit(self, positions: Mapping[TopicPartition, int]) -> bool:
-        for (_, p), position in positions.items():
-            if p in self.partitions:
-                self.committed[p] = position
+        for key in self.partitions:
+            if _tp(key) in positions:
+                self.committed[key] = positions[_tp(key)]
         return True
 
     def on_revoke(self, handler: Revoked) -> None:
         self.revoke_handler = handler
 
+    async def restart(self, partitions: Collection[TopicPartition]) -> None:
+        """Fetch again from the committed positions."""
+        for key in list(self.partitions):
+            if _tp(key) in partitions:
+                self.restarted.append(_tp(key))
+                self.position[key] = self.committed.get(key, 0)
+
     def lag(self) -> Mapping[TopicPartition, int]:
         return {}
 
-    async def revoke(self, partition: int) -> None:
+    async def revoke(self, partition: Key) -> None:
         """As a rebalance does: the pipeline drains, then the partition is gone."""
         assert self.revoke_handler is not None
-        await self.revoke_handler({(TOPIC, partition)})
+        await self.revoke_handler({_tp(partition)})
         del self.partitions[partition]
 
 
@@ -180,6 +207,7 @@ def make(
     *,
     stores: Mapping[str, PayloadStore] | None = None,
     state: RequestState | None = None,
+    transactions: TransactionalSink | None = None,
     metrics: Metrics | None = None,
     **settings: Any,
 ) -> tuple[Pipeline, FakeSink]:
@@ -192,7 +220,15 @@ def make(
     claims = None if stores is None else Claims.from_settings(s, metrics, stores)
     admission = None if state is None else Admission(state, metrics)
     pipeline = Pipeline(
-        s, source, sink, runner, answers, metrics, claims=claims, admission=admission
+        s,
+        source,
+        sink,
+        runner,
+        answers,
+        metrics,
+        claims=claims,
+        admission=admission,
+        transactions=transactions,
     )
     return pipeline, sink
 
@@ -405,6 +441,308 @@ async def test_error_results_go_to_ce_replyto_with_a_checked_traceparent() -> No
     assert sent["p0-1"][0] == "my.replies"
     assert "traceparent" not in sent["p0-1"][1]  # malformed: dropped, as W3C says
     assert sent["p0-2"][0] is None
+
+
+# -- priority lanes --------------------------------------------------------------------------
+
+HIGH = f"{TOPIC}.high"
+
+
+def lane_records(topic: str, partition: int, count: int, prefix: str) -> list[FakeRecord]:
+    out = []
+    for n in range(count):
+        record = encode_request(
+            bytes([n % 200 + 1]),
+            request_id=f"{prefix}-{n}",
+            content_type=ContentType.TEXT,
+            source="t",
+        )
+        out.append(FakeRecord(topic, partition, n, 0, record.key, record.value, record.headers))
+    return out
+
+
+async def test_a_high_lane_request_overtakes_a_low_lane_backlog() -> None:
+    source = FakeSource({0: lane_records(TOPIC, 0, 200, "low")})
+    model = EchoModel(hold_after=1)
+    model.gate = threading.Event()
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, metrics=metrics, lanes="high:8", max_in_flight=64)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        # The low lane fills the in-flight budget and pauses; the high lane does not.
+        async with asyncio.timeout(5):
+            while TOPIC not in source.paused:
+                await asyncio.sleep(0.01)
+        assert HIGH not in source.paused
+        source.partitions[(HIGH, 0)] = lane_records(HIGH, 0, 3, "high")
+        async with asyncio.timeout(5):
+            while source.position.get((HIGH, 0), 0) < 3:
+                await asyncio.sleep(0.01)
+        answered_before = len(sink.published_ids())  # the model is held meanwhile
+        model.gate.set()
+        async with asyncio.timeout(5):
+            while not all(f"high-{n}" in sink.stored for n in range(3)):
+                await asyncio.sleep(0.001)
+        published = sink.published_ids()
+        last_high = max(published.index(f"high-{n}") for n in range(3))
+        overtaken_by = [i for i in published[answered_before:last_high] if i.startswith("low-")]
+        # Ahead of the high requests: the batch on the model and the one queued behind it.
+        assert len(overtaken_by) <= 2 * 8
+        async with asyncio.timeout(10):
+            while sum(1 for i in sink.stored if i.startswith("low-")) < 200:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert source.committed == {0: 200, (HIGH, 0): 3}
+    text = metrics.render().decode()
+    assert 'conveyor_lane_end_to_end_seconds_count{lane="high",model="t"} 3.0' in text
+    assert 'conveyor_lane_queue_wait_seconds_count{lane="default",model="t"} 200.0' in text
+
+
+async def test_a_saturated_high_lane_still_lets_the_low_lane_through() -> None:
+    source = FakeSource(
+        {
+            (HIGH, 0): lane_records(HIGH, 0, 400, "high"),
+            0: lane_records(TOPIC, 0, 40, "low"),
+        }
+    )
+    pipeline, sink = make(source, EchoModel(), lanes="high:3")
+    await run_until(pipeline, lambda: sum(1 for i in sink.stored if i.startswith("low-")) == 40)
+    published = sink.published_ids()
+    last_low = max(published.index(f"low-{n}") for n in range(40))
+    high_before = sum(1 for i in published[:last_low] if i.startswith("high-"))
+    # One batch in four is the low lane's while both have work (weights 3:1): its five
+    # batches of 8 went out with at most three high batches before each, one more
+    # running when the first low items came.
+    assert high_before <= (3 * 5 + 1) * 8
+
+
+# -- freshest-frame mode ---------------------------------------------------------------------
+
+
+def frames(
+    partition: int, stream: str, count: int, supersede: bool | None = True, first: int = 0
+) -> list[FakeRecord]:
+    out = []
+    for n in range(first, first + count):
+        record = encode_request(
+            bytes([n % 200 + 1]),
+            request_id=f"{stream}:{n}",
+            content_type=ContentType.TEXT,
+            source="t",
+            stream=stream,
+            seq=n,
+            supersede=supersede,
+        )
+        out.append(FakeRecord(TOPIC, partition, n, 0, record.key, record.value, record.headers))
+    return out
+
+
+def outcome_order(sink: FakeSink, stream: str) -> list[tuple[int, Status]]:
+    """(seq, status) of the stream's answers, in the order they were published."""
+    return [
+        (int(i.rsplit(":", 1)[1]), decode_result(v).status)
+        for box in sink.outboxes
+        for i, v in zip(box.ids, box.values, strict=True)
+        if i.startswith(f"{stream}:")
+    ]
+
+
+async def test_waiting_frames_are_superseded_by_newer_ones_and_order_is_kept() -> None:
+    source = FakeSource({0: frames(0, "cam", 60), 1: frames(1, "other", 60)})
+    model = EchoModel(hold_after=1)
+    model.gate = threading.Event()
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, metrics=metrics)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        async with asyncio.timeout(5):  # everything fetched while the model is held
+            while source.position.get(0, 0) < 60 or source.position.get(1, 0) < 60:
+                await asyncio.sleep(0.01)
+        model.gate.set()
+        async with asyncio.timeout(10):
+            while len(sink.stored) < 120:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    for stream in ("cam", "other"):
+        answers = outcome_order(sink, stream)
+        assert sorted(seq for seq, _ in answers) == list(range(60))  # every frame, once
+        ok = [seq for seq, status in answers if status is Status.ok]
+        assert ok == sorted(ok)  # the answered frames in frame order
+        assert ok[-1] == 59  # the newest frame is always answered
+        superseded = [seq for seq, status in answers if status is Status.expired]
+        assert len(superseded) >= 40  # most frames never reached the model
+        assert set(ok) | set(superseded) == set(range(60))
+    result = decode_result(sink.stored["cam:0" if "cam:0" in sink.stored else "cam:1"])
+    assert result.status in (Status.ok, Status.expired)
+    skipped = decode_result(sink.stored[f"cam:{superseded[0]}"])
+    assert skipped.error is not None
+    assert skipped.error.code == ErrorCode.superseded
+    assert model.seen < 120 - 80
+    assert not any(box.dead for box in sink.outboxes)  # superseded is not a dead letter
+    assert "conveyor_superseded_total" in metrics.render().decode()
+
+
+async def test_frames_are_all_answered_without_the_mode() -> None:
+    source = FakeSource(
+        {0: frames(0, "cam", 30, supersede=None) + frames(0, "cam2", 10, supersede=False, first=30)}
+    )
+    model = EchoModel(hold_after=1)
+    model.gate = threading.Event()
+    pipeline, sink = make(source, model)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        async with asyncio.timeout(5):
+            while source.position.get(0, 0) < 40:
+                await asyncio.sleep(0.01)
+        model.gate.set()
+        async with asyncio.timeout(10):
+            while len(sink.stored) < 40:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert all(sink.status(i) is Status.ok for i in sink.stored)
+    assert model.seen == 40
+
+
+async def test_the_worker_setting_turns_the_mode_on_for_frames_that_do_not_say() -> None:
+    source = FakeSource(
+        {0: frames(0, "cam", 30, supersede=None) + frames(0, "keep", 10, supersede=False, first=30)}
+    )
+    model = EchoModel(hold_after=1)
+    model.gate = threading.Event()
+    pipeline, sink = make(source, model, supersede_frames=True)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        async with asyncio.timeout(5):
+            while source.position.get(0, 0) < 40:
+                await asyncio.sleep(0.01)
+        model.gate.set()
+        async with asyncio.timeout(10):
+            while len(sink.stored) < 40:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    statuses = {i: sink.status(i) for i in sink.stored}
+    assert any(s is Status.expired for i, s in statuses.items() if i.startswith("cam:"))
+    assert all(s is Status.ok for i, s in statuses.items() if i.startswith("keep:"))
+
+
+# -- exactly-once delivery -------------------------------------------------------------------
+
+
+@dataclass
+class FakeTransactions:
+    """Commits what it is given (as the broker would, offsets into ``source.committed``);
+    loses the next transaction of partitions in ``lose``."""
+
+    source: FakeSource
+    committed: list[PartitionCommit] = field(default_factory=list)
+    lose: set[TopicPartition] = field(default_factory=set)
+    closed: list[TopicPartition] = field(default_factory=list)
+
+    async def publish(self, parts: Sequence[PartitionCommit]) -> tuple[list[Committed], int]:
+        await asyncio.sleep(0)
+        ended = []
+        for part in parts:
+            if part.partition in self.lose:
+                self.lose.discard(part.partition)
+                ended.append(Committed.LOST)
+                continue
+            self.committed.append(part)
+            self.source.committed[part.partition[1]] = part.position
+            ended.append(Committed.YES)
+        return ended, 0
+
+    async def close(self, partitions: Collection[TopicPartition]) -> None:
+        self.closed.extend(partitions)
+
+    async def aclose(self) -> None:
+        pass
+
+    def ids(self) -> list[str]:
+        return [i for part in self.committed for i in part.outbox.ids]
+
+
+def check_exactly_once(txns: FakeTransactions, partitions: dict[int, int]) -> None:
+    """Every request committed once, and each transaction covers exactly the records
+    between its partition's previous position and its own."""
+    ids = txns.ids()
+    assert len(ids) == len(set(ids))
+    assert sorted(ids) == sorted(
+        f"p{p}-{n}" for p, count in partitions.items() for n in range(count)
+    )
+    position = dict.fromkeys(partitions, 0)
+    for part in txns.committed:
+        p = part.partition[1]
+        offsets = sorted(int(i.split("-")[1]) for i in part.outbox.ids)
+        assert offsets == list(range(position[p], part.position))
+        position[p] = part.position
+    assert position == partitions
+
+
+async def test_exactly_once_commits_each_partition_in_order_with_its_position() -> None:
+    bad = records(0, 30)
+    r = bad[3]  # a refusal, answered long before the records around it
+    bad[3] = FakeRecord(
+        r.topic, 0, r.offset, 0, r.key, r.value, [h for h in r.headers if h[0] != "ce_source"]
+    )
+    source = FakeSource({0: bad, 1: records(1, 30)})
+    txns = FakeTransactions(source)
+    pipeline, sink = make(source, EchoModel(), transactions=txns)
+    await run_until(pipeline, lambda: len(txns.ids()) == 60)
+    check_exactly_once(txns, {0: 30, 1: 30})
+    assert sink.outboxes == []  # nothing went the at-least-once way
+    dead = [letter for part in txns.committed for letter in part.outbox.dead]
+    assert len(dead) == 1 + 1  # the bad request and the poison item, inside transactions
+    assert pipeline.stats.answered == 60
+
+
+async def test_a_lost_transaction_reads_its_partition_again_from_the_committed_position() -> None:
+    source = FakeSource({0: records(0, 40, first=0), 1: records(1, 40)})
+    txns = FakeTransactions(source, lose={(TOPIC, 0)})
+    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    await run_until(pipeline, lambda: len(txns.ids()) == 80)
+    assert source.restarted == [(TOPIC, 0)]
+    check_exactly_once(txns, {0: 40, 1: 40})
+
+
+async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> None:
+    source = FakeSource({0: records(0, 24), 1: records(1, 24)})
+    txns = FakeTransactions(source)
+    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        async with asyncio.timeout(5):
+            while source.position.get(1, 0) == 0:
+                await asyncio.sleep(0.001)
+        fetched = source.position[1]
+        await source.revoke(1)
+        assert txns.closed == [(TOPIC, 1)]
+        assert source.committed[1] == fetched  # drained and committed in transactions
+        async with asyncio.timeout(5):
+            while source.committed.get(0) != 24:
+                await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
 
 
 # -- payloads by reference, cancellation, status --------------------------------------

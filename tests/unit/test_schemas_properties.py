@@ -74,6 +74,8 @@ interesting = st.sampled_from(
         b"{}",
         b'{"a":[[[[[[[[[]]]]]]]]]}',
         b"18446744073709551616",
+        b"true",
+        b"false",
         b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         b"\xff",
         b"",
@@ -153,6 +155,7 @@ def test_any_record_decodes_or_raises_contract_error(
     reply_to=st.none() | topics,
     stream=st.none() | ids,
     seq=st.integers(min_value=0, max_value=2**63 - 1),
+    supersede=st.none() | st.booleans(),
     traceparent=st.none() | traceparents,
     timestamp_ms=st.integers(min_value=0, max_value=2**45),
 )
@@ -167,6 +170,7 @@ def test_encode_then_decode_round_trips(
     reply_to: str | None,
     stream: str | None,
     seq: int,
+    supersede: bool | None,
     traceparent: str | None,
     timestamp_ms: int,
 ) -> None:
@@ -181,6 +185,7 @@ def test_encode_then_decode_round_trips(
         reply_to=reply_to,
         stream=stream,
         seq=seq if stream is not None else None,
+        supersede=supersede if stream is not None else None,
         traceparent=traceparent,
     )
     request = decode_request(record.headers, record.key, record.value, timestamp_ms)
@@ -196,6 +201,7 @@ def test_encode_then_decode_round_trips(
         reply_to=reply_to,
         stream=stream,
         seq=seq if stream is not None else None,
+        supersede=supersede if stream is not None else None,
         traceparent=traceparent,
         timestamp_ms=timestamp_ms,
     )

@@ -68,6 +68,7 @@ def test_minimal_request_decodes_without_copying_the_payload() -> None:
     assert meta.timestamp_ms == 1_700_000_000_000
     assert meta.params == {}
     assert meta.time is meta.deadline is meta.reply_to is meta.stream is meta.seq is None
+    assert meta.supersede is None
 
 
 def test_all_optional_headers_decode() -> None:
@@ -79,6 +80,7 @@ def test_all_optional_headers_decode() -> None:
             ce_params='{"top_k": 5, "labels": ["a"]}',
             ce_stream="cam-1",
             ce_seq="42",
+            ce_supersede="true",
             traceparent=TRACEPARENT,
         )
     )
@@ -91,6 +93,8 @@ def test_all_optional_headers_decode() -> None:
     assert meta.reply_to == "my.replies"
     assert meta.params == {"top_k": 5, "labels": ["a"]}
     assert (meta.stream, meta.seq, meta.traceparent) == ("cam-1", 42, TRACEPARENT)
+    assert meta.supersede is True
+    assert decode(headers(ce_stream="s", ce_supersede="false")).meta.supersede is False
 
 
 def test_trusted_construction_matches_model_construct() -> None:
@@ -151,6 +155,9 @@ WITH_ID = [
     (headers(ce_stream="s", ce_seq="+1"), ErrorCode.bad_request, "ce_seq"),
     (headers(ce_stream="s", ce_seq=str(2**63)), ErrorCode.bad_request, "ce_seq"),
     (headers(ce_seq="1"), ErrorCode.bad_request, "ce_seq"),
+    (headers(ce_stream="s", ce_supersede="yes"), ErrorCode.bad_request, "ce_supersede"),
+    (headers(ce_stream="s", ce_supersede="True"), ErrorCode.bad_request, "ce_supersede"),
+    (headers(ce_supersede="true"), ErrorCode.bad_request, "ce_supersede"),
     ([*headers(), ("ce_source", b"again")], ErrorCode.bad_request, "ce_source"),
     ([*headers(), ("x-big", b"x" * 70_000)], ErrorCode.bad_request, "headers"),
 ]
@@ -314,6 +321,7 @@ def test_encode_builds_the_documented_record() -> None:
         ({"params": {"big": 2**64}}, "ce_params"),
         ({"seq": 1}, "ce_seq"),
         ({"stream": "s", "seq": -1}, "ce_seq"),
+        ({"supersede": True}, "ce_supersede"),
         ({"traceparent": "nope"}, "traceparent"),
         ({"reply_to": "a/b"}, "ce_replyto"),
     ],

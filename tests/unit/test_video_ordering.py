@@ -12,12 +12,17 @@ from hypothesis import strategies as st
 from producers.errors import InvalidInput
 from producers.settings import ClientSettings
 from producers.video import (
+    Frame,
+    FrameResult,
     FrameSampler,
     ReorderBuffer,
+    _answered,
+    _frame_record,
     check_stream_id,
     frame_request_id,
     parse_frame_request_id,
 )
+from schemas import ErrorCode, Status, error_result, ok_result
 
 
 def kept(sampler: FrameSampler, times: list[Fraction]) -> list[int]:
@@ -183,3 +188,31 @@ def test_any_arrival_order_comes_out_in_order_with_gaps_reported(
     assert [seq for seq, _ in out] == list(range(last_received + 1))
     assert all((item is None) == (seq in lost) for seq, item in out)
     assert all(item == seq * 10 for seq, item in out if item is not None)
+
+
+@pytest.mark.parametrize(("freshest", "header"), [(True, b"true"), (False, b"false"), (None, None)])
+def test_freshest_sets_ce_supersede_on_every_frame(
+    freshest: bool | None, header: bytes | None
+) -> None:
+    frame = Frame(seq=3, time_s=0.1, jpeg=b"\xff\xd8jpeg")
+    record = _frame_record(ClientSettings(), "cam1", frame, freshest)
+    assert dict(record.headers).get("ce_supersede") == header
+    assert dict(record.headers)["ce_stream"] == b"cam1"
+
+
+def test_a_superseded_frame_counts_as_answered_unless_every_frame_was_asked_for() -> None:
+    def frame(status: Status, code: ErrorCode | None) -> FrameResult:
+        common = {"model": "m", "model_version": "1", "worker": "w"}
+        if code is None:
+            result = ok_result("cam1:0", [], **common)
+        else:
+            result = error_result("cam1:0", code, "m", status=status, **common)
+        return FrameResult("cam1", 0, result)
+
+    superseded = frame(Status.expired, ErrorCode.superseded)
+    assert _answered(superseded, True)
+    assert _answered(superseded, None)  # the worker's setting decided
+    assert not _answered(superseded, False)
+    assert not _answered(frame(Status.expired, ErrorCode.expired), True)
+    assert _answered(frame(Status.ok, None), False)
+    assert not _answered(FrameResult("cam1", 0, None), True)  # missing
