@@ -1223,7 +1223,8 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "vs_one": worker / one.get("img_s", math.nan),
                 }
             )
-        if not any(r["images"] == name for r in rows):
+        measured = (naive.get("img_s", math.nan), pipeline.get("img_s", math.nan), ceiling)
+        if not any(r["images"] == name for r in rows) and not all(map(math.isnan, measured)):
             rows.append(
                 {
                     "images": name,
@@ -1246,6 +1247,8 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_table(rows: Sequence[dict[str, Any]], card: str, model: str) -> None:
+    if not rows:  # only stages without a classification row ran (detect, kill)
+        return
     print(f"\nConveyor GPU benchmark on {card} ({model}, random weights)")
     header = (
         f"{'images':>8} {'layout':>6} {'naive/s':>8} {'pipe/s':>8} {'worker/s':>9} "
