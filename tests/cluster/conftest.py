@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.conftest import require_listening
-from tests.integration.harness import CLUSTER_SCHEME, REPO, Workers, admin_for
+from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin
+from tests.conftest import REPO, require_listening
+from tests.harness import TEST_WORKER_OPTIONS
 
 KAFKA_CLUSTER_PORT = int(os.environ.get("KAFKA_CLUSTER_PORT", "9292"))
 REDIS_CLUSTER_PORT = int(os.environ.get("REDIS_CLUSTER_PORT", "7000"))
@@ -68,7 +69,7 @@ class KafkaCluster:
 
     async def leaders(self, topic: str) -> set[int]:
         """The brokers leading ``topic``'s partitions now."""
-        async with admin_for(self.bootstrap) as admin:
+        async with kafka_admin(self.bootstrap) as admin:
             [described] = await admin.describe_topics([topic])
         return {p["leader"] for p in described["partitions"]}
 
@@ -111,7 +112,7 @@ class RedisClusterNodes:
 
     @property
     def url(self) -> str:
-        """The harness's name for it (see tests/integration/harness.py)."""
+        """The harness's name for it (see producers/testing/results.py)."""
         return f"{CLUSTER_SCHEME}://127.0.0.1:{self.port}/0"
 
     def node_of_port(self, port: int) -> int:
@@ -174,8 +175,8 @@ def healthy_redis_cluster(redis_cluster_nodes: RedisClusterNodes) -> Iterator[Re
 @pytest.fixture
 def cluster_workers(
     kafka_cluster: KafkaCluster, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[Workers]:
+) -> Iterator[Fleet]:
     """Workers of the test, on the Kafka cluster and the plain Redis by default."""
-    group = Workers(model_name, kafka_cluster.bootstrap, redis_url, tmp_path)
-    yield group
-    group.stop_all()
+    base = WorkerConfig(model_name, kafka_cluster.bootstrap, redis_url, options=TEST_WORKER_OPTIONS)
+    with Fleet(base, tmp_path) as fleet:
+        yield fleet

@@ -19,6 +19,7 @@ from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
 from producers.redis_cluster import ClusterRouter
 from producers.settings import ClientSettings
+from producers.testing import plain_url
 from schemas import (
     cancel_key,
     encode_result,
@@ -29,7 +30,6 @@ from schemas import (
     status_key,
 )
 from tests.cluster.conftest import RedisClusterNodes
-from tests.integration.harness import plain_url
 from workers.admission import CANCELLED, ClusterRequestState
 from workers.payload_stores import ClusterRedisPayloads
 

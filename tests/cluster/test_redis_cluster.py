@@ -22,19 +22,10 @@ from producers.client import AsyncClient
 from producers.cluster_results import ClusterResultReader
 from producers.errors import ResultTimeout
 from producers.settings import ClientSettings
+from producers.testing import Fleet, plain_url, read_results, until_answered
 from schemas import Result, encode_result, ok_result, result_key
 from tests.cluster.conftest import KafkaCluster, RedisClusterNodes
-from tests.integration.harness import (
-    Workers,
-    check,
-    plain_url,
-    redis_results,
-    setup_model,
-    submit_paced,
-    tally,
-    until_answered,
-)
-from workers.demo_model import build_digits_model, heldout_digits
+from tests.harness import check, setup_model, submit_paced, tally_scenario
 from workers.redis_cluster import (
     CLUSTER_WRITE_FIRST_SCRIPT,
     RedisClusterResultStore,
@@ -85,11 +76,17 @@ def test_the_cluster_script_differs_only_in_its_wake_up() -> None:
     assert CLUSTER_WRITE_FIRST_SCRIPT.replace("SPUBLISH", "PUBLISH") == WRITE_FIRST_SCRIPT
 
 
+def _primary(witness: RedisCluster, key: str) -> str:
+    node = witness.get_node_from_key(key)
+    assert node is not None, key
+    return node.name
+
+
 async def test_store_writes_a_batch_over_every_primary_first_write_wins(
     store: RedisClusterResultStore, witness: RedisCluster, uid: str
 ) -> None:
     ids = [f"{uid}-{n}" for n in range(64)]
-    primaries = {witness.get_node_from_key(result_key(i)).name for i in ids}
+    primaries = {_primary(witness, result_key(i)) for i in ids}
     assert len(primaries) == 3, "the batch must span every primary"
     first = [_document(i, "first") for i in ids]
 
@@ -203,23 +200,18 @@ async def until_subscribed(channel: str, port: int) -> None:
     """Wait until ``port``'s node counts a sharded subscriber on ``channel``."""
     node = aioredis.Redis(port=port)
     try:
-        while not (await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]:
+        # The raw reply ([channel, count]); redis-py leaves execute_command untyped.
+        while not (await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]:  # type: ignore[no-untyped-call]
             await asyncio.sleep(0.05)  # polling the server's count, not a wait for readiness
     finally:
         await node.aclose()
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
 
 
 @pytest.mark.timeout(300)
 async def test_primary_killed_mid_run_replica_promoted(
     healthy_kafka: KafkaCluster,
     healthy_redis_cluster: RedisClusterNodes,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     model_name: str,
 ) -> None:
@@ -259,17 +251,17 @@ async def test_primary_killed_mid_run_replica_promoted(
         await asyncio.wait_for(asyncio.gather(*waiting), 240)
     await seed.aclose()
 
-    row = await tally(
+    row = await tally_scenario(
         "Redis Cluster: a primary killed, replica promoted",
         bootstrap,
         nodes.url,
         model_name,
         ids,
-        timeout=180,
+        timeout_s=180,
     )
     check(row, cluster_workers.logs())
     assert "redis failed" in cluster_workers.logs()  # the failover really hit the worker
     # Every waiting caller got its answer, and it is the one Redis keeps.
     assert seen.keys() == set(ids)
-    stored = await redis_results(nodes.url, ids)
+    stored = await read_results(nodes.url, ids)
     assert all(seen[i] == stored[i] for i in ids)
