@@ -539,11 +539,13 @@ def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) 
     batch = runner.prepare(list(items))
     if batch.ready is not None:
         batch.ready.synchronize()
-    graph = runner._graphs[tuple(batch.tensor.shape)]
+    tensor = batch.tensor
+    assert isinstance(tensor, torch.Tensor)  # a classifier's batch is stacked, not a list
+    graph = runner._graphs[tuple(tensor.shape)]
     torch.cuda.synchronize(cfg.device)
     with torch.inference_mode():
-        eager = handler.forward(batch.tensor).float()
-        replayed = graph.run(batch.tensor).float()
+        eager = handler.forward(tensor).float()
+        replayed = graph.run(tensor).float()
     return float((replayed - eager).abs().max())
 
 
