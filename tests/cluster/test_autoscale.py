@@ -67,4 +67,4 @@ async def test_load_step_scales_one_to_three_to_one(
 
 
 def _logs(folder: Path) -> str:
-    return "\n".join(path.read_text() for path in sorted(folder.glob("*.log")))
+    return "\n".join(path.read_text() for path in sorted(folder.rglob("*.log")))
