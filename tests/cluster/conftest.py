@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import SecretStr
 
-from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin
+from producers.settings import ClientSettings
+from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin, plain_url
 from tests.conftest import REPO, require_listening
 from tests.harness import TEST_WORKER_OPTIONS
 
@@ -54,10 +56,7 @@ class KafkaCluster:
 
     def kill(self, node: int) -> None:
         """SIGKILL: a crash, no controlled shutdown."""
-        pid = self.pid(node)
-        os.kill(pid, signal.SIGKILL)
-        while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
-            time.sleep(0.05)  # until the kernel has closed its sockets
+        _kill(self.pid(node))
 
     def stop(self, node: int) -> None:
         """SIGTERM: a controlled shutdown, leadership handed over first."""
@@ -123,15 +122,21 @@ class RedisClusterNodes:
         return int(path.read_text())
 
     def kill(self, node: int) -> None:
-        pid = self.pid(node)
-        os.kill(pid, signal.SIGKILL)
-        while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
-            time.sleep(0.05)
+        """SIGKILL: a crash."""
+        _kill(self.pid(node))
 
     def start(self, node: int | None = None) -> None:
         """Start ``node`` (default: every node not running); returns once the cluster serves
         with every replica linked."""
         _script("redis-cluster.sh", "start", *([str(node)] if node else []))
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL ``pid``; returns once the kernel has closed its sockets (it is gone or a
+    zombie)."""
+    os.kill(pid, signal.SIGKILL)
+    while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
+        time.sleep(0.05)  # polling the process table, not a wait for readiness
 
 
 def _state(pid: int) -> str:
@@ -170,6 +175,16 @@ def healthy_redis_cluster(redis_cluster_nodes: RedisClusterNodes) -> Iterator[Re
     redis_cluster_nodes.start()
     yield redis_cluster_nodes
     redis_cluster_nodes.start()
+
+
+@pytest.fixture
+def cluster_settings(healthy_redis_cluster: RedisClusterNodes) -> ClientSettings:
+    """The SDK's settings for the Redis Cluster (the Kafka cluster is not needed)."""
+    return ClientSettings(
+        redis_url=SecretStr(plain_url(healthy_redis_cluster.url)),
+        redis_cluster=True,
+        connect_timeout_s=15,
+    )
 
 
 @pytest.fixture

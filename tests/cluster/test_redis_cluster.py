@@ -40,15 +40,6 @@ def _document(request_id: str, worker: str) -> bytes:
 
 
 @pytest.fixture
-def client_settings(healthy_redis_cluster: RedisClusterNodes) -> ClientSettings:
-    return ClientSettings(
-        redis_url=SecretStr(plain_url(healthy_redis_cluster.url)),
-        redis_cluster=True,
-        connect_timeout_s=15,
-    )
-
-
-@pytest.fixture
 async def store(healthy_redis_cluster: RedisClusterNodes) -> AsyncIterator[RedisClusterResultStore]:
     settings = WorkerSettings(
         model="digits",
@@ -118,10 +109,10 @@ async def test_store_reloads_its_script_on_every_node(
 
 
 async def test_wait_many_over_every_primary_and_get(
-    store: RedisClusterResultStore, client_settings: ClientSettings, uid: str
+    store: RedisClusterResultStore, cluster_settings: ClientSettings, uid: str
 ) -> None:
     ids = [f"{uid}-{n}" for n in range(90)]
-    reader = ClusterResultReader(client_settings)
+    reader = ClusterResultReader(cluster_settings)
     try:
         early = ids[:30]  # answered before the wait starts: found by its first read
         await store.write_first(early, [_document(i, "w") for i in early])
@@ -152,7 +143,7 @@ async def test_wait_many_over_every_primary_and_get(
 
 async def test_waits_and_writes_follow_a_manual_failover(
     store: RedisClusterResultStore,
-    client_settings: ClientSettings,
+    cluster_settings: ClientSettings,
     healthy_redis_cluster: RedisClusterNodes,
     uid: str,
 ) -> None:
@@ -160,7 +151,7 @@ async def test_waits_and_writes_follow_a_manual_failover(
     seed = aioredis.Redis(port=healthy_redis_cluster.port)
     primary, replica_port = await _shard_of(seed, result_key(ids[0]))
     replica = aioredis.Redis(port=replica_port)
-    reader = ClusterResultReader(client_settings)
+    reader = ClusterResultReader(cluster_settings)
     try:
         waited: list[Result] = []
 

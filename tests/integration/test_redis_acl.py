@@ -66,12 +66,17 @@ def _as(redis_url: str, user: tuple[str, str]) -> redis.Redis:
     return redis.Redis.from_url(redis_url, username=user[0], password=user[1])
 
 
+def _settings_as(settings: ClientSettings, user: tuple[str, str], **more: object) -> ClientSettings:
+    """``settings`` with Redis reached as ``user`` (name, password), and ``more`` fields."""
+    name, password = user
+    update = {"redis_username": name, "redis_password": SecretStr(password), **more}
+    return settings.model_copy(update=update)
+
+
 @pytest.mark.timeout(240)
 async def test_documented_users_serve_and_wait_for_a_request(
     acl_user: dict[str, tuple[str, str]],
     client_settings: ClientSettings,
-    kafka_bootstrap: str,
-    redis_url: str,
     model_name: str,
     workers: Fleet,
     digits: list[tuple[bytes, int]],
@@ -81,13 +86,7 @@ async def test_documented_users_serve_and_wait_for_a_request(
     worker = workers.start(
         env={"CONVEYOR_REDIS_USERNAME": name, "CONVEYOR_REDIS_PASSWORD": password}
     )
-    caller, caller_password = acl_user["caller"]
-    settings = ClientSettings(
-        kafka_bootstrap=kafka_bootstrap,
-        redis_url=SecretStr(redis_url),
-        redis_username=caller,
-        redis_password=SecretStr(caller_password),
-    )
+    settings = _settings_as(client_settings, acl_user["caller"])
     try:
         png, digit = digits[0]
         async with AsyncClient(settings) as client:
@@ -155,20 +154,13 @@ def test_caller_user_reads_but_cannot_write_results(
 
 
 async def test_a_read_only_caller_is_told_its_large_payload_cannot_be_stored(
-    acl_user: dict[str, tuple[str, str]], kafka_bootstrap: str, redis_url: str, uid: str
+    acl_user: dict[str, tuple[str, str]], client_settings: ClientSettings, uid: str
 ) -> None:
     """Payloads above the threshold go to Redis by reference; a caller whose user may
     not write there gets a clear refusal, not an outage to retry."""
     from producers.claims import PayloadStoreRefused
 
-    name, password = acl_user["caller"]
-    settings = ClientSettings(
-        kafka_bootstrap=kafka_bootstrap,
-        redis_url=SecretStr(redis_url),
-        redis_username=name,
-        redis_password=SecretStr(password),
-        dataref_threshold_bytes=1024,
-    )
+    settings = _settings_as(client_settings, acl_user["caller"], dataref_threshold_bytes=1024)
     async with AsyncClient(settings) as client:
         with pytest.raises(PayloadStoreRefused, match=r"conveyor:data:\*, which needs \+set"):
             await client.submit(b"\x89PNG" + bytes(4096), model=f"m{uid}", content_type="image/png")
