@@ -143,7 +143,8 @@ async def tally_scenario(
     isolation_level: Isolation = "read_uncommitted",
 ) -> Tally:
     """``producers.testing.tally`` of the model's requests ``ids``, added to the fault table
-    as ``scenario``'s row."""
+    as ``scenario``'s row. (Its parameters mirror ``tally``'s, with the model in place of its
+    reply topic: a wrapper, not a copy.)"""
     counted = await tally(
         bootstrap, redis_url, topics_for(model).results, ids, timeout_s, isolation_level
     )

@@ -588,6 +588,8 @@ def _request(request_id: str, payload: bytes) -> OutgoingRecord:
 
 # -- the table -----------------------------------------------------------------------------------
 
+# Rows look alike by design: each is the data of one scenario (its steps are named above and
+# in scenes.py), so a new fault is one more row, not one more copy of a test.
 SCENARIOS = [
     Scenario(
         "worker SIGKILL mid-batch, restart",

@@ -13,6 +13,7 @@ come in frame order on the reply topic.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -62,48 +63,43 @@ def age_s(result: Result) -> float:
     return (result.timings.published_ms - result.timings.produced_ms) / 1000.0
 
 
-async def run_streams(
-    workers: Fleet,
-    client_settings: ClientSettings,
-    kafka_bootstrap: str,
-    redis_url: str,
-    model_name: str,
-    png: bytes,
-    supersede: bool,
-) -> tuple[list[str], dict[str, Result], list[Reply]]:
-    """A slow worker (at most 80 frames/s) serving the live streams (160 frames/s)."""
-    await create_model_topics(client_settings, model_name, partitions=2)
-    slow = {"CONVEYOR_TEST_SLOW_MS": "50"}
-    worker = workers.start("--max-batch-size", "4", model=faulty.SPEC, env=slow)
-    await worker.until_serving(120)
-    topics = topics_for(model_name)
-    frames, ids = live_frames(model_name, png, supersede)
-    # The frame clock: live sources do not wait for anyone.
-    await produce_at_rate(kafka_bootstrap, topics.requests, frames, STREAMS * FPS)
-    results = await wait_for_results(redis_url, ids, 120)
-    assert len(results) == len(ids), worker.log()[-3000:]  # every frame ends with a result
-    replies = await read_topic(kafka_bootstrap, topics.results, len(ids), 60)
-    return ids, results, replies
+Served = tuple[list[str], dict[str, Result], list[Reply]]
+"""The frames' request ids, their results by id, and the reply topic's records."""
+RunStreams = Callable[[bool], Awaitable[Served]]
 
 
-@pytest.mark.timeout(240)
-async def test_freshest_frames_keep_answered_frames_young(
+@pytest.fixture
+def run_streams(
     workers: Fleet,
     client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
     digits: list[tuple[bytes, int]],
-) -> None:
-    ids, results, replies = await run_streams(
-        workers,
-        client_settings,
-        kafka_bootstrap,
-        redis_url,
-        model_name,
-        digits[0][0],
-        supersede=True,
-    )
+) -> RunStreams:
+    """``run_streams(supersede)``: a slow worker (at most 80 frames/s) serving the live
+    streams (160 frames/s), with or without the freshest-frame mode."""
+
+    async def run(supersede: bool) -> Served:
+        await create_model_topics(client_settings, model_name, partitions=2)
+        slow = {"CONVEYOR_TEST_SLOW_MS": "50"}
+        worker = workers.start("--max-batch-size", "4", model=faulty.SPEC, env=slow)
+        await worker.until_serving(120)
+        topics = topics_for(model_name)
+        frames, ids = live_frames(model_name, digits[0][0], supersede)
+        # The frame clock: live sources do not wait for anyone.
+        await produce_at_rate(kafka_bootstrap, topics.requests, frames, STREAMS * FPS)
+        results = await wait_for_results(redis_url, ids, 120)
+        assert len(results) == len(ids), worker.log()[-3000:]  # every frame ends with a result
+        replies = await read_topic(kafka_bootstrap, topics.results, len(ids), 60)
+        return ids, results, replies
+
+    return run
+
+
+@pytest.mark.timeout(240)
+async def test_freshest_frames_keep_answered_frames_young(run_streams: RunStreams) -> None:
+    ids, results, replies = await run_streams(True)
     ok = [r for r in results.values() if r.status is Status.ok]
     superseded = [r for r in results.values() if r.status is not Status.ok]
     for result in superseded:
@@ -133,22 +129,9 @@ async def test_freshest_frames_keep_answered_frames_young(
 
 @pytest.mark.timeout(240)
 async def test_without_the_mode_every_frame_runs_and_the_age_grows(
-    workers: Fleet,
-    client_settings: ClientSettings,
-    kafka_bootstrap: str,
-    redis_url: str,
-    model_name: str,
-    digits: list[tuple[bytes, int]],
+    run_streams: RunStreams,
 ) -> None:
-    ids, results, _ = await run_streams(
-        workers,
-        client_settings,
-        kafka_bootstrap,
-        redis_url,
-        model_name,
-        digits[0][0],
-        supersede=False,
-    )
+    ids, results, _ = await run_streams(False)
     assert all(r.status is Status.ok for r in results.values())
     last = [results[i] for i in ids[-STREAMS:]]
     oldest = max(age_s(r) for r in last)
