@@ -43,7 +43,7 @@ RULES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(rf"^(\s*)import {_PKG}(\s*(?:#.*)?)$", re.M), rf"\1from {NAMESPACE} import \2\3"),
     # import workers.cli as cli  ->  import conveyor_serve.workers.cli as cli
     (re.compile(rf"^(\s*)import {_PKG}\.", re.M), rf"\1import {NAMESPACE}.\2."),
-    # "producers.cli", 'workers.demo_model', `schemas.Limits`, "producers.cli:main"
+    # "producers.cli", 'demo.models.digits', `schemas.Limits`, "producers.cli:main"
     (re.compile(rf"([\"'`]){_PKG}([.:])(?=[A-Za-z_])"), rf"\1{NAMESPACE}.\2\3"),
     # python -m workers.demo
     (re.compile(rf"(-m\s+){_PKG}\."), rf"\1{NAMESPACE}.\2."),

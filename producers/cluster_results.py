@@ -38,11 +38,11 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MovedError, RedisError
 
-from producers.cluster_keys import per_key
+from common.cluster_keys import per_key
+from common.redis_cluster import ClusterRouter, Node, is_topology_error
+from common.security import redis_options
 from producers.errors import ResultTimeout, ServiceUnavailable
-from producers.redis_cluster import ClusterRouter, Node, is_topology_error
 from producers.results import RequestStatus, request_status
-from producers.security import redis_options
 from producers.settings import ClientSettings
 from schemas import Result, cancel_key, decode_result, result_key, status_key
 

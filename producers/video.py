@@ -39,11 +39,11 @@ import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from common.install import install_hint
+from common.security import kafka_options
 from producers.commands import EXIT_NOT_OK, EXIT_OK, _runner
 from producers.errors import InvalidInput, ResultTimeout, ServiceUnavailable, UnknownModel
-from producers.install import install_hint
 from producers.progress import ProgressBar
-from producers.security import kafka_options
 from producers.sender import RequestSender
 from producers.settings import ClientSettings
 from schemas import (

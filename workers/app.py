@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from producers.security import kafka_connect_failed, redis_connect_failed, redis_options
+from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
 from workers.admission import Admission

@@ -27,10 +27,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
-import producers
+import common
 import schemas
-from producers.install import install_hint
-from producers.security import ConnectFailed
+from common.install import install_hint
+from common.security import ConnectFailed
 from schemas import Limits
 from workers.logs import configure_logging
 from workers.settings import MODEL_DIR_VARIABLE, WorkerSettings
@@ -144,7 +144,7 @@ ENVIRONMENT_ONLY = {
 
 REQUIRED = "required"
 # The top-level names of Conveyor's own modules (however the packages are installed).
-_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (producers, schemas)} | {
+_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (common, schemas)} | {
     __name__.partition(".")[0]
 }
 _HELP_WIDTH = 78
@@ -158,6 +158,12 @@ _PRECEDENCE = (
     "TOML file given with --config-file. A flag wins over the variable, the variable over "
     "the file, the file over the default."
 )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` the ``conveyor worker`` command (the entry point ``producers.cli`` loads)."""
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

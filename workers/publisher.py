@@ -51,7 +51,7 @@ from aiokafka.errors import (
 )
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 
-from producers.security import kafka_connect_failed, kafka_options, redis_connect_failed
+from common.security import kafka_connect_failed, kafka_options, redis_connect_failed
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.dlq import truncated
 from schemas.fastpath import ResultEncoder

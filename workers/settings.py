@@ -28,9 +28,9 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from producers.redis_cluster import check_cluster_url
-from producers.s3 import S3Settings
-from producers.security import ConnectionSecurity
+from common.redis_cluster import check_cluster_url
+from common.s3 import S3Settings
+from common.security import ConnectionSecurity
 from schemas import (
     DEFAULT_DATA_PREFIX,
     DEFAULT_LANE,
@@ -39,11 +39,15 @@ from schemas import (
     parse_dataref,
     topics_for,
 )
-from workers.health import DEFAULT_HOST, DEFAULT_PORT
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
-"""Folder of the demo model's artifact, read by the ``demo_model`` module. Not a field:
+"""Folder of the demo models' artifacts, read by ``demo.models``. Not a field:
 the loader takes the artifact's path, and this only moves its default."""
+
+DEFAULT_METRICS_HOST = "0.0.0.0"  # probes and scrapers come from outside the container
+# Not 9400: NVIDIA's dcgm-exporter, found on most GPU nodes, listens there.
+DEFAULT_METRICS_PORT = 9406
+"""Port of /metrics, /healthz and /readyz unless ``metrics_port`` says otherwise."""
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
@@ -338,9 +342,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     )
 
     # Operations: /metrics, /healthz and /readyz on one HTTP port.
-    metrics_host: str = Field(default=DEFAULT_HOST, description="address of the metrics port")
+    metrics_host: str = Field(
+        default=DEFAULT_METRICS_HOST, description="address of the metrics port"
+    )
     metrics_port: int = Field(
-        default=DEFAULT_PORT,
+        default=DEFAULT_METRICS_PORT,
         ge=0,
         le=65535,
         description="port of /metrics, /healthz and /readyz (0: any free port)",

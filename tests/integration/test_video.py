@@ -23,6 +23,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 
+from demo.models.digits import build_digits_model
 from producers.errors import ResultTimeout, UnknownModel
 from producers.settings import ClientSettings
 from producers.video import (
@@ -37,7 +38,6 @@ from schemas import Status, encode_result, ok_result, result_headers, topics_for
 from tests.conftest import CreateTopic
 from tests.integration.harness import WorkerProcess, create_model_topics, read_topic
 from tests.unit.test_video_source import every_40_ms, parser, write_video
-from workers.demo_model import build_digits_model
 
 FRAMES = 200  # 20 s sampled at 10 fps
 
