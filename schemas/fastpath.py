@@ -16,7 +16,7 @@ Both are equal to the full codecs by property tests (tests/unit/test_fastpath.py
 from __future__ import annotations
 
 import itertools
-import os
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -187,7 +187,7 @@ class ResultEncoder:
         ]
         # Result event ids: a random per-process prefix and a counter. Unique like a
         # uuid4 per event, at a fraction of its cost.
-        self._event_prefix = os.urandom(8).hex() + "-"
+        self._event_prefix = secrets.token_hex(8) + "-"
         self._events = itertools.count()
 
     def encode(
