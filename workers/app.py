@@ -112,14 +112,14 @@ async def run_worker(settings: WorkerSettings) -> None:
             settings.delivery,
         )
         await pipeline.run(stop)
-        stats = pipeline.stats
+        totals = metrics.totals()
         log.info(
             "drained and stopping: %d answered (%s), %d duplicates left unchanged, "
             "%d handed back on rebalances",
-            stats.answered,
-            stats.by_status,
-            stats.duplicates,
-            stats.handed_back,
+            totals.answered,
+            totals.by_status,
+            totals.duplicates,
+            totals.handed_back,
         )
 
 

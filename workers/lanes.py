@@ -105,12 +105,9 @@ class LaneBatcher(Generic[T]):
         if not expired:
             return batch
         gone = [item for part in expired for item in part.expired]
-        opened = min(part.opened_at for part in expired)
         if batch is None:
-            return Batch([], gone, CloseReason.DEADLINE, opened, now)
-        return Batch(
-            batch.items, gone + batch.expired, batch.reason, min(opened, batch.opened_at), now
-        )
+            return Batch([], gone, CloseReason.DEADLINE)
+        return Batch(batch.items, gone + batch.expired, batch.reason)
 
     def withdraw(self, unwanted: Callable[[T], bool]) -> list[T]:
         """Remove and return the items of every lane for which ``unwanted`` holds."""

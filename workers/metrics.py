@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,6 +38,7 @@ __all__ = [
     "BulkHistogram",
     "Metrics",
     "RateMeter",
+    "Totals",
     "cuda_memory_allocated",
     "drain_seconds",
 ]
@@ -213,6 +215,19 @@ class LabelledBulkHistogram(Collector):
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """What a worker did since it started, read from its counters (for its last log line)."""
+
+    by_status: dict[str, int]  # results written, by status (statuses never seen left out)
+    duplicates: int  # redelivered requests whose result was already in Redis
+    handed_back: int  # records of revoked partitions left to their next owner
+
+    @property
+    def answered(self) -> int:
+        return sum(self.by_status.values())
 
 
 class Metrics:
@@ -468,6 +483,20 @@ class Metrics:
         """``count`` redelivered requests already had a result in Redis."""
         if count:
             self._redeliveries.inc(count)
+
+    def totals(self) -> Totals:
+        """The counts so far of results by status, duplicates and records handed back."""
+        read = self.registry.get_sample_value
+        model = {"model": self._model}
+        by_status = {
+            status: int(read("conveyor_requests_total", {**model, "status": status}) or 0)
+            for status in self._by_status
+        }
+        return Totals(
+            by_status={status: count for status, count in by_status.items() if count},
+            duplicates=int(read("conveyor_redeliveries_total", model) or 0),
+            handed_back=int(read("conveyor_handed_back_total", model) or 0),
+        )
 
     # -- state ----------------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Awaitable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from schemas import topics_for
@@ -81,16 +80,6 @@ class _Decoding(NamedTuple):
     lane: int
     items: list[Item]  # what went in
     decoded: Awaitable[Decoded]
-
-
-@dataclass(slots=True)
-class Stats:
-    """What the worker did, for its last log line."""
-
-    answered: int = 0
-    duplicates: int = 0
-    handed_back: int = 0  # records of revoked partitions left to their next owner
-    by_status: dict[str, int] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -146,7 +135,6 @@ class Pipeline:
         self._input_done = False
         self._outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
         self._progress = asyncio.Event()  # set after every publish
-        self.stats = Stats()
         source.on_revoke(self._release)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -380,20 +368,15 @@ class Pipeline:
     async def _publish(self, outcomes: list[Outcome]) -> None:
         delivered = await self._delivery.deliver(outcomes)
         durable_ms = time.time() * 1000.0
-        stats = self.stats
         for built in delivered.built:
             self._metrics.observe_results(
                 built.statuses,
                 [(durable_ms - produced) / 1000.0 for produced in built.produced_ms],
             )
             self._metrics.dead_letters(len(built.outbox.dead))
-            stats.answered += len(built.finished)
-            for status, count in built.statuses.items():
-                stats.by_status[status] = stats.by_status.get(status, 0) + count
         if len(self._lane_names) > 1:
             self._observe_lanes(delivered.outcomes, durable_ms)
         self._metrics.duplicates(delivered.duplicates)
-        stats.duplicates += delivered.duplicates
         self._progress.set()
 
     def _observe_lanes(self, outcomes: Sequence[Outcome], durable_ms: float) -> None:
@@ -426,7 +409,6 @@ class Pipeline:
         await self._delivery.release(partitions)
         handed_back = sum(self._tracker.in_flight(tp) for tp in partitions)
         if handed_back:
-            self.stats.handed_back += handed_back
             self._metrics.handed_back(handed_back)
             log.warning(
                 "%d records of revoked partitions not finished in %d ms; their next owner "
