@@ -20,7 +20,8 @@ if [ ! -d /tmp/jre0 ]; then
   version=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' compose/local/kafka-pom.xml)
   mkdir -p ".cache/kafka-$version" && rm -rf ".cache/kafka-$version/libs"
   tar -C /tmp -xJf .gpu/kafka0.tar.xz && mv /tmp/kafka0 ".cache/kafka-$version/libs"
-  touch ".cache/kafka-$version/libs/.complete"
+  # The marker fetch-kafka.sh expects: the checksum of the POM the jars answer to.
+  sha256sum compose/local/kafka-pom.xml | cut -d" " -f1 >".cache/kafka-$version/libs/.complete"
 fi
 export PATH="/tmp/jre0/bin:/tmp/redis/usr/bin:$PATH"
 # nvImageCodec (decode=gpu-hw), trimmed by gpu-carry.sh; CUDA's own libnvjpeg serves it.

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import signal
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -111,7 +113,8 @@ async def run_worker(settings: WorkerSettings) -> None:
             ", ".join(request_topics),
             settings.delivery,
         )
-        await pipeline.run(stop)
+        with start_up_objects_frozen():
+            await pipeline.run(stop)
         totals = metrics.totals()
         log.info(
             "drained and stopping: %d answered (%s), %d duplicates left unchanged, "
@@ -216,6 +219,26 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         f"; CUDA graphs for {list(runner.graphed_sizes)}" if runner.graphed_sizes else "",
     )
     return runner
+
+
+@contextmanager
+def start_up_objects_frozen() -> Iterator[None]:
+    """While serving, leave what start-up made (modules, the model, torch's objects)
+    out of the cyclic garbage collector's passes.
+
+    Those objects live as long as the process, and there are hundreds of thousands of
+    them once torch is imported. Without this, every full collection walks all of
+    them while requests wait, and the hot path allocates enough containers to start
+    one often: py-spy charged about a fifth of the CPU benchmark's samples to the
+    allocations that triggered them (docs/benchmarks.md). Unfrozen on the way out so
+    that shutdown frees them as usual (extension modules check for leaks at exit).
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _give_large_frees_back() -> None:

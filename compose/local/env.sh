@@ -118,6 +118,11 @@ fail_start() {
   {
     printf '[conveyor] ERROR: %s did not become ready on 127.0.0.1:%s within %s s.\n' "$1" "$2" "$READY_TIMEOUT"
     printf 'Is another process using port %s? Choose another with %s=<port>. Log file: %s\n' "$2" "$4" "$3"
+    # A broker's cause (a port taken, a bad setting) sits above its shutdown lines.
+    if grep -qE '^\[[^]]*\] (ERROR|FATAL) ' "$3" 2>/dev/null; then
+      printf -- '--- errors in %s ---\n' "$3"
+      grep -E '^\[[^]]*\] (ERROR|FATAL) ' "$3" | tail -n 5 | cut -c1-400
+    fi
     printf -- '--- last lines of %s ---\n' "$3"
     tail -n 25 "$3" 2>/dev/null || true
   } >&2

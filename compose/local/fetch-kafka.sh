@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Fetch Apache Kafka's broker and tool jars from Maven Central, once, into the
-# ignored cache folder. Later runs find the marker file and return at once.
+# ignored cache folder. Later runs find the marker file and return at once; the
+# marker holds the POM's checksum, so a changed dependency list fetches again.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 
-if [ -f "$KAFKA_LIBS/.complete" ]; then
+POM=$ROOT/compose/local/kafka-pom.xml
+WANTED=$(sha256sum "$POM" | cut -d' ' -f1)
+if [ "$(cat "$KAFKA_LIBS/.complete" 2>/dev/null)" = "$WANTED" ]; then
   exit 0
 fi
 command -v java >/dev/null || die "java is not on PATH; Conveyor's local broker needs Java 17 (or use Docker: compose/docker-compose.yml)"
@@ -12,8 +15,8 @@ command -v mvn >/dev/null || die "mvn is not on PATH; Maven fetches Kafka $KAFKA
 log "fetching Apache Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIBS"
 rm -rf "$KAFKA_LIBS"
 mkdir -p "$KAFKA_LIBS"
-mvn -B -q -f "$ROOT/compose/local/kafka-pom.xml" \
+mvn -B -q -f "$POM" \
   -Dkafka.version="$KAFKA_VERSION" \
   dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS" \
   || die "Maven could not fetch Kafka $KAFKA_VERSION (see the output above)"
-touch "$KAFKA_LIBS/.complete"
+echo "$WANTED" >"$KAFKA_LIBS/.complete"

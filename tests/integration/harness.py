@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import random
 import re
 import signal
 import socket
@@ -344,9 +345,22 @@ _ASSIGNED = re.compile(r"partitions assigned: (.*)$", re.MULTILINE)
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port from 10000-19999, below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is in the ephemeral range, where any
+    client connection opened before the server binds may take it as its local
+    port; Kafka then exits at start-up. Ports derived from this one by adding up to
+    11000 (SeaweedFS's, a cluster's) stay below 32768 too.
+    """
+    for _ in range(1000):
+        port = random.randrange(10000, 20000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 10000-19999 on 127.0.0.1")
 
 
 def assigned_partitions(log: str) -> set[int] | None:
