@@ -13,13 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Status
 from workers.batcher import CloseReason
-from workers.metrics import (
-    BulkHistogram,
-    Metrics,
-    RateMeter,
-    cuda_memory_allocated,
-    drain_seconds,
-)
+from workers.meters import BulkHistogram, RateMeter, drain_seconds
+from workers.metrics import Metrics, cuda_memory_allocated
 
 MODEL = {"model": "digits"}
 
