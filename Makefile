@@ -96,7 +96,7 @@ bench: install
 	$(PY) -m bench.cpu --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 settings-doc: install
-	$(PY) -c 'import workers.cli as cli; print(cli.settings_reference(), end="")' >docs/settings.md
+	$(PY) -c 'import workers.settings_doc as doc; print(doc.settings_reference(), end="")' >docs/settings.md
 
 clean: down down-cluster
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis
