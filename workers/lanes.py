@@ -21,14 +21,18 @@ the lanes, both pure (no clock, no I/O) and made here:
 Together: a high-lane request waits for at most the batch running on the model and
 the one queued behind it (``workers.inference.SLOTS``), plus one low-lane batch when
 the low lane is owed its turn, never for a low lane's backlog.
+
+The lanes themselves (``LaneSpec``: a name and a weight) are read from the
+``--lanes`` setting here too (``parse_lanes``, ``checked_lanes``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
+from schemas import DEFAULT_LANE
 from workers.batcher import Batch, Batcher, CloseReason
 
 __all__ = ["LaneBatcher", "LaneScheduler", "paused_lanes"]
@@ -134,3 +138,44 @@ def paused_lanes(in_flight: Sequence[int], cap: int, weights: Sequence[int]) -> 
         return [False] * len(in_flight)
     total = sum(weights)
     return [count * total >= cap * weight for count, weight in zip(in_flight, weights, strict=True)]
+
+
+# -- the lanes a worker serves: WorkerSettings.lanes -----------------------------------
+
+_MAX_LANE_WEIGHT = 1000
+
+
+class LaneSpec(NamedTuple):
+    """One priority lane of ``WorkerSettings.lanes``."""
+
+    name: str  # DEFAULT_LANE for the model's plain request topic
+    weight: int  # its share of batches and of records in flight while lanes compete
+
+
+def parse_lanes(value: Any) -> Any:
+    """``"high:8,default,bulk"`` (a flag or variable) → ``(("high", 8), ("default", 1), …)``."""
+    if not isinstance(value, str):
+        return value
+    lanes = []
+    for part in value.split(","):
+        if not part.strip():
+            continue
+        name, _, weight = part.strip().partition(":")
+        if weight and not weight.isdigit():
+            raise ValueError(f"lane {part.strip()!r}: the weight after ':' must be a number")
+        lanes.append((name, int(weight) if weight else 1))
+    return tuple(lanes)
+
+
+def checked_lanes(lanes: tuple[LaneSpec, ...]) -> tuple[LaneSpec, ...]:
+    """``lanes`` with the default lane added last when missing; raises ``ValueError`` for
+    a name given twice or a weight out of range."""
+    names = [lane.name for lane in lanes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lane names must be unique, got {', '.join(names)}")
+    for lane in lanes:
+        if not 1 <= lane.weight <= _MAX_LANE_WEIGHT:
+            raise ValueError(f"lane {lane.name}: weight must be 1 to {_MAX_LANE_WEIGHT}")
+    if lanes and DEFAULT_LANE not in names:
+        lanes = (*lanes, LaneSpec(DEFAULT_LANE, 1))
+    return lanes
