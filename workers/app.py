@@ -24,11 +24,11 @@ from workers.admission import Admission
 from workers.answers import Answers
 from workers.claims import Claims
 from workers.consumer import Consumer
+from workers.decode_budget import DecodeBudget
 from workers.health import Check, HealthServer
 from workers.loader import load_handler
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
-from workers.preprocess import DecodeBudget
 from workers.publisher import Publisher
 from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings

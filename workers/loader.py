@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from schemas import Limits
+from workers.decode_budget import DecodeBudget
 from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
 from workers.model_files import (
@@ -54,7 +55,7 @@ from workers.model_files import (
     sha256,
     sidecar_labels,
 )
-from workers.preprocess import DecodeBudget, ImageSpec
+from workers.preprocess import ImageSpec
 from workers.runner import resolve_device
 from workers.torchvision_models import Preprocess, Serving, load_torchvision
 

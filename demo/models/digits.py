@@ -38,9 +38,10 @@ from PIL import Image
 
 from common.install import DISTRIBUTION, install_hint
 from schemas import DEFAULT_LIMITS, Limits
+from workers.decode_budget import DecodeBudget
 from workers.handlers import ImageClassifier
 from workers.model_files import RANDOM_WEIGHTS
-from workers.preprocess import DecodeBudget, ImageSpec
+from workers.preprocess import ImageSpec
 from workers.settings import MODEL_DIR_VARIABLE
 
 DIGITS_VERSION = "digits-cnn-v1"
