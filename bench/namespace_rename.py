@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,13 +66,16 @@ STATUS = re.compile(
     r"^\*\*Status\.\*\* The repository still installs the top-level packages;.*", re.S | re.M
 )
 
-Edit = tuple[re.Pattern[str], str]  # what must match exactly once, and what replaces it
+# What must match exactly once, and what replaces it (a template, or made from the match).
+Edit = tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]
+
+
+_QUOTED_PACKAGE = re.compile(rf'"{_PKG}"')
 
 
 def _pyproject_edits() -> list[Edit]:
     mapped = ", ".join(f'"{NAMESPACE}.{name}" = "{name}"' for name in PACKAGES)
     listed = ", ".join(f'"{name}"' for name in _packages_in_tree())
-    top = ", ".join(f'"{NAMESPACE}.{name}"' for name in PACKAGES)
     banned = "".join(f'"{name}".msg = "import {NAMESPACE}.{name}"\n' for name in PACKAGES)
     return [
         (
@@ -81,10 +85,11 @@ def _pyproject_edits() -> list[Edit]:
             f"package-dir = {{{mapped}}}\n"
             f"packages = [{listed}]\n",
         ),
-        # mypy's packages: the first `packages =` line after [tool.mypy]
+        # mypy's packages: the first `packages =` line after [tool.mypy]; other entries
+        # (tests, bench) are kept as they are
         (
-            re.compile(r"^(\[tool\.mypy\]\n(?:[^\[\n].*\n|\n)*?)packages = \[[^\]\n]*\]\n", re.M),
-            rf"\g<1>packages = [{top}]\n",
+            re.compile(r"^\[tool\.mypy\]\n(?:[^\[\n].*\n|\n)*?packages = \[[^\]\n]*\]\n", re.M),
+            lambda found: _QUOTED_PACKAGE.sub(rf'"{NAMESPACE}.\1"', found.group(0)),
         ),
         (
             re.compile(r"^extend-exclude = \[([^\]\n]*)\]\n", re.M),
