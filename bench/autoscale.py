@@ -47,11 +47,11 @@ from pydantic import SecretStr
 
 from bench.identity import ITEM_BYTES
 from bench.plot import Line, Timeline, draw_timelines
+from demo.worker import REPO, WorkerChild
 from producers.admin import create_model_topics
 from producers.client import AsyncClient
 from producers.settings import ClientSettings
 from schemas import ContentType, consumer_group, topics_for
-from workers.demo import REPO, WorkerChild
 
 SCALED_OBJECT = REPO / "compose" / "k8s" / "worker-scaledobject.yaml"
 _RATE_WINDOW_S = 3.0  # answered rate: committed offsets over this long

@@ -68,11 +68,11 @@ from bench.stats import (
     latency_summary,
     pyspy_summary,
 )
+from demo.models.digits import build_digits_model, heldout_digits
+from demo.worker import WorkerChild
 from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, encode_request
 from workers.app import start_up_objects_frozen
 from workers.consumer import Consumer
-from workers.demo import WorkerChild
-from workers.demo_model import build_digits_model, heldout_digits
 from workers.offsets import OffsetTracker
 from workers.settings import WorkerSettings
 

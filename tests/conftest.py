@@ -88,7 +88,7 @@ def s3_options() -> dict[str, str]:
 @pytest.fixture
 async def s3_bucket(s3_options: dict[str, str], uid: str) -> AsyncIterator[str]:
     """A bucket of this test's own, emptied and deleted afterwards."""
-    from producers.s3 import S3Settings, s3_client
+    from common.s3 import S3Settings, s3_client
 
     name = f"t-{uid}"
     async with s3_client(S3Settings.model_validate(s3_options)) as s3:

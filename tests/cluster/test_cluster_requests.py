@@ -15,9 +15,9 @@ from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from common.redis_cluster import ClusterRouter
 from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
-from producers.redis_cluster import ClusterRouter
 from producers.settings import ClientSettings
 from schemas import (
     cancel_key,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from demo.models.digits import build_digits_model, heldout_digits
 from schemas import topics_for
 from tests.cluster.conftest import KafkaCluster
 from tests.integration.harness import (
@@ -24,7 +25,6 @@ from tests.integration.harness import (
     tally,
     until_answered,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 EXACTLY_ONCE = ("--delivery", "exactly-once", "--max-batch-size", "8")
 FAULTY = "tests.faults.faulty:FaultyDigits"

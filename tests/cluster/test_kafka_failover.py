@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 
+from demo.models.digits import build_digits_model, heldout_digits
 from schemas import topics_for
 from tests.cluster.conftest import KafkaCluster
 from tests.integration.harness import (
@@ -22,7 +23,6 @@ from tests.integration.harness import (
     tally,
     until_answered,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 REPLICAS = 3
 

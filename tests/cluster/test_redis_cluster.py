@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers.client import AsyncClient
 from producers.cluster_results import ClusterResultReader
 from producers.errors import ResultTimeout
@@ -34,7 +35,6 @@ from tests.integration.harness import (
     tally,
     until_answered,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 from workers.redis_cluster import (
     CLUSTER_WRITE_FIRST_SCRIPT,
     RedisClusterResultStore,

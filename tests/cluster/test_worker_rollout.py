@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from demo.models.digits import build_digits_model, heldout_digits
 from tests.cluster.conftest import KafkaCluster
 from tests.integration.harness import (
     NOTES,
@@ -35,7 +36,6 @@ from tests.integration.harness import (
     until,
     until_answered,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 PARTITIONS = 6
 WORKERS = 3

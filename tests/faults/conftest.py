@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from demo.models.digits import build_digits_model, heldout_digits
 from tests.integration.harness import (
     REPO,
     Workers,
@@ -28,7 +29,6 @@ from tests.integration.harness import (
     until_answered,
 )
 from tests.integration.harness import setup_model as setup
-from workers.demo_model import build_digits_model, heldout_digits
 
 __all__ = ["LocalService", "Workers", "admin_for", "check", "setup", "tally", "until_answered"]
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from demo.models.digits import DigitsClassifier
 from schemas import DEFAULT_LIMITS, ContentType, Limits
-from workers.demo_model import load_digits_handler
 
 
 class FaultyDigits:
     def __init__(self, device: torch.device | str = "cpu", limits: Limits = DEFAULT_LIMITS) -> None:
-        self._inner = load_digits_handler(device=device, limits=limits)
+        self._inner = DigitsClassifier(device=device, limits=limits)
         self.name = "digits"
         self.version = "digits-faulty"
         oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")

@@ -20,8 +20,8 @@ from aiokafka.admin import NewTopic
 from PIL import Image
 from pydantic import SecretStr
 
+from common.s3 import S3Settings, s3_client
 from producers import AsyncClient, ClientSettings
-from producers.s3 import S3Settings, s3_client
 from schemas import ContentType, ErrorCode, Status, encode_request, redis_dataref, topics_for
 from tests.faults.conftest import (
     LocalService,

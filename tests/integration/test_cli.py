@@ -14,6 +14,7 @@ import pytest
 import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers.cli import main
 from schemas import (
     DEFAULT_LIMITS,
@@ -24,7 +25,6 @@ from schemas import (
     topics_for,
 )
 from tests.integration.harness import REPO, WorkerProcess, create_model_topics, read_topic
-from workers.demo_model import build_digits_model, heldout_digits
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
+from demo.digits import main
+from demo.models.digits import digits_metadata
 from schemas import topics_for
-from workers.demo import main
-from workers.demo_model import digits_metadata
 
 _SUMMARY = re.compile(r"accuracy (\d+\.\d+)% \((\d+)/(\d+)\), offline (\d+\.\d+)%")
 

@@ -11,9 +11,9 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from PIL import Image
 
+from demo.models.detector import build_detector
+from demo.video import main
 from schemas import topics_for
-from workers.demo_detector import build_detector
-from workers.demo_video import main
 
 _SUMMARY = re.compile(r"(\d+)/(\d+) frames answered ok, in order; found (\d+) of (\d+) digits")
 FRAMES = 30

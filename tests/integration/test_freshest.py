@@ -22,6 +22,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from demo.models.digits import build_digits_model, heldout_digits
 from schemas import (
     ContentType,
     ErrorCode,
@@ -38,7 +39,6 @@ from tests.integration.harness import (
     until,
     wait_for_results,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 FAULTY = "tests.faults.faulty:FaultyDigits"
 STREAMS = 4

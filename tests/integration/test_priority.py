@@ -20,6 +20,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from demo.models.digits import build_digits_model, heldout_digits
 from schemas import ContentType, OutgoingRecord, encode_request, topics_for
 from tests.integration.harness import (
     WorkerProcess,
@@ -29,7 +30,6 @@ from tests.integration.harness import (
     until,
     wait_for_results,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 FAULTY = "tests.faults.faulty:FaultyDigits"
 SLOW_MS = 40

@@ -21,10 +21,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 from redis.exceptions import NoPermissionError, ResponseError
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers import AsyncClient, ClientSettings, Status
 from schemas import result_key
 from tests.integration.harness import REPO, WorkerProcess, create_model_topics
-from workers.demo_model import build_digits_model, heldout_digits
 
 SECURITY_DOC = REPO / "docs" / "security.md"
 # A script of the kind a worker runs per batch: first result wins, read back, announce.

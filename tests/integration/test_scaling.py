@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from demo.models.digits import build_digits_model, heldout_digits
 from schemas import ContentType, Status, consumer_group, encode_request, topics_for
 from tests.integration.harness import (
     WorkerProcess,
@@ -33,7 +34,6 @@ from tests.integration.harness import (
     until,
     wait_for_results,
 )
-from workers.demo_model import build_digits_model, heldout_digits
 
 
 @pytest.fixture(scope="module")

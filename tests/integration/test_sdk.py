@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import SecretStr
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers import (
     AsyncClient,
     Client,
@@ -33,7 +34,6 @@ from producers.admin import create_model_topics as create_topics_as_the_cli_does
 from producers.results import ResultReader
 from schemas import encode_result, ok_result, result_key, topics_for
 from tests.integration.harness import WorkerProcess, create_model_topics
-from workers.demo_model import build_digits_model, heldout_digits
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers import AsyncClient, ClientSettings, ServiceUnavailable, Status
 from producers.admin import create_model_topics
 from tests.integration.harness import REPO, WorkerProcess
-from workers.demo_model import build_digits_model, heldout_digits
 
 SECURE_SH = REPO / "compose" / "local" / "secure.sh"
 _FAIL_WITHIN_S = 30

@@ -23,6 +23,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 
+from demo.models.digits import build_digits_model
 from producers.errors import ResultTimeout, UnknownModel
 from producers.settings import ClientSettings
 from producers.video import (
@@ -37,7 +38,6 @@ from schemas import Status, encode_result, ok_result, result_headers, topics_for
 from tests.conftest import CreateTopic
 from tests.integration.harness import WorkerProcess, create_model_topics, read_topic
 from tests.unit.test_video_source import every_40_ms, parser, write_video
-from workers.demo_model import build_digits_model
 
 FRAMES = 200  # 20 s sampled at 10 fps
 
@@ -217,7 +217,7 @@ async def results_topic(create_topic: CreateTopic, model_name: str) -> str:
 def test_sync_reader_starts_at_start_seq(
     settings: ClientSettings, results_topic: str, model_name: str, kafka_bootstrap: str
 ) -> None:
-    # A plain (not async) test: the sync reader runs its own event loop in this thread.
+    # A plain (not async) test: the sync reader runs its own event loop.
     with StreamReader(settings, model_name, "cam", start_seq=10, timeout=10) as reader:
         # Published after the reader started; 9 is before start_seq and skipped.
         ids = [f"cam:{n}" for n in (12, 9, 11, 10)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
+from demo.models.digits import DigitsClassifier, build_digits_model, heldout_digits
 from schemas import ContentType, Result, Status, encode_request, topics_for
 from tests.integration.harness import (
     WorkerProcess,
@@ -20,7 +21,6 @@ from tests.integration.harness import (
     redis_results,
     wait_for_results,
 )
-from workers.demo_model import build_digits_model, heldout_digits, load_digits_handler
 from workers.runner import ModelRunner
 
 
@@ -33,7 +33,7 @@ def digits() -> list[tuple[bytes, int]]:
 @pytest.fixture(scope="module")
 def direct_predictions(digits: list[tuple[bytes, int]]) -> dict[bytes, dict[str, object]]:
     """The model run directly on each single input: what every served answer must equal."""
-    runner = ModelRunner(load_digits_handler(device="cpu"), device="cpu")
+    runner = ModelRunner(DigitsClassifier(device="cpu"), device="cpu")
     out = {}
     for png, _digit in digits:
         tensor = runner.handler.preprocess(png, ContentType.PNG, {})
