@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 .PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo demo-video bench settings-doc clean
 
 help:
-	@echo "make install  virtual environment in $(VENV) with the worker and dev extras"
+	@echo "make install  virtual environment in $(VENV) with the worker, video, s3, demo and dev extras"
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
 	@echo "make up-s3    start SeaweedFS's S3 gateway (127.0.0.1:$(S3_PORT)), built from its Go module once"
 	@echo "make down     stop what 'make up' and 'make up-s3' started"
@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,video,s3,dev]'
+	$(PY) -m pip install --quiet -e '.[worker,video,s3,demo,dev]'
 	touch $(STAMP)
 
 up:
@@ -83,20 +83,20 @@ format: install
 
 demo: install
 	@$(MAKE) --no-print-directory up
-	$(PY) -m workers.demo_model
-	$(PY) -m workers.demo --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+	$(PY) -m demo.models.digits
+	$(PY) -m demo.digits --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 demo-video: install
 	@$(MAKE) --no-print-directory up
-	$(PY) -m workers.demo_detector
-	$(PY) -m workers.demo_video --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+	$(PY) -m demo.models.detector
+	$(PY) -m demo.video --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 bench: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m bench.cpu --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 settings-doc: install
-	$(PY) -c 'import workers.cli as cli; print(cli.settings_reference(), end="")' >docs/settings.md
+	$(PY) -c 'import workers.settings_doc as doc; print(doc.settings_reference(), end="")' >docs/settings.md
 
 clean: down down-cluster
 	rm -rf $(VENV) .cache .run .mypy_cache .ruff_cache .pytest_cache .hypothesis

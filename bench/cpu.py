@@ -59,6 +59,7 @@ from bench.stats import (
     latency_summary,
     pyspy_summary,
 )
+from demo.models.digits import build_digits_model, heldout_digits
 from producers.admin import create_model_topics, delete_model_topics
 from producers.testing import (
     WorkerConfig,
@@ -72,7 +73,6 @@ from producers.testing import (
 from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, topics_for
 from workers.app import start_up_objects_frozen
 from workers.consumer import Consumer
-from workers.demo_model import build_digits_model, heldout_digits
 from workers.offsets import OffsetTracker
 from workers.settings import WorkerSettings
 

@@ -89,9 +89,10 @@ from producers.testing import (
 )
 from schemas import DEFAULT_LIMITS, ContentType, Result, topics_for
 from schemas.fastpath import FastMeta
-from workers.gpu_decode import READ_MODES, BatchDecoder, decode_jpegs
+from workers.gpu_decode import BatchDecoder
 from workers.handlers import Handler, ImageClassifier
 from workers.inference import Inference
+from workers.jpeg import READ_MODES, decode_jpegs
 from workers.loader import load_handler
 from workers.offsets import OffsetTracker
 from workers.preprocess import ImageSpec, crop_box, decode_image

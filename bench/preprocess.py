@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import DEFAULT_LIMITS, ContentType
-from workers.demo_model import heldout_digits, load_digits_handler
 from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
 from workers.preprocess import ImageSpec, decode
 
@@ -93,7 +93,7 @@ def pixel_deviation(corpus: list[tuple[bytes, ContentType]]) -> dict[str, Any]:
 
 def digits_agreement() -> dict[str, Any]:
     """The demo digits CNN on held-out digits drawn larger, fitted back to 8x8 both ways."""
-    handler = load_digits_handler()
+    handler = DigitsClassifier()
     fast, reference = _specs(handler.image)
     rng = np.random.default_rng(_SEED)
     rows: dict[str, list[torch.Tensor]] = {"fast": [], "reference": []}

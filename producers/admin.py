@@ -24,8 +24,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
+from common.security import kafka_failure_cause, kafka_options
 from producers.errors import ClientError, InvalidInput, ServiceUnavailable
-from producers.security import kafka_failure_cause, kafka_options
 from producers.settings import ClientSettings
 from schemas import topics_for
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
-from producers.cluster_keys import per_key
+from common.cluster_keys import per_key
+from common.redis_cluster import ClusterRouter
+from common.s3 import S3Unavailable, s3_client, s3_fault
+from common.security import redis_options
 from producers.errors import ClientError, ServiceUnavailable
-from producers.redis_cluster import ClusterRouter
-from producers.s3 import s3_client, s3_fault
-from producers.security import redis_options
 from producers.settings import ClientSettings
 from schemas import payload_key, redis_dataref, s3_dataref
 
@@ -192,7 +192,10 @@ class Uploader:
     async def _s3_client(self) -> S3Client:
         if self._s3 is None:
             context = contextlib.AsyncExitStack()
-            self._s3 = await context.enter_async_context(s3_client(self._settings))
+            try:
+                self._s3 = await context.enter_async_context(s3_client(self._settings))
+            except S3Unavailable as exc:
+                raise ClientError(str(exc)) from None
             self._s3_context = context
         return self._s3
 

@@ -3,7 +3,7 @@
 ``AsyncClient`` holds the logic: ``RequestSender`` (Kafka) sends, ``ResultReader``
 (Redis; ``ClusterResultReader`` with ``redis_cluster``) reads and waits.
 ``Client`` offers the same methods to synchronous code by running an
-``AsyncClient`` on an event loop in a private thread.
+``AsyncClient`` on an event loop in a private thread (``producers.bridge``).
 
     with Client() as client:
         request_id = client.submit(Path("cat.jpg"), model="resnet50")
@@ -12,23 +12,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import (
     AsyncGenerator,
-    AsyncIterator,
-    Coroutine,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
-from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from producers.bridge import LoopThread, SyncTwin, blocking, blocking_iter
 from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
 from producers.errors import InvalidInput
@@ -240,7 +235,7 @@ class AsyncClient:
         return ids, records, stored
 
 
-class Client:
+class Client(SyncTwin[AsyncClient]):
     """The synchronous twin of ``AsyncClient``: same methods, same errors, blocking calls.
 
     Runs an ``AsyncClient`` on an event loop in a private daemon thread, started
@@ -252,12 +247,12 @@ class Client:
     def __init__(self, settings: ClientSettings | None = None) -> None:
         """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
         self.settings = settings if settings is not None else ClientSettings()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="conveyor-client", daemon=True
-        )
-        self._thread.start()
-        self._client = self._call(_make_async_client(self.settings))
+        self._loop = LoopThread("conveyor-client")
+        try:
+            self._twin = self._loop.call(_make_async_client(self.settings))
+        except BaseException:
+            self._loop.close()
+            raise
 
     def __enter__(self) -> Self:
         return self
@@ -272,111 +267,23 @@ class Client:
 
     def close(self) -> None:
         """Deliver buffered requests, give back every connection, stop the loop thread."""
-        if self._loop.is_closed():
-            return
-        try:
-            # Waits left unfinished (a wait_many not iterated to its end) end first,
-            # each giving back its subscription, before the client closes the rest.
-            self._call(self._loop.shutdown_asyncgens())
-            self._call(self._client.close())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        if not self._loop.closed:
+            self._loop.close(self._twin.close())
 
-    def submit(
-        self,
-        payload: Payload,
-        *,
-        model: str,
-        params: Mapping[str, Any] | None = None,
-        deadline: Deadline | None = None,
-        request_id: str | None = None,
-        reply_to: str | None = None,
-        content_type: ContentType | str | None = None,
-        lane: str | None = None,
-    ) -> str:
-        """See ``AsyncClient.submit``."""
-        return self._call(
-            self._client.submit(
-                payload,
-                model=model,
-                params=params,
-                deadline=deadline,
-                request_id=request_id,
-                reply_to=reply_to,
-                content_type=content_type,
-                lane=lane,
-            )
-        )
+    submit = blocking(AsyncClient.submit)
+    submit_many = blocking(AsyncClient.submit_many)
+    result = blocking(AsyncClient.result)
+    status = blocking(AsyncClient.status)
+    cancel = blocking(AsyncClient.cancel)
+    wait = blocking(AsyncClient.wait)
+    wait_many = blocking_iter(
+        AsyncClient.wait_many,
+        doc="""Yield the results of ``request_ids`` as they complete, within ``timeout`` s overall.
 
-    def submit_many(
-        self,
-        payloads: Iterable[Payload],
-        *,
-        model: str,
-        params: Mapping[str, Any] | None = None,
-        deadline: Deadline | None = None,
-        request_ids: Sequence[str] | None = None,
-        reply_to: str | None = None,
-        content_type: ContentType | str | None = None,
-        lane: str | None = None,
-    ) -> list[str]:
-        """See ``AsyncClient.submit_many``."""
-        return self._call(
-            self._client.submit_many(
-                payloads,
-                model=model,
-                params=params,
-                deadline=deadline,
-                request_ids=request_ids,
-                reply_to=reply_to,
-                content_type=content_type,
-                lane=lane,
-            )
-        )
-
-    def result(self, request_id: str) -> Result | None:
-        """See ``AsyncClient.result``."""
-        return self._call(self._client.result(request_id))
-
-    def status(self, request_id: str) -> RequestStatus:
-        """See ``AsyncClient.status``."""
-        return self._call(self._client.status(request_id))
-
-    def cancel(self, request_id: str) -> RequestStatus:
-        """See ``AsyncClient.cancel``."""
-        return self._call(self._client.cancel(request_id))
-
-    def wait(self, request_id: str, timeout: float = 30.0) -> Result:
-        """See ``AsyncClient.wait``."""
-        return self._call(self._client.wait(request_id, timeout))
-
-    def wait_many(self, request_ids: Iterable[str], timeout: float = 30.0) -> Iterator[Result]:
-        """See ``AsyncClient.wait_many``; stopping early (``break``) ends the wait."""
-        results = self._client.wait_many(list(request_ids), timeout)
-        try:
-            while True:
-                try:
-                    yield self._call(_next(results))
-                except StopAsyncIteration:
-                    return
-        finally:
-            if not self._loop.is_closed():
-                self._call(results.aclose())
-
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        if self._loop.is_closed():
-            coroutine.close()
-            raise RuntimeError("this Client is closed")
-        future: Future[T] = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            # Interrupted (Ctrl-C) or failed: cancel the coroutine so it lets go of
-            # its connections; cancelling a finished one does nothing.
-            future.cancel()
-            raise
+        Raises ``ResultTimeout`` naming the ids still pending when time is up.
+        Stopping early (``break``) ends the wait.
+        """,
+    )
 
 
 def _request_topic(model: str, lane: str | None, settings: ClientSettings) -> str:
@@ -396,7 +303,3 @@ def _absolute(deadline: Deadline | None) -> datetime | None:
 async def _make_async_client(settings: ClientSettings) -> AsyncClient:
     # Built on the loop thread, so everything it creates belongs to that loop.
     return AsyncClient(settings)
-
-
-async def _next(results: AsyncIterator[Result]) -> Result:
-    return await anext(results)

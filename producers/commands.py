@@ -91,13 +91,13 @@ def add_client_commands(
         default=None,
         help="progress bar on stderr while waiting (default: on a terminal, for several files)",
     )
-    submit.set_defaults(handler=_runner(_submit))
+    submit.set_defaults(handler=runner(_submit))
 
     result = commands.add_parser(
         "result", parents=[connection], help="print a request's result now, if it has one"
     )
     result.add_argument("request_id", metavar="ID")
-    result.set_defaults(handler=_runner(_result))
+    result.set_defaults(handler=runner(_result))
 
     status = commands.add_parser(
         "status",
@@ -105,7 +105,7 @@ def add_client_commands(
         help="print where a request stands: queued, running or done (with its result)",
     )
     status.add_argument("request_id", metavar="ID")
-    status.set_defaults(handler=_runner(_status))
+    status.set_defaults(handler=runner(_status))
 
     cancel = commands.add_parser(
         "cancel",
@@ -116,14 +116,14 @@ def add_client_commands(
         "'cancelled', without running it; a request that already has a result keeps it.",
     )
     cancel.add_argument("request_ids", nargs="+", metavar="ID")
-    cancel.set_defaults(handler=_runner(_cancel))
+    cancel.set_defaults(handler=runner(_cancel))
 
     wait = commands.add_parser(
         "wait", parents=[connection], help="wait for a request's result and print it"
     )
     wait.add_argument("request_id", metavar="ID")
     wait.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
-    wait.set_defaults(handler=_runner(_wait))
+    wait.set_defaults(handler=runner(_wait))
 
     topics = commands.add_parser("topics", help="manage a model's Kafka topics")
     topic_commands = topics.add_subparsers(dest="topics_command", required=True)
@@ -147,10 +147,10 @@ def add_client_commands(
         "--partitions", type=int, required=True, help=">= the most workers planned for the model"
     )
     create.add_argument("--replication-factor", type=int, default=1)
-    create.set_defaults(handler=_runner(_topics_create))
+    create.set_defaults(handler=runner(_topics_create))
 
 
-def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
+def runner(command: Command) -> Callable[[argparse.Namespace], int]:
     """Settings from flags and environment, then the command, with errors as exit codes."""
 
     def run(args: argparse.Namespace) -> int:

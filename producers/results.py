@@ -29,8 +29,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.security import redis_options
 from producers.errors import ResultTimeout, ServiceUnavailable
-from producers.security import redis_options
 from producers.settings import ClientSettings
 from schemas import Result, cancel_key, decode_result, result_key, status_key
 

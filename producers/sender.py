@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
+from common.security import kafka_failure_cause, kafka_options
 from producers.admin import read_max_message_bytes
 from producers.errors import RecordTooLarge, ServiceUnavailable, UnknownModel
-from producers.security import kafka_failure_cause, kafka_options
 from producers.settings import ClientSettings
 from schemas import OutgoingRecord
 

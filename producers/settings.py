@@ -2,7 +2,7 @@
 
 ``ClientSettings()`` reads ``CONVEYOR_KAFKA_BOOTSTRAP``, ``CONVEYOR_REDIS_URL``,
 ``CONVEYOR_TOPIC_PREFIX`` and the credentials and TLS files of
-``producers.security.ConnectionSecurity`` (the variables a worker reads too) and
+``common.security.ConnectionSecurity`` (the variables a worker reads too) and
 falls back to the loopback services that ``make up`` starts. Keyword arguments
 win over the environment. Build it once, in ``main`` or the CLI, and pass it down.
 """
@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producers.redis_cluster import check_cluster_url
-from producers.s3 import S3Settings
-from producers.security import ConnectionSecurity, redis_location
+from common.redis_cluster import check_cluster_url
+from common.s3 import S3Settings
+from common.security import ConnectionSecurity, redis_location
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 
 KiB = 1024

@@ -16,7 +16,7 @@ Both are equal to the full codecs by property tests (tests/unit/test_fastpath.py
 from __future__ import annotations
 
 import itertools
-import os
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -25,36 +25,36 @@ import orjson
 
 from schemas.dataref import DataRef
 from schemas.errors import ContractError, ErrorCode
-from schemas.limits import Limits
-from schemas.request import (
-    _CONTENT_TYPE_H,
-    _DATAEXPIRES_H,
-    _DATAREF_H,
-    _DEADLINE_H,
-    _ID_CHARS,
-    _ID_H,
-    _KNOWN_HEADERS,
-    _MEDIA_TYPES_RAW,
-    _PARAMS_H,
-    _REQUEST_TYPE_RAW,
-    _SOURCE_H,
-    _SPECVERSION_H,
-    _SPECVERSION_RAW,
-    _TIME_H,
-    _TYPE_H,
+from schemas.headers import (
+    CONTENT_TYPE_H,
+    DATAEXPIRES_H,
+    DATAREF_H,
+    DEADLINE_H,
+    ID_CHARS,
+    ID_H,
+    KNOWN_HEADERS,
+    MEDIA_TYPES_RAW,
+    PARAMS_H,
+    REQUEST_TYPE_RAW,
+    SOURCE_H,
+    SPECVERSION_H,
+    SPECVERSION_RAW,
+    TIME_H,
+    TYPE_H,
     ContentType,
-    _params,
-    _reply_to,
-    _stream,
-    _supersede,
-    _time,
-    _traceparent,
+    read_params,
+    read_reply_to,
+    read_stream,
+    read_supersede,
+    read_time,
+    read_traceparent,
 )
+from schemas.limits import Limits
 from schemas.result import _JSON_RAW, _RESULT_TYPE_RAW, Status
 
 __all__ = ["FastMeta", "ResultEncoder", "parse_request"]
 
-_REQUIRED = (_SPECVERSION_H, _ID_H, _TYPE_H, _SOURCE_H, _CONTENT_TYPE_H)
+_REQUIRED = (SPECVERSION_H, ID_H, TYPE_H, SOURCE_H, CONTENT_TYPE_H)
 
 
 class FastMeta(NamedTuple):
@@ -87,16 +87,16 @@ def parse_request(
     found = _known_headers(headers, limits)
     if found is None or not _value_ok(value, limits):
         return None
-    request_id = found.get(_ID_H)
-    content_type = _MEDIA_TYPES_RAW.get(found.get(_CONTENT_TYPE_H, b""))
+    request_id = found.get(ID_H)
+    content_type = MEDIA_TYPES_RAW.get(found.get(CONTENT_TYPE_H, b""))
     if (
         request_id is None
         or content_type is None
-        or found.get(_SPECVERSION_H) != _SPECVERSION_RAW
-        or found.get(_TYPE_H) != _REQUEST_TYPE_RAW
+        or found.get(SPECVERSION_H) != SPECVERSION_RAW
+        or found.get(TYPE_H) != REQUEST_TYPE_RAW
         or len(request_id) > limits.max_id_length
-        or _ID_CHARS.fullmatch(request_id) is None
-        or not _source_ok(found.get(_SOURCE_H), limits)
+        or ID_CHARS.fullmatch(request_id) is None
+        or not _source_ok(found.get(SOURCE_H), limits)
     ):
         return None
     if len(found) == len(_REQUIRED):
@@ -114,7 +114,7 @@ def _known_headers(
         if raw is None:
             return None
         total += len(name) + len(raw)
-        if name in _KNOWN_HEADERS:
+        if name in KNOWN_HEADERS:
             if name in found:
                 return None
             found[name] = raw
@@ -142,15 +142,15 @@ def _with_optional(
     request_id: str, content_type: ContentType, found: Mapping[str, bytes], limits: Limits
 ) -> FastMeta | None:
     """The optional headers, read with the full decoder's own checks."""
-    if _DATAREF_H in found or _DATAEXPIRES_H in found:
+    if DATAREF_H in found or DATAEXPIRES_H in found:
         return None  # payload by reference: rare, and its value rules differ
     try:
-        _time(found, _TIME_H, limits)  # checked, not kept: workers do not use ce_time
-        deadline = _time(found, _DEADLINE_H, limits)
-        reply_to = _reply_to(found, limits)
-        params = _params(found, limits) if _PARAMS_H in found else _NO_PARAMS
-        stream, seq = _stream(found, limits)
-        supersede = _supersede(found, stream)
+        read_time(found, TIME_H, limits)  # checked, not kept: workers do not use ce_time
+        deadline = read_time(found, DEADLINE_H, limits)
+        reply_to = read_reply_to(found, limits)
+        params = read_params(found, limits) if PARAMS_H in found else _NO_PARAMS
+        stream, seq = read_stream(found, limits)
+        supersede = read_supersede(found, stream)
     except ContractError:
         return None
     return FastMeta(
@@ -161,7 +161,7 @@ def _with_optional(
         reply_to,
         stream,
         seq,
-        _traceparent(found, limits),
+        read_traceparent(found, limits),
         supersede,
     )
 
@@ -180,14 +180,14 @@ class ResultEncoder:
         self._worker = worker
         source = f"/conveyor/{model}/{worker}".encode(errors="replace")
         self._header_prefix: list[tuple[str, bytes]] = [
-            ("ce_specversion", _SPECVERSION_RAW),
+            ("ce_specversion", SPECVERSION_RAW),
             ("ce_type", _RESULT_TYPE_RAW),
             ("ce_source", source),
             ("content-type", _JSON_RAW),
         ]
         # Result event ids: a random per-process prefix and a counter. Unique like a
         # uuid4 per event, at a fraction of its cost.
-        self._event_prefix = os.urandom(8).hex() + "-"
+        self._event_prefix = secrets.token_hex(8) + "-"
         self._events = itertools.count()
 
     def encode(

@@ -18,10 +18,10 @@ import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import SecretStr
 
+from demo.models.digits import build_digits_model, heldout_digits
 from producers.settings import ClientSettings
 from producers.testing import Fleet, WorkerConfig, kafka_admin
 from tests.harness import NOTES, ROWS, TEST_WORKER_OPTIONS, fault_table
-from workers.demo_model import build_digits_model, heldout_digits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def s3_options() -> dict[str, str]:
 @pytest.fixture
 async def s3_bucket(s3_options: dict[str, str], uid: str) -> AsyncIterator[str]:
     """A bucket of this test's own, emptied and deleted afterwards."""
-    from producers.s3 import S3Settings, s3_client
+    from common.s3 import S3Settings, s3_client
 
     name = f"t-{uid}"
     async with s3_client(S3Settings.model_validate(s3_options)) as s3:

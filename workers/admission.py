@@ -35,8 +35,8 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from producers.redis_cluster import ClusterRouter, Node
-from producers.security import redis_options
+from common.redis_cluster import ClusterRouter, Node
+from common.security import redis_options
 from schemas import ErrorCode, cancel_key, status_key
 from workers.metrics import Metrics
 from workers.settings import WorkerSettings

@@ -18,6 +18,7 @@ from typing import Any
 
 from schemas import ContractError, ErrorCode, Status, dlq_headers, status_for
 from schemas.fastpath import ResultEncoder
+from workers.offsets import Span
 from workers.types import DeadLetter, Item, Outbox, Outcome, Refusal
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class Built:
     outbox: Outbox = field(default_factory=Outbox)
     produced_ms: list[int] = field(default_factory=list)  # per result, for end-to-end time
     statuses: dict[str, int] = field(default_factory=dict)  # results by status
-    finished: list[Any] = field(default_factory=list)  # the spans of every record answered
+    finished: list[Span] = field(default_factory=list)  # the spans of every record answered
 
 
 class Answers:

@@ -17,18 +17,18 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from producers.security import kafka_connect_failed, redis_connect_failed, redis_options
+from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
 from workers.admission import Admission
 from workers.answers import Answers
 from workers.claims import Claims
 from workers.consumer import Consumer
+from workers.decode_budget import DecodeBudget
 from workers.health import Check, HealthServer
 from workers.loader import load_handler
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
-from workers.preprocess import DecodeBudget
 from workers.publisher import Publisher
 from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings
@@ -115,14 +115,14 @@ async def run_worker(settings: WorkerSettings) -> None:
         )
         with start_up_objects_frozen():
             await pipeline.run(stop)
-        stats = pipeline.stats
+        totals = metrics.totals()
         log.info(
             "drained and stopping: %d answered (%s), %d duplicates left unchanged, "
             "%d handed back on rebalances",
-            stats.answered,
-            stats.by_status,
-            stats.duplicates,
-            stats.handed_back,
+            totals.answered,
+            totals.by_status,
+            totals.duplicates,
+            totals.handed_back,
         )
 
 

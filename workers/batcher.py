@@ -10,7 +10,7 @@ answered ``expired`` without ever reaching the model.
 The caller owns the clock: every method that needs the time takes ``now``, in
 monotonic seconds, so tests drive the batcher with plain numbers and never sleep.
 Order is always kept (frames of one stream must reach the model in order), both
-in batches and in `split`. `withdraw` takes out items a caller no longer wants run
+in batches and in `withdraw`, which takes out items a caller no longer wants run
 (frames superseded by newer ones, ``workers.freshest``), keeping the others' order;
 ``workers.lanes`` builds priority lanes from one batcher per lane.
 """
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
 
-__all__ = ["Batch", "Batcher", "CloseReason", "split"]
+__all__ = ["Batch", "Batcher", "CloseReason"]
 
 T = TypeVar("T")
 
@@ -44,10 +44,8 @@ class Batch(Generic[T]):
     """One closed batch. ``items`` go to the model; ``expired`` must not."""
 
     items: list[T]  # at most max_batch_size, in arrival order; may be empty
-    expired: list[T]  # items whose deadline had passed at closed_at, in arrival order
+    expired: list[T]  # items whose deadline had passed when it closed, in arrival order
     reason: CloseReason
-    opened_at: float  # arrival time of the oldest item in items or expired
-    closed_at: float  # the `now` of the poll or drain that closed it
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +120,10 @@ class Batcher(Generic[T]):
         if reason is None:
             if not expired:
                 return None
-            return _batch([], expired, CloseReason.DEADLINE, now)
+            return _batch([], expired, CloseReason.DEADLINE)
         size = min(self.max_batch_size, len(self._queue))
         taken = [self._queue.popleft() for _ in range(size)]
-        return _batch(taken, expired, reason, now)
+        return _batch(taken, expired, reason)
 
     def due(self, now: float, backlog: bool = False) -> CloseReason | None:
         """Why `poll` would close a batch of items at ``now``, or None (expired items aside)."""
@@ -134,7 +132,7 @@ class Batcher(Generic[T]):
     def take_expired(self, now: float) -> Batch[T] | None:
         """Remove the expired items alone: a Batch with no items, reason ``deadline``, or None."""
         expired = self._take_expired(now)
-        return _batch([], expired, CloseReason.DEADLINE, now) if expired else None
+        return _batch([], expired, CloseReason.DEADLINE) if expired else None
 
     def withdraw(self, unwanted: Callable[[T], bool]) -> list[T]:
         """Remove and return every queued item for which ``unwanted(item)`` holds, in order;
@@ -176,7 +174,7 @@ class Batcher(Generic[T]):
         while self._queue or (expired and not batches):
             size = min(self.max_batch_size, len(self._queue))
             taken = [self._queue.popleft() for _ in range(size)]
-            batches.append(_batch(taken, [] if batches else expired, CloseReason.DRAIN, now))
+            batches.append(_batch(taken, [] if batches else expired, CloseReason.DRAIN))
         self._deadlines.clear()
         return batches
 
@@ -221,25 +219,5 @@ class Batcher(Generic[T]):
             heapq.heappop(self._deadlines)
 
 
-def _batch(
-    taken: list[_Entry[T]], expired: list[_Entry[T]], reason: CloseReason, now: float
-) -> Batch[T]:
-    return Batch(
-        items=[e.item for e in taken],
-        expired=[e.item for e in expired],
-        reason=reason,
-        opened_at=min(e.arrived for e in (*taken[:1], *expired[:1])),
-        closed_at=now,
-    )
-
-
-def split(items: Sequence[T]) -> tuple[list[T], list[T]]:
-    """Halve a batch that raised, keeping order, to find the item that fails.
-
-    The first half gets the smaller share when the length is odd. A batch of fewer
-    than two items cannot be split: that one item is the culprit.
-    """
-    if len(items) < 2:
-        raise ValueError(f"cannot split a batch of {len(items)} item(s); it fails alone")
-    middle = len(items) // 2
-    return list(items[:middle]), list(items[middle:])
+def _batch(taken: list[_Entry[T]], expired: list[_Entry[T]], reason: CloseReason) -> Batch[T]:
+    return Batch([e.item for e in taken], [e.item for e in expired], reason)

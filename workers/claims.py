@@ -40,9 +40,9 @@ from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 
-from producers.redis_cluster import ClusterRouter
-from producers.s3 import S3Unavailable, s3_client
-from producers.security import redis_options
+from common.redis_cluster import ClusterRouter
+from common.s3 import S3Unavailable, s3_client
+from common.security import redis_options
 from schemas import DataRef, ErrorCode
 from workers.metrics import Metrics
 from workers.settings import WorkerSettings

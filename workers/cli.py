@@ -27,10 +27,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
-import producers
+import common
 import schemas
-from producers.install import install_hint
-from producers.security import ConnectFailed
+from common.install import install_hint
+from common.security import ConnectFailed
 from schemas import Limits
 from workers.logs import configure_logging
 from workers.settings import MODEL_DIR_VARIABLE, WorkerSettings
@@ -144,7 +144,7 @@ ENVIRONMENT_ONLY = {
 
 REQUIRED = "required"
 # The top-level names of Conveyor's own modules (however the packages are installed).
-_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (producers, schemas)} | {
+_OWN_ROOTS = {m.__name__.partition(".")[0] for m in (common, schemas)} | {
     __name__.partition(".")[0]
 }
 _HELP_WIDTH = 78
@@ -153,16 +153,22 @@ _DESCRIPTION = (
     "Consume a model's requests from Kafka, run them in micro-batches, and publish each "
     "result to Redis and to the reply topic."
 )
-_PRECEDENCE = (
+PRECEDENCE = (
     "Every option is also a CONVEYOR_<NAME> environment variable and a key of the "
     "TOML file given with --config-file. A flag wins over the variable, the variable over "
     "the file, the file over the default."
 )
 
 
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` the ``conveyor worker`` command (the entry point ``producers.cli`` loads)."""
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Give ``parser`` one flag per WorkerSettings field, in the sections of FLAG_GROUPS."""
-    parser.description = f"{_wrap(_DESCRIPTION)}\n\n{_wrap(_PRECEDENCE)}"
+    parser.description = f"{_wrap(_DESCRIPTION)}\n\n{_wrap(PRECEDENCE)}"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
     fields = WorkerSettings.model_fields
@@ -358,83 +364,3 @@ def fields_in_groups() -> Iterator[str]:
     for names in FLAG_GROUPS.values():
         yield from names
     yield from NESTED
-
-
-def settings_reference() -> str:
-    """docs/settings.md: every setting of ``conveyor worker``, generated from WorkerSettings."""
-    fields = WorkerSettings.model_fields
-    out = [
-        "# Worker settings",
-        "",
-        "<!-- Generated from workers/settings.py by `make settings-doc`; "
-        "tests/unit/test_worker_cli.py fails when this file is stale. -->",
-        "",
-        _md(_PRECEDENCE),
-        "",
-    ]
-    for title, names in FLAG_GROUPS.items():
-        out += [f"## {title}", "", "| flag | variable | default | meaning |", "|---|---|---|---|"]
-        for name in names:
-            info = fields[name]
-            flag = "--" + name.replace("_", "-")
-            if info.annotation in (bool, bool | None):
-                flag += f"`, `--no-{name.replace('_', '-')}"
-            cells = (
-                f"`{flag}`",
-                f"`{env_name(name)}`",
-                _md_default(info),
-                _md(describe(name, info)),
-            )
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    for name, model in NESTED.items():
-        out += [
-            f"## {name}",
-            "",
-            f"No flags: set with these variables or as keys of a `[{name}]` table in the "
-            "config file.",
-            "",
-            "| variable | key | default | meaning |",
-            "|---|---|---|---|",
-        ]
-        for field, info in model.model_fields.items():
-            cells = (
-                f"`{env_name(name)}__{field.upper()}`",
-                f"`{field}`",
-                _md_default(info),
-                _md(describe(field, info)),
-            )
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    out += ["## Other variables", "", "| variable | meaning |", "|---|---|"]
-    out += [f"| `{variable}` | {_md(meaning)} |" for variable, meaning in ENVIRONMENT_ONLY.items()]
-    out += ["", "## Exit status of `conveyor worker`", "", "| status | meaning |", "|---|---|"]
-    out += [f"| {code} | {_md(meaning)} |" for code, meaning in EXIT_STATUSES.items()]
-    out += ["", "## A config file", "", "```toml", *_EXAMPLE_CONFIG, "```", ""]
-    return "\n".join(out)
-
-
-_EXAMPLE_CONFIG = (
-    "# conveyor worker --config-file worker.toml",
-    'model = "torchvision:resnet50"',
-    'weights = "/models/resnet50.pth"',
-    'device = "cuda"',
-    "max_batch_size = 64",
-    'kafka_bootstrap = "kafka-1.internal:9092"',
-    'log_format = "json"',
-    "",
-    "[limits]",
-    "max_payload_bytes = 4194304",
-)
-
-
-def _md(text: str) -> str:
-    """Description text in a Markdown table cell: reST literals as code, pipes escaped."""
-    return text.replace("``", "`").replace("|", "\\|")
-
-
-def _md_default(info: FieldInfo) -> str:
-    default = default_text(info)
-    if default in ("", REQUIRED):
-        return default or "none"
-    return f"`{default}`" if info.default_factory is None else default

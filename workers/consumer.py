@@ -35,7 +35,7 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
 )
 
-from producers.security import kafka_connect_failed, kafka_options
+from common.security import kafka_connect_failed, kafka_options
 from workers import kafka_records
 from workers.metrics import Metrics
 from workers.settings import WorkerSettings

@@ -6,12 +6,12 @@ nvJPEG decodes a whole batch in one call at GPU speed (measured in docs/benchmar
 The split of work:
 
 - ``BatchDecoder.encoded`` runs in the decode thread pool. It reads only the JPEG
-  header (``read_jpeg_header``), enforces ``max_pixels`` on the declared size, and
+  header (``workers.jpeg.read_jpeg_header``), enforces ``max_pixels`` on the declared size, and
   returns the payload bytes as a 1-D uint8 tensor. Anything it will not take (not a
   JPEG, arithmetic-coded, CMYK, 12-bit, a header it cannot parse) returns ``None``,
   and the caller decodes that item on the CPU as before.
 - ``BatchDecoder.collate`` runs where the batch is built: it decodes every encoded
-  item of a batch in one ``decode_jpegs`` call on the device, center-crops and
+  item of a batch in one ``workers.jpeg.decode_jpegs`` call on the device, center-crops and
   resizes each group of same-sized images with one pair of batched matrix products
   (Pillow's filter weights; frames of one video share a size, so a video batch is
   one group), and returns the uint8 (N, C, H, W) batch on the device, in item order.
@@ -37,18 +37,22 @@ from __future__ import annotations
 import io
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cache
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from PIL import Image
-from torch.utils.dlpack import from_dlpack
 
 from schemas import ContentType, Limits
+from workers.jpeg import (
+    READ_MODES,
+    HardwareJpeg,
+    JpegBackend,
+    decode_each,
+    encoded_jpeg,
+    image_ops_available,
+)
 from workers.preprocess import (
     ImageSpec,
-    check_pixels,
     crop_box,
     decode_full,
     decode_image,
@@ -62,18 +66,6 @@ the model's device, in batches, through torchvision), ``gpu-hw`` (the GPU's hard
 JPEG engine through nvImageCodec, CUDA nvJPEG where the engine declines an image;
 needs the ``nvidia-nvimgcodec-cu13`` package), or ``auto`` (``gpu`` on CUDA)."""
 
-JpegBackend = Literal["nvjpeg", "nvimgcodec"]
-
-READ_MODES = {"RGB": 3, "L": 1}
-"""``torchvision.io.ImageReadMode`` values by Pillow mode, for ``decode_jpegs``."""
-
-# Frame types nvJPEG decodes: baseline, extended sequential and progressive Huffman.
-# Lossless and arithmetic-coded JPEGs (rare) take the CPU path.
-_NVJPEG_SOF = frozenset({0xC0, 0xC1, 0xC2})
-# Every start-of-frame marker: C0-CF except DHT (C4), JPG (C8) and DAC (CC).
-_ALL_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# Markers with no length field: TEM, RST0-7 (SOI is consumed before the loop).
-_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 _FLOATS_PER_CHUNK = 1 << 28
 _FILTERS: dict[Image.Resampling, Literal["bilinear", "bicubic"]] = {
     Image.Resampling.BILINEAR: "bilinear",
@@ -81,66 +73,12 @@ _FILTERS: dict[Image.Resampling, Literal["bilinear", "bicubic"]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class JpegHeader:
-    """What a JPEG's start-of-frame segment declares."""
-
-    width: int
-    height: int
-    components: int  # 1 grayscale, 3 YCbCr, 4 CMYK/YCCK
-    precision: int  # bits per sample: 8, or 12 in rare medical/extended files
-    marker: int  # the SOF marker byte: 0xC0 baseline, 0xC2 progressive, ...
-
-    @property
-    def device_decodable(self) -> bool:
-        """Whether nvJPEG decodes it to the same colours Pillow would."""
-        return self.marker in _NVJPEG_SOF and self.precision == 8 and self.components in (1, 3)
-
-
-def read_jpeg_header(data: bytes) -> JpegHeader | None:
-    """Parse the markers up to the first start-of-frame; ``None`` if ``data`` is not
-    a JPEG this parser understands (the CPU decoder then gives the precise error).
-
-    Reads only the header bytes, never entropy-coded data, so it costs microseconds
-    and bounds memory before any decoder sees the payload.
-    """
-    if data[:2] != b"\xff\xd8":
-        return None
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            pos += 1
-            continue
-        if marker in _STANDALONE:
-            pos += 2
-            continue
-        if marker in (0xD8, 0xD9, 0xDA):  # SOI again, EOI or scan data before any frame
-            return None
-        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if length < 2 or pos + 2 + length > end:
-            return None
-        if marker in _ALL_SOF:
-            if length < 8:
-                return None
-            precision = data[pos + 4]
-            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
-            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
-            if width == 0 or height == 0:  # height 0: defined later by a DNL marker
-                return None
-            return JpegHeader(width, height, data[pos + 9], precision, marker)
-        pos += 2 + length
-    return None
-
-
 def device_decode_supported(spec: ImageSpec) -> str | None:
     """Why ``spec`` cannot use the batched device path, or ``None`` if it can."""
     if spec.resample not in _FILTERS:
         names = ", ".join(r.name for r in _FILTERS)
         return f"resampling {spec.resample.name} has no batched GPU equivalent (only {names})"
-    if not _image_ops():
+    if not image_ops_available():
         return "torchvision is not installed, or this build has no JPEG decoding operators"
     return None
 
@@ -161,7 +99,7 @@ class BatchDecoder:
             raise ValueError(f"decode='gpu' is not available: {reason}; use decode='cpu'")
         self.spec = spec
         self._max_pixels = max_pixels
-        self._hardware = _HardwareJpeg(spec.mode) if backend == "nvimgcodec" else None
+        self._hardware = HardwareJpeg(spec.mode) if backend == "nvimgcodec" else None
         self._mode = READ_MODES[spec.mode]
         self._filter = _FILTERS[spec.resample]
         self._matrices: dict[
@@ -225,7 +163,7 @@ class BatchDecoder:
         """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
         if self._hardware is not None and device.type == "cuda":
             return self._hardware.decode(data, device)
-        return _decode_each(data, self._mode, device)
+        return decode_each(data, self._mode, device)
 
     def _fit_whole(self, pixels: list[torch.Tensor | None], count: int) -> torch.Tensor | None:
         """The common case in one piece: every item a JPEG the device decoded, all of one
@@ -312,7 +250,7 @@ class ImageListDecoder:
     ) -> None:
         """``mode`` is ``RGB`` or ``L``. Raises ``ValueError`` where torchvision has no
         JPEG decoding operators, or nvImageCodec is missing for its ``backend``."""
-        if not _image_ops():
+        if not image_ops_available():
             raise ValueError(
                 "decode='gpu' is not available: torchvision is not installed, or this build "
                 "has no JPEG decoding operators; use decode='cpu'"
@@ -320,7 +258,7 @@ class ImageListDecoder:
         self.mode = mode
         self._read_mode = READ_MODES[mode]
         self._max_pixels = max_pixels
-        self._hardware = _HardwareJpeg(mode) if backend == "nvimgcodec" else None
+        self._hardware = HardwareJpeg(mode) if backend == "nvimgcodec" else None
 
     def encoded(self, payload: bytes) -> torch.Tensor | None:
         """As ``BatchDecoder.encoded``."""
@@ -341,7 +279,7 @@ class ImageListDecoder:
         if self._hardware is not None and device.type == "cuda" and data:
             decoded = self._hardware.decode(data, device)
         else:
-            decoded = _decode_each(data, self._read_mode, device)
+            decoded = decode_each(data, self._read_mode, device)
         for n, image in zip(encoded, decoded, strict=True):
             if image is None:  # refused by the device decoder: Pillow decides
                 payload = items[n].numpy().tobytes()
@@ -361,42 +299,6 @@ def image_list_decoder(
         return None
     backend: JpegBackend = "nvimgcodec" if decode == "gpu-hw" else "nvjpeg"
     return ImageListDecoder(mode, max_pixels=limits.max_pixels, backend=backend)
-
-
-def encoded_jpeg(payload: bytes, max_pixels: int) -> torch.Tensor | None:
-    """A JPEG payload as a 1-D uint8 tensor for a device decoder, or ``None`` when it must
-    be decoded on the CPU. Raises ``ContractError(image_too_large)`` from the header alone."""
-    header = read_jpeg_header(payload)
-    if header is None or not header.device_decodable:
-        return None
-    check_pixels(header.width, header.height, max_pixels)
-    # One copy: the record value is immutable bytes, and torch warns on wrapping
-    # read-only memory. A memcpy of ~150 KB is microseconds, far below a decode.
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-
-
-def _decode_each(
-    data: list[torch.Tensor], mode: int, device: torch.device
-) -> list[torch.Tensor | None]:
-    """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
-    if not data:
-        return []
-    try:
-        return list(decode_jpegs(data, mode, device))
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except RuntimeError:
-        pass
-    # The batched call fails as a whole, without saying which image: find them.
-    decoded: list[torch.Tensor | None] = []
-    for one in data:
-        try:
-            decoded.append(decode_jpegs([one], mode, device)[0])
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except RuntimeError:
-            decoded.append(None)
-    return decoded
 
 
 def _cut(weights: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -439,81 +341,9 @@ def _filter(x: torch.Tensor, kind: Literal["bilinear", "bicubic"]) -> torch.Tens
     return torch.where(x < 1.0, near, torch.where(x < 2.0, far, torch.zeros_like(x)))
 
 
-def decode_jpegs(data: list[torch.Tensor], mode: int, device: torch.device) -> list[torch.Tensor]:
-    """Decode encoded JPEGs (1-D uint8 CPU tensors) to (C, H, W) uint8 images on ``device``:
-    one batched nvJPEG call on CUDA. ``mode`` is a ``READ_MODES`` value. Raises
-    ``RuntimeError`` if any image fails, without saying which.
-
-    These are torchvision's JPEG decoders, called as operators.
-
-    ``torchvision.io.decode_jpeg`` does exactly this, but since torchvision 0.29 it also
-    emits a DeprecationWarning on every call (pointing at TorchCodec, which has no
-    batched nvJPEG decode yet); the operators themselves are unchanged since 0.19.
-    """
-    if not _image_ops():
-        raise RuntimeError("torchvision's JPEG decoding operators are not available")
-    if device.type == "cuda":
-        # The decoder allocates its outputs on the current stream but writes them from
-        # a private one that does not wait for this stream (pytorch/vision#9606): memory
-        # this stream freed while its kernels still read it could be overwritten. Let
-        # the current stream's work (the previous batch's resize) finish first.
-        torch.cuda.current_stream(device).synchronize()
-        decoded: list[torch.Tensor] = torch.ops.image.decode_jpegs_cuda(data, mode, device)
-        return decoded
-    return [torch.ops.image.decode_jpeg(one, mode, False) for one in data]
-
-
-@cache
-def _image_ops() -> bool:
-    """Whether torchvision's image operators are registered with ``torch.ops``.
-
-    Importing ``torchvision.io`` registers them; it happens here, not at the top, so
-    that only the device decode path pays for the import.
-    """
-    try:
-        import torchvision.io  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(torch.ops.image, "decode_jpeg")
-
-
 def _indices(members: Sequence[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """Item positions on ``device``, uploaded without blocking the host (pinned memory)."""
     positions = torch.tensor([n for n, _ in members], dtype=torch.long)
     if device.type != "cuda":
         return positions
     return positions.pin_memory().to(device, non_blocking=True)
-
-
-class _HardwareJpeg:
-    """The GPU's hardware JPEG engine through nvImageCodec, CUDA nvJPEG behind it for the
-    images the engine declines (progressive ones, say). Images come back in device
-    memory owned by nvImageCodec and are taken over through DLPack on the current
-    stream, so later work on it is ordered after the decode."""
-
-    def __init__(self, mode: str) -> None:
-        try:
-            from nvidia import nvimgcodec
-        except ImportError as exc:
-            raise ValueError(
-                "decode='gpu-hw' needs nvImageCodec: pip install nvidia-nvimgcodec-cu13"
-            ) from exc
-        self._nvimgcodec = nvimgcodec
-        self._decoders: dict[int, Any] = {}
-        color = nvimgcodec.ColorSpec.SRGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
-        self._params = nvimgcodec.DecodeParams(color_spec=color, allow_any_depth=False)
-
-    def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-        nvimgcodec = self._nvimgcodec
-        index = device.index or 0
-        decoder = self._decoders.get(index)
-        if decoder is None:
-            backends = [
-                nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
-                nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
-            ]
-            decoder = self._decoders[index] = nvimgcodec.Decoder(device_id=index, backends=backends)
-        stream = torch.cuda.current_stream(device)
-        sources = [nvimgcodec.CodeStream(one.numpy()) for one in data]
-        images = decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
-        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]

@@ -19,8 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode, Limits
-from workers.gpu_decode import BatchDecoder, DecodeOption, JpegBackend, device_decode_supported
-from workers.preprocess import DecodeBudget, ImageSpec, decode
+from workers.decode_budget import DecodeBudget
+from workers.gpu_decode import BatchDecoder, DecodeOption, device_decode_supported
+from workers.jpeg import JpegBackend
+from workers.preprocess import ImageSpec, decode
 
 DEFAULT_TOP_K = 5
 

@@ -27,16 +27,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # keeps this module importable (DEFAULT_PORT) without prometheus_client
+if TYPE_CHECKING:
     from workers.metrics import Metrics
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Check", "HealthServer", "Readiness"]
+__all__ = ["Check", "HealthServer", "Readiness"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_HOST = "0.0.0.0"  # probes and scrapers come from outside the container
-# Not 9400: NVIDIA's dcgm-exporter, found on most GPU nodes, listens there.
-DEFAULT_PORT = 9406
 
 # A readiness check: returns True when ready, False or raises when not. May be async.
 Check = Callable[[], bool | Awaitable[bool]]
@@ -77,15 +73,17 @@ class HealthServer:
         metrics: Metrics,
         checks: Mapping[str, Check],
         *,
-        host: str = DEFAULT_HOST,
-        port: int = DEFAULT_PORT,
+        host: str,
+        port: int,
         heartbeat_s: float = 1.0,
         stale_after_s: float = 10.0,
         check_timeout_s: float = 2.0,
         request_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``port`` 0 picks a free port (tests); read the bound one from `port`."""
+        """``host`` and ``port``: where to listen (the defaults are the settings'
+        ``metrics_host`` and ``metrics_port``); ``port`` 0 picks a free port (tests), read
+        the bound one from `port`."""
         self._metrics = metrics
         self._checks = dict(checks)
         self._host = host

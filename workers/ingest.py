@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from schemas import ContractError, ErrorCode, Limits, RequestMeta, decode_request, is_valid_topic
 from schemas.fastpath import FastMeta, parse_request
-from schemas.request import _ID_CHARS, _traceparent
+from schemas.headers import ID_CHARS, read_traceparent
 from workers.handlers import Handler
 from workers.kafka_records import REPAIRED
 from workers.metrics import Metrics
@@ -147,7 +147,7 @@ class Ingest:
                     exc.request_id,
                     now_ms,
                     reply_to=_reply_to(record),
-                    traceparent=_traceparent(_found(record), self._limits),
+                    traceparent=read_traceparent(_found(record), self._limits),
                 )
             )
             return None
@@ -202,7 +202,7 @@ def _unreadable(record: Record, span: Span, now_ms: float, limits: Limits) -> Re
     shown = ", ".join(repr(name.encode("utf-8", "surrogateescape")) for name in names)
     request_id = _header_text(record, "ce_id")
     if request_id is not None and (
-        len(request_id) > limits.max_id_length or _ID_CHARS.fullmatch(request_id.encode()) is None
+        len(request_id) > limits.max_id_length or ID_CHARS.fullmatch(request_id.encode()) is None
     ):
         request_id = None
     log.warning(

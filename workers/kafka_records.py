@@ -13,8 +13,8 @@ them: when one raises while its records are read, that whole batch is
 parsed again here, in Python, from the batch's raw bytes, with header names
 decoded leniently (``surrogateescape``, so the exact bytes can be recovered).
 Every record of the batch reaches the consumer, in order; the ones that needed
-the lenient reading are marked (``is_repaired``) so the worker can refuse them
-on purpose: a dead-letter copy and an ``error`` result, then a commit past them.
+the lenient reading are marked (``checksum == REPAIRED``) so the worker can refuse
+them on purpose: a dead-letter copy and an ``error`` result, then a commit past them.
 
 Why this mechanism rather than another (docs/reliability.md has the long form):
 seeking past the bad offset would not help, because Kafka returns whole
@@ -29,15 +29,22 @@ reading runs only for batches that fail.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiokafka.consumer.fetcher as _fetcher
 from aiokafka import codec
 from aiokafka.record.memory_records import MemoryRecords
 
-__all__ = ["REPAIRED", "TolerantMemoryRecords", "install", "is_repaired", "parse_batch"]
+__all__ = [
+    "REPAIRED",
+    "BatchRecord",
+    "LenientRecord",
+    "TolerantMemoryRecords",
+    "install",
+    "parse_batch",
+]
 
 REPAIRED: Final = -0x5EC0DE
 """The ``checksum`` of a record read leniently. ConsumerRecord.checksum is deprecated
@@ -64,10 +71,24 @@ except ImportError:  # the worker extra has it; without it aiokafka checks, more
     _crc32c = None
 
 
-def is_repaired(record: Any) -> bool:
-    """Whether ``record`` (an aiokafka ConsumerRecord) was read leniently: some header
-    name was not UTF-8; such names hold the raw bytes as lone surrogates."""
-    return bool(record.checksum == REPAIRED)
+class BatchRecord(Protocol):
+    """A record of a batch as aiokafka's fetcher reads it to make a ``ConsumerRecord``:
+    aiokafka's own (compiled, untyped) or a ``LenientRecord``."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def timestamp_type(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes | None]]: ...
+    @property
+    def checksum(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +153,7 @@ class _WatchedBatch:
         (expected,) = _CRC.unpack_from(self._raw, _CRC_AT)
         return bool(_crc32c(bytes(self._raw[_CRC_FROM:])) == expected)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[BatchRecord]:
         # The whole batch at once: aiokafka's parser runs in C, and a list iterator costs
         # nothing per record, where a generator here would cost a frame switch each.
         try:

@@ -21,15 +21,21 @@ the lanes, both pure (no clock, no I/O) and made here:
 Together: a high-lane request waits for at most the batch running on the model and
 the one queued behind it (``workers.inference.SLOTS``), plus one low-lane batch when
 the low lane is owed its turn, never for a low lane's backlog.
+
+``LaneTopics`` applies both to a worker's request topics. The lanes themselves
+(``LaneSpec``: a name and a weight) are read from the ``--lanes`` setting here too
+(``parse_lanes``, ``checked_lanes``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
+from schemas import DEFAULT_LANE, ModelTopics
 from workers.batcher import Batch, Batcher, CloseReason
+from workers.types import Outcome
 
 __all__ = ["LaneBatcher", "LaneScheduler", "paused_lanes"]
 
@@ -105,12 +111,9 @@ class LaneBatcher(Generic[T]):
         if not expired:
             return batch
         gone = [item for part in expired for item in part.expired]
-        opened = min(part.opened_at for part in expired)
         if batch is None:
-            return Batch([], gone, CloseReason.DEADLINE, opened, now)
-        return Batch(
-            batch.items, gone + batch.expired, batch.reason, min(opened, batch.opened_at), now
-        )
+            return Batch([], gone, CloseReason.DEADLINE)
+        return Batch(batch.items, gone + batch.expired, batch.reason)
 
     def withdraw(self, unwanted: Callable[[T], bool]) -> list[T]:
         """Remove and return the items of every lane for which ``unwanted`` holds."""
@@ -137,3 +140,87 @@ def paused_lanes(in_flight: Sequence[int], cap: int, weights: Sequence[int]) -> 
         return [False] * len(in_flight)
     total = sum(weights)
     return [count * total >= cap * weight for count, weight in zip(in_flight, weights, strict=True)]
+
+
+class LaneTopics:
+    """A worker's request topics as lanes, highest first: which lane a topic is, which
+    topics to pause for the load in flight, and answers' latency by lane."""
+
+    def __init__(self, lanes: Sequence[LaneSpec], topics: ModelTopics) -> None:
+        self.names = [lane.name for lane in lanes]
+        self.weights = [lane.weight for lane in lanes]
+        self.topics = [topics.lane(lane.name) for lane in lanes]
+        self.index = {topic: n for n, topic in enumerate(self.topics)}  # lane by topic
+        self.several = len(self.topics) > 1
+        self._every = frozenset(self.topics)
+
+    def paused(
+        self,
+        in_flight: int,
+        cap: int,
+        by_partition: Callable[[], Iterable[tuple[tuple[str, int], int]]],
+    ) -> frozenset[str]:
+        """The topics to stop fetching: all at ``cap``, or lanes at their share of it
+        (``paused_lanes``); ``by_partition`` gives the records in flight per partition."""
+        if not self.several:
+            return self._every if in_flight >= cap else _NOTHING
+        per_lane = [0] * len(self.topics)
+        for (topic, _), count in by_partition():
+            per_lane[self.index[topic]] += count
+        paused = paused_lanes(per_lane, cap, self.weights)
+        return frozenset(topic for topic, p in zip(self.topics, paused, strict=True) if p)
+
+    def end_to_end(self, outcomes: Iterable[Outcome], durable_ms: float) -> dict[str, list[float]]:
+        """Seconds from each answered request's record timestamp to ``durable_ms``, by lane."""
+        by_lane: dict[str, list[float]] = {}
+        for outcome in outcomes:
+            records = [item.record for item in outcome.answered]
+            records += [refusal.record for refusal in outcome.refused if refusal.request_id]
+            for record in records:
+                lane = self.names[self.index[record.topic]]
+                by_lane.setdefault(lane, []).append((durable_ms - record.timestamp) / 1000.0)
+        return by_lane
+
+
+_NOTHING: frozenset[str] = frozenset()
+
+
+# -- the lanes a worker serves: WorkerSettings.lanes -----------------------------------
+
+_MAX_LANE_WEIGHT = 1000
+
+
+class LaneSpec(NamedTuple):
+    """One priority lane of ``WorkerSettings.lanes``."""
+
+    name: str  # DEFAULT_LANE for the model's plain request topic
+    weight: int  # its share of batches and of records in flight while lanes compete
+
+
+def parse_lanes(value: Any) -> Any:
+    """``"high:8,default,bulk"`` (a flag or variable) → ``(("high", 8), ("default", 1), …)``."""
+    if not isinstance(value, str):
+        return value
+    lanes = []
+    for part in value.split(","):
+        if not part.strip():
+            continue
+        name, _, weight = part.strip().partition(":")
+        if weight and not weight.isdigit():
+            raise ValueError(f"lane {part.strip()!r}: the weight after ':' must be a number")
+        lanes.append((name, int(weight) if weight else 1))
+    return tuple(lanes)
+
+
+def checked_lanes(lanes: tuple[LaneSpec, ...]) -> tuple[LaneSpec, ...]:
+    """``lanes`` with the default lane added last when missing; raises ``ValueError`` for
+    a name given twice or a weight out of range."""
+    names = [lane.name for lane in lanes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lane names must be unique, got {', '.join(names)}")
+    for lane in lanes:
+        if not 1 <= lane.weight <= _MAX_LANE_WEIGHT:
+            raise ValueError(f"lane {lane.name}: weight must be 1 to {_MAX_LANE_WEIGHT}")
+    if lanes and DEFAULT_LANE not in names:
+        lanes = (*lanes, LaneSpec(DEFAULT_LANE, 1))
+    return lanes

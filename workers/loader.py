@@ -2,8 +2,9 @@
 
 Spec forms (the worker's ``--model``):
 
-- ``digits`` (or ``demo``): the demo digits CNN, built on first use; ``weights`` is
-  its artifact path.
+- ``digits`` (or ``demo``): short for ``demo.models.digits:DigitsClassifier``, the
+  demo digits CNN, built on first use; ``weights`` is its artifact path. It loads as
+  a class of yours does (below): ``workers`` does not import the demo.
 - ``torchvision:ARCH``, e.g. ``torchvision:resnet50``, ``torchvision:fasterrcnn_resnet50_fpn``,
   ``torchvision:deeplabv3_resnet50``: a classification, detection (boxes, masks or
   keypoints) or semantic segmentation model (``workers.torchvision_models``), weights
@@ -45,17 +46,16 @@ from typing import Any
 import torch
 
 from schemas import Limits
-from workers.demo_model import load_digits_handler
+from workers.decode_budget import DecodeBudget
 from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
 from workers.model_files import (
-    RANDOM_WEIGHTS,
     ModelLoadError,
     require_file,
     sha256,
     sidecar_labels,
 )
-from workers.preprocess import DecodeBudget, ImageSpec
+from workers.preprocess import ImageSpec
 from workers.runner import resolve_device
 from workers.torchvision_models import Preprocess, Serving, load_torchvision
 
@@ -81,6 +81,11 @@ _SPEC_FORMS = (
     "digits, torchvision:ARCH, embedding:ARCH, torchscript:PATH, export:PATH or "
     "package.module:ClassName"
 )
+SHORT_SPECS = {
+    "digits": "demo.models.digits:DigitsClassifier",
+    "demo": "demo.models.digits:DigitsClassifier",
+}
+"""Spec names that stand for a handler class of the ``demo`` package."""
 _HANDLER_MEMBERS = ("name", "version", "example_item", "preprocess", "forward", "postprocess")
 
 __all__ = ["DTYPES", "IMAGENET_IMAGE", "ModelLoadError", "load_handler"]
@@ -124,6 +129,7 @@ def load_handler(
         raise ModelLoadError(f"preprocess {preprocess!r} is not one of auto, reference, fast")
     options = dict(options or {})
     dev = resolve_device(device)
+    spec = SHORT_SPECS.get(spec, spec)
     kind, _, rest = spec.partition(":")
     # Reduced precision and channels-last pay off for convolution-heavy models on
     # tensor cores; other models may not tolerate them, so auto leaves them in float32.
@@ -154,21 +160,6 @@ def load_handler(
             "handler classes only; leave them unset"
         )
     channels_last = bool(channels_last)
-    if spec in ("digits", "demo"):
-        if weights == RANDOM_WEIGHTS:
-            raise ModelLoadError(
-                f"{spec}: the demo model trains its own weights in seconds; leave weights unset "
-                "or pass the path of its artifact"
-            )
-        path = Path(weights) if weights else None
-        return load_digits_handler(
-            path,
-            device=dev,
-            dtype=torch_dtype,
-            channels_last=channels_last,
-            limits=limits,
-            decode_budget=decode_budget,
-        )
     if kind in ("torchscript", "export") and rest:
         _no_weights(spec, weights)
         if kind == "export":
@@ -323,8 +314,11 @@ def _user_class(spec: str, options: dict[str, Any]) -> Handler:
     cls = getattr(module, class_name, None)
     if not inspect.isclass(cls):
         raise ModelLoadError(f"{spec}: module {module_name!r} has no class {class_name!r}")
+    accepted = _accepted_options(spec, cls, options)
     try:
-        handler = cls(**_accepted_options(cls, options))
+        handler = cls(**accepted)
+    except OSError:
+        raise  # the system refused a file or folder: the environment's fault, not the class's
     except Exception as exc:
         raise ModelLoadError(f"{spec}: creating {class_name} failed: {exc!r}") from exc
     if not isinstance(handler, Handler):
@@ -336,10 +330,19 @@ def _user_class(spec: str, options: dict[str, Any]) -> Handler:
     return handler
 
 
-def _accepted_options(cls: type, options: dict[str, Any]) -> dict[str, Any]:
-    """The options a class's ``__init__`` names (all of them if it takes ``**kwargs``)."""
+def _accepted_options(spec: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a class's ``__init__`` names (all of them if it takes ``**kwargs``).
+
+    Model options given to a class that takes no ``model_options`` are refused: they
+    would be dropped without a word.
+    """
     parameters = inspect.signature(cls).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return options
     names = {p.name for p in parameters}
+    if options.get("model_options") and "model_options" not in names:
+        raise ModelLoadError(
+            f"{spec}: model options {options['model_options']} apply to torchvision:, "
+            f"embedding: and handler classes that take model_options; {cls.__name__} does not"
+        )
     return {key: value for key, value in options.items() if key in names}

@@ -2,9 +2,9 @@
 
 ``configure_logging("INFO", "json")`` makes every record one JSON object per line
 with ``ts``, ``level``, ``logger``, ``message``, the ``request_id`` when there is one
-(``extra={"request_id": ...}`` on the call, or `request_context` around it), any
-other ``extra`` fields, and ``exception`` with the traceback. The text format shows
-the same request id as ``[request_id=...]``.
+(``extra={"request_id": ...}`` on the call), any other ``extra`` fields, and
+``exception`` with the traceback. The text format shows the same request id as
+``[request_id=...]``.
 
 Secrets: credentials in URLs (``redis://user:password@host``) are masked in every
 message as a last line of defence; the real rule is never to log settings
@@ -13,12 +13,9 @@ wholesale, only the fields an operator needs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import sys
-from collections.abc import Iterator
-from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
@@ -30,13 +27,9 @@ __all__ = [
     "TextFormatter",
     "configure_logging",
     "redact",
-    "request_context",
-    "request_id_var",
 ]
 
 LogFormat = Literal["text", "json"]
-
-request_id_var: ContextVar[str | None] = ContextVar("conveyor_request_id", default=None)
 
 # Libraries that log every connection step at INFO; their warnings still show.
 _CHATTY = ("aiokafka", "kafka")
@@ -48,16 +41,6 @@ _STANDARD = frozenset(
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-@contextlib.contextmanager
-def request_context(request_id: str) -> Iterator[None]:
-    """Tag every record logged inside the block (in this task or thread) with the id."""
-    token = request_id_var.set(request_id)
-    try:
-        yield
-    finally:
-        request_id_var.reset(token)
-
-
 def redact(text: str) -> str:
     """Mask the password of every ``scheme://user:password@`` in ``text``."""
     return _URL_CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
@@ -65,7 +48,7 @@ def redact(text: str) -> str:
 
 def _request_id(record: logging.LogRecord) -> str | None:
     given = getattr(record, "request_id", None)
-    return str(given) if given is not None else request_id_var.get()
+    return None if given is None else str(given)
 
 
 class TextFormatter(logging.Formatter):

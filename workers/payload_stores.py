@@ -8,7 +8,7 @@ asked (which the claims stage retries).
 
 Redis: one pipeline of ``STRLEN`` for the sizes, one pipeline of ``GET`` for the
 bytes; on a Redis Cluster (``ClusterRedisPayloads``) one such pipeline per
-primary, concurrently (``producers.cluster_keys``). The ACL a worker needs for
+primary, concurrently (``common.cluster_keys``). The ACL a worker needs for
 them: ``+strlen +get`` on ``conveyor:data:*``.
 
 S3: concurrent ``HEAD`` and ``GET`` requests (at most ``concurrency`` at once),
@@ -26,9 +26,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producers.cluster_keys import per_key
-from producers.redis_cluster import ClusterRouter
-from producers.s3 import s3_fault
+from common.cluster_keys import per_key
+from common.redis_cluster import ClusterRouter
+from common.s3 import s3_fault
 from schemas import DataRef, ErrorCode
 from workers.claims import Fault, StoreOutage, too_large
 

@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Awaitable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from schemas import topics_for
@@ -49,7 +48,7 @@ from workers.freshest import LatestFrames
 from workers.handlers import Handler
 from workers.inference import Inference, expired_refusal, superseded_refusal
 from workers.ingest import INLINE_BYTES, Ingest
-from workers.lanes import LaneBatcher, paused_lanes
+from workers.lanes import LaneBatcher, LaneTopics
 from workers.metrics import Metrics
 from workers.offsets import OffsetTracker
 from workers.runner import ModelRunner
@@ -72,7 +71,6 @@ _FETCH_TIMEOUT_MS = 100
 _PREPROCESS_CHUNK = 64  # items per thread-pool job: amortises the hand-off cost
 
 Decoded = tuple[list[Item], list[Refusal]]
-_NOTHING: frozenset[str] = frozenset()
 
 
 class _Decoding(NamedTuple):
@@ -81,16 +79,6 @@ class _Decoding(NamedTuple):
     lane: int
     items: list[Item]  # what went in
     decoded: Awaitable[Decoded]
-
-
-@dataclass(slots=True)
-class Stats:
-    """What the worker did, for its last log line."""
-
-    answered: int = 0
-    duplicates: int = 0
-    handed_back: int = 0  # records of revoked partitions left to their next owner
-    by_status: dict[str, int] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -127,16 +115,11 @@ class Pipeline:
         self._admission = admission
         self._inference = Inference(runner, self._finished)
         topics = topics_for(settings.served_name, settings.topic_prefix)
-        lanes = settings.request_lanes
-        self._lane_names = [lane.name for lane in lanes]
-        self._lane_topics = [topics.lane(lane.name) for lane in lanes]
-        self._lane_of = {topic: index for index, topic in enumerate(self._lane_topics)}
-        self._lane_weights = [lane.weight for lane in lanes]
-        self._every_topic = frozenset(self._lane_topics)
-        if len(lanes) > 1:
-            metrics.define_lanes(self._lane_names)
+        self._lanes = LaneTopics(settings.request_lanes, topics)
+        if self._lanes.several:
+            metrics.define_lanes(self._lanes.names)
         self._batcher: LaneBatcher[Item] = LaneBatcher(
-            self._lane_weights, settings.max_batch_size, settings.max_delay_s, _deadline
+            self._lanes.weights, settings.max_batch_size, settings.max_delay_s, _deadline
         )
         self._frames: LatestFrames[Item] = LatestFrames(self._freshest_stream)
         self._pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
@@ -146,7 +129,6 @@ class Pipeline:
         self._input_done = False
         self._outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
         self._progress = asyncio.Event()  # set after every publish
-        self.stats = Stats()
         source.on_revoke(self._release)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -188,7 +170,10 @@ class Pipeline:
         try:
             while not stop.is_set():
                 in_flight = self._tracker.in_flight()
-                self._source.set_paused(self._paused_topics(in_flight))
+                paused = self._lanes.paused(
+                    in_flight, self.in_flight_cap(), self._tracker.in_flight_by_partition
+                )
+                self._source.set_paused(paused)
                 fetch = asyncio.ensure_future(
                     self._source.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
                 )
@@ -205,17 +190,6 @@ class Pipeline:
             stopping.cancel()
             await self._decoding.put(None)
 
-    def _paused_topics(self, in_flight: int) -> frozenset[str]:
-        """The request topics to stop fetching: all at the cap, or lanes at their share."""
-        cap = self.in_flight_cap()
-        if len(self._lane_topics) == 1:
-            return self._every_topic if in_flight >= cap else _NOTHING
-        per_lane = [0] * len(self._lane_topics)
-        for (topic, _), count in self._tracker.in_flight_by_partition():
-            per_lane[self._lane_of[topic]] += count
-        paused = paused_lanes(per_lane, cap, self._lane_weights)
-        return frozenset(topic for topic, p in zip(self._lane_topics, paused, strict=True) if p)
-
     def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
         span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
         items, refused, referenced = self._ingest.parse(records, span)
@@ -230,7 +204,7 @@ class Pipeline:
                     refused += self._superseded(gone)
         if refused:
             self._outcomes.put_nowait(Outcome(refused=refused))
-        lane = self._lane_of[tp[0]]
+        lane = self._lanes.index[tp[0]]
         if referenced:  # payloads stored elsewhere: fetch them, then preprocess
             resolved = asyncio.ensure_future(self._claims.resolve(items, self._preprocess_fetched))
             self._decoding.put_nowait(_Decoding(lane, items, resolved))
@@ -356,9 +330,9 @@ class Pipeline:
             start_ms = timing.start_ms
             queue_s = [(start_ms - item.received_ms) / 1000.0 for item in outcome.answered]
             self._metrics.observe_batch(timing.size, queue_s, timing.inference_ms / 1000.0)
-            if len(self._lane_names) > 1 and outcome.answered:  # a batch is of one lane
-                lane = self._lane_of[outcome.answered[0].record.topic]
-                self._metrics.lane_queue_wait(self._lane_names[lane], queue_s)
+            if self._lanes.several and outcome.answered:  # a batch is of one lane
+                lane = self._lanes.index[outcome.answered[0].record.topic]
+                self._metrics.lane_queue_wait(self._lanes.names[lane], queue_s)
         self._outcomes.put_nowait(outcome)
 
     # -- publish and commit -------------------------------------------------------------
@@ -380,33 +354,17 @@ class Pipeline:
     async def _publish(self, outcomes: list[Outcome]) -> None:
         delivered = await self._delivery.deliver(outcomes)
         durable_ms = time.time() * 1000.0
-        stats = self.stats
         for built in delivered.built:
             self._metrics.observe_results(
                 built.statuses,
                 [(durable_ms - produced) / 1000.0 for produced in built.produced_ms],
             )
             self._metrics.dead_letters(len(built.outbox.dead))
-            stats.answered += len(built.finished)
-            for status, count in built.statuses.items():
-                stats.by_status[status] = stats.by_status.get(status, 0) + count
-        if len(self._lane_names) > 1:
-            self._observe_lanes(delivered.outcomes, durable_ms)
+        if self._lanes.several:
+            for lane, e2e_s in self._lanes.end_to_end(delivered.outcomes, durable_ms).items():
+                self._metrics.lane_end_to_end(lane, e2e_s)
         self._metrics.duplicates(delivered.duplicates)
-        stats.duplicates += delivered.duplicates
         self._progress.set()
-
-    def _observe_lanes(self, outcomes: Sequence[Outcome], durable_ms: float) -> None:
-        """End-to-end time of each answer, by the lane its request came in."""
-        by_lane: dict[int, list[float]] = {}
-        for outcome in outcomes:
-            records = [item.record for item in outcome.answered]
-            records += [refusal.record for refusal in outcome.refused if refusal.request_id]
-            for record in records:
-                e2e_s = (durable_ms - record.timestamp) / 1000.0
-                by_lane.setdefault(self._lane_of[record.topic], []).append(e2e_s)
-        for lane, values in by_lane.items():
-            self._metrics.lane_end_to_end(self._lane_names[lane], values)
 
     # -- rebalance ----------------------------------------------------------------------
 
@@ -426,7 +384,6 @@ class Pipeline:
         await self._delivery.release(partitions)
         handed_back = sum(self._tracker.in_flight(tp) for tp in partitions)
         if handed_back:
-            self.stats.handed_back += handed_back
             self._metrics.handed_back(handed_back)
             log.warning(
                 "%d records of revoked partitions not finished in %d ms; their next owner "

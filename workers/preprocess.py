@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import io
 import math
-import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -33,6 +31,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from schemas import ContentType, ContractError, ErrorCode
+from workers.decode_budget import DecodeBudget
 
 IMAGE_TYPES: dict[ContentType, str] = {
     ContentType.JPEG: "JPEG",
@@ -113,43 +112,6 @@ def _unsupported(content_type: ContentType) -> ContractError:
         f"this model takes images; send one of {accepted}",
         seen=str(content_type),
     )
-
-
-class DecodeBudget:
-    """A bound on the bytes of images being decoded at once, shared by the decode threads.
-
-    Each decode holds an estimate of its peak memory (the decoded pixels plus their
-    conversion to the model's mode) while it runs; a decode that does not fit waits
-    until others finish, so ``limit`` bounds the sum however many threads decode.
-    One image larger than the whole budget waits until it can run alone. Nothing is
-    ever refused here: ``max_pixels`` refuses, the budget only makes requests wait.
-    """
-
-    def __init__(self, limit_bytes: int) -> None:
-        if limit_bytes < 1:
-            raise ValueError(f"a decode budget needs at least 1 byte, got {limit_bytes}")
-        self.limit = limit_bytes
-        self._used = 0
-        self._room = threading.Condition()
-
-    @contextmanager
-    def hold(self, nbytes: int) -> Iterator[None]:
-        """Wait for ``nbytes`` of room (all of it, above the limit) and hold it."""
-        nbytes = min(max(nbytes, 0), self.limit)
-        with self._room:
-            self._room.wait_for(lambda: self._used + nbytes <= self.limit)
-            self._used += nbytes
-        try:
-            yield
-        finally:
-            with self._room:
-                self._used -= nbytes
-                self._room.notify_all()
-
-    @property
-    def used(self) -> int:
-        """Bytes held now (for tests and metrics)."""
-        return self._used
 
 
 def decode_image(

@@ -13,19 +13,13 @@ the reply topic's partition count. Results of one request partition (and so of
 one video stream, whose frames share a partition) stay in order on one reply
 partition, and no per-record hashing is needed.
 
-Errors are sorted by what retrying can do (``_Failures``):
-- outages (connection refused or reset, time-outs, leader elections, Redis
-  loading or read-only during a failover) are retried with capped backoff and
-  never skipped, while the worker's backpressure pauses consumption;
-- a record the broker refuses as too large is not retried as it is: a dead-letter
-  copy is cut to fit (its original size and SHA-256 in headers), and a result is
-  replaced on the reply topic by a ``result_too_large`` error (results are sized
-  against the results topic before they are written, so only a ``ce_replyto``
-  topic with a smaller limit gets there);
-- configuration errors (authorization refused by Kafka or Redis, a topic that
-  went missing) make the worker unready at once and, if they persist for
-  ``permanent_error_grace_s``, end it with ``PublishConfigError``, never a
-  silent stall.
+Errors are sorted by what retrying can do (``workers.publish_errors``): outages
+are retried without end while consumption pauses, configuration errors end the
+worker after a grace, and a record the broker refuses as too large is handled
+here: a dead-letter copy is cut to fit (its original size and SHA-256 in
+headers), and a result is replaced on the reply topic by a ``result_too_large``
+error (results are sized against the results topic before they are written, so
+only a ``ce_replyto`` topic with a smaller limit gets there).
 """
 
 from __future__ import annotations
@@ -34,33 +28,31 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     KafkaError,
-    KafkaTimeoutError,
     MessageSizeTooLargeError,
-    ProducerClosed,
     RecordListTooLargeError,
     RecordTooLargeError,
     TopicAuthorizationFailedError,
-    UnknownTopicOrPartitionError,
 )
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
-from producers.security import kafka_connect_failed, kafka_options, redis_connect_failed
+from common.security import kafka_connect_failed, kafka_options, redis_connect_failed
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.dlq import truncated
 from schemas.fastpath import ResultEncoder
 from workers.metrics import Metrics
+from workers.publish_errors import Failures
 from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
 from workers.store import ResultStore
 from workers.topics import TopicFacts, max_message_bytes
-from workers.types import ConfigError, DeadLetter, Outbox, PublishReport
+from workers.types import DeadLetter, Outbox, PublishReport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,10 +66,6 @@ _RECORD_OVERHEAD = 512  # record and batch framing beside key, value and headers
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
 _KAFKA_CONFIG = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
 _REDIS_CONFIG = (NoPermissionError, AuthenticationError)
-
-
-class PublishConfigError(ConfigError):
-    """Results cannot become durable until an operator changes the configuration."""
 
 
 class Publisher:
@@ -118,7 +106,7 @@ class Publisher:
             name: count for name, count in facts.partitions.items() if name != topics.requests
         }
         self._unknown_topics: dict[str, float] = {}
-        self._failures = _Failures(settings.permanent_error_grace_s)
+        self._failures = Failures(settings.permanent_error_grace_s)
         self._encoder = encoder  # for result_too_large errors in place of refused records
 
     async def start(self) -> None:
@@ -403,78 +391,3 @@ class Publisher:
             self._dlq_topic,
         )
         return DeadLetter(letter.key, cut, [*letter.headers, *headers])
-
-
-class _Failures:
-    """Retries outages forever, and gives configuration errors a bounded grace."""
-
-    def __init__(self, grace_s: float) -> None:
-        self._grace_s = grace_s
-        self._failing_since: float | None = None
-        self._config_since: float | None = None
-        self.config_problem: str | None = None
-
-    def stalled_for(self) -> float:
-        since = self._failing_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    async def retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run ``attempt`` until it succeeds, backing off (capped) between failures."""
-        delay = _BACKOFF_START_S
-        while True:
-            try:
-                result = await attempt()
-            except (RedisError, KafkaError, OSError) as exc:
-                self.failed(what, exc)
-                log.warning("%s failed (%s); retrying in %.1f s", what, _describe(exc), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX_S)
-                continue
-            self.succeeded()
-            return result
-
-    def succeeded(self) -> None:
-        self._failing_since = self._config_since = self.config_problem = None
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        """Note a failure; raises ``PublishConfigError`` for a configuration error past grace."""
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = now
-        problem = _config_problem(what, exc)
-        if problem is None:
-            return
-        if self._config_since is None:
-            self._config_since = now
-            log.error("%s; the worker is unready until it is fixed", problem)
-        self.config_problem = problem
-        if now - self._config_since >= self._grace_s:
-            raise PublishConfigError(
-                f"{problem} (still failing after {self._grace_s:.0f} s)"
-            ) from exc
-
-
-def _config_problem(what: str, exc: BaseException) -> str | None:
-    """A sentence for an error only an operator can fix, else None (an outage)."""
-    if isinstance(exc, RedisError):
-        refused = isinstance(exc, _REDIS_CONFIG) or (
-            isinstance(exc, ResponseError) and str(exc).startswith(("NOPERM", "WRONGPASS"))
-        )
-        return (
-            f"Redis refused this worker's writes ({_describe(exc)}): grant its ACL"
-            if (refused)
-            else None
-        )
-    if not isinstance(exc, KafkaError):
-        return None  # OSError: the network
-    if isinstance(exc, _KAFKA_CONFIG):
-        return f"Kafka refused this worker's writes ({_describe(exc)}): grant its ACLs"
-    if isinstance(exc, UnknownTopicOrPartitionError):
-        return f"a topic results go to does not exist ({_describe(exc)}): create it again"
-    if exc.retriable or isinstance(exc, KafkaTimeoutError | ProducerClosed):
-        return None
-    return f"Kafka refused results ({_describe(exc)})"
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

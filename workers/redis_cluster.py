@@ -41,8 +41,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import MovedError, NoScriptError, RedisError
 
-from producers.redis_cluster import ClusterRouter, Node, is_topology_error
-from producers.security import redis_options
+from common.redis_cluster import ClusterRouter, Node, is_topology_error
+from common.security import redis_options
 from schemas import result_key
 from workers.settings import WorkerSettings
 from workers.store import RedisResultStore, ResultStore

@@ -14,23 +14,20 @@ import json
 import os
 import re
 import socket
-import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    SettingsError,
 )
 
-from producers.redis_cluster import check_cluster_url
-from producers.s3 import S3Settings
-from producers.security import ConnectionSecurity
+from common.redis_cluster import check_cluster_url
+from common.s3 import S3Settings
+from common.security import ConnectionSecurity
 from schemas import (
     DEFAULT_DATA_PREFIX,
     DEFAULT_LANE,
@@ -39,11 +36,17 @@ from schemas import (
     parse_dataref,
     topics_for,
 )
-from workers.health import DEFAULT_HOST, DEFAULT_PORT
+from workers.config_file import ConfigFileSource
+from workers.lanes import LaneSpec, checked_lanes, parse_lanes
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
-"""Folder of the demo model's artifact, read by the ``demo_model`` module. Not a field:
+"""Folder of the demo models' artifacts, read by ``demo.models``. Not a field:
 the loader takes the artifact's path, and this only moves its default."""
+
+DEFAULT_METRICS_HOST = "0.0.0.0"  # probes and scrapers come from outside the container
+# Not 9400: NVIDIA's dcgm-exporter, found on most GPU nodes, listens there.
+DEFAULT_METRICS_PORT = 9406
+"""Port of /metrics, /healthz and /readyz unless ``metrics_port`` says otherwise."""
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
@@ -59,80 +62,9 @@ def _default_decode_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
 
-class ConfigFileSource(PydanticBaseSettingsSource):
-    """The TOML file that ``config_file`` names, if a higher source names one.
-
-    Keys are field names; nested settings are tables (``[limits]``). A missing or
-    malformed file, or a key that is no setting, raises ``SettingsError`` naming
-    the file: a misspelt key must not be silently ignored.
-    """
-
-    def __init__(
-        self, settings_cls: type[BaseSettings], *naming: PydanticBaseSettingsSource
-    ) -> None:
-        super().__init__(settings_cls)
-        self._naming = naming  # the sources that may name the file, highest first
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # unused: __call__ reads the whole file at once
-
-    def __call__(self) -> dict[str, Any]:
-        for source in self._naming:
-            named = (
-                source.init_kwargs if isinstance(source, InitSettingsSource) else source()
-            ).get("config_file")
-            if named:
-                return read_config_file(Path(named), set(self.settings_cls.model_fields))
-        return {}
-
-
-def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
-    """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong."""
-    try:
-        with path.open("rb") as file:
-            values = tomllib.load(file)
-    except OSError as exc:
-        raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = sorted(values.keys() - (fields - {"config_file"}))
-    if unknown:
-        raise SettingsError(
-            f"config file {path}: {', '.join(unknown)} "
-            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; keys are "
-            "the flag names with underscores (max_batch_size = 64)"
-        )
-    return values
-
-
-_MAX_LANE_WEIGHT = 1000
-
-
-class LaneSpec(NamedTuple):
-    """One priority lane of ``WorkerSettings.lanes``."""
-
-    name: str  # DEFAULT_LANE for the model's plain request topic
-    weight: int  # its share of batches and of records in flight while lanes compete
-
-
 def _no_lanes() -> tuple[LaneSpec, ...]:
     """none: the plain request topic alone"""
     return ()
-
-
-def _parse_lanes(value: Any) -> Any:
-    """``"high:8,default,bulk"`` (a flag or variable) → ``(("high", 8), ("default", 1), …)``."""
-    if not isinstance(value, str):
-        return value
-    lanes = []
-    for part in value.split(","):
-        if not part.strip():
-            continue
-        name, _, weight = part.strip().partition(":")
-        if weight and not weight.isdigit():
-            raise ValueError(f"lane {part.strip()!r}: the weight after ':' must be a number")
-        lanes.append((name, int(weight) if weight else 1))
-    return tuple(lanes)
 
 
 class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
@@ -338,9 +270,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     )
 
     # Operations: /metrics, /healthz and /readyz on one HTTP port.
-    metrics_host: str = Field(default=DEFAULT_HOST, description="address of the metrics port")
+    metrics_host: str = Field(
+        default=DEFAULT_METRICS_HOST, description="address of the metrics port"
+    )
     metrics_port: int = Field(
-        default=DEFAULT_PORT,
+        default=DEFAULT_METRICS_PORT,
         ge=0,
         le=65535,
         description="port of /metrics, /healthz and /readyz (0: any free port)",
@@ -393,20 +327,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     @field_validator("lanes", mode="before")
     @classmethod
     def _read_lanes(cls, value: Any) -> Any:
-        return _parse_lanes(value)
+        return parse_lanes(value)
 
     @field_validator("lanes")
     @classmethod
     def _check_lanes(cls, lanes: tuple[LaneSpec, ...]) -> tuple[LaneSpec, ...]:
-        names = [lane.name for lane in lanes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"lane names must be unique, got {', '.join(names)}")
-        for lane in lanes:
-            if not 1 <= lane.weight <= _MAX_LANE_WEIGHT:
-                raise ValueError(f"lane {lane.name}: weight must be 1 to {_MAX_LANE_WEIGHT}")
-        if lanes and DEFAULT_LANE not in names:
-            lanes = (*lanes, LaneSpec(DEFAULT_LANE, 1))
-        return lanes
+        return checked_lanes(lanes)
 
     @model_validator(mode="after")
     def _check_names(self) -> WorkerSettings:

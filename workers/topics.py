@@ -17,7 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from producers.security import kafka_options
+from common.security import kafka_options
 from schemas import DEFAULT_LANE, ModelTopics
 from workers.settings import WorkerSettings
 from workers.types import ConfigError

@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 
 from schemas import Limits
+from workers.decode_budget import DecodeBudget
 from workers.gpu_decode import DecodeOption
 from workers.handlers import Handler, ImageClassifier
 from workers.model_files import (
@@ -49,7 +50,7 @@ from workers.model_files import (
     sidecar_labels,
     torchvision_cached,
 )
-from workers.preprocess import DecodeBudget, ImageSpec
+from workers.preprocess import ImageSpec
 
 Kind = Literal["classification", "detection", "segmentation"]
 Preprocess = Literal["auto", "reference", "fast"]

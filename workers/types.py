@@ -36,7 +36,14 @@ TopicPartition = tuple[str, int]
 
 
 class Record(Protocol):
-    """A fetched Kafka record: what the pipeline reads of aiokafka's ``ConsumerRecord``."""
+    """A fetched Kafka record: what the pipeline reads of aiokafka's ``ConsumerRecord``.
+
+    In production these are aiokafka's ``ConsumerRecord``, also when
+    ``workers.kafka_records`` read the batch leniently (aiokafka builds them from its
+    records); unit tests pass their own. aiokafka ships no type information, so
+    ``tests/unit/test_kafka_records.py`` checks at run time that its records fit.
+    A Protocol costs nothing per record: the pipeline reads plain attributes.
+    """
 
     @property
     def topic(self) -> str: ...

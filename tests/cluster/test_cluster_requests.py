@@ -14,9 +14,9 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from common.redis_cluster import ClusterRouter
 from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
-from producers.redis_cluster import ClusterRouter
 from producers.settings import ClientSettings
 from producers.testing import plain_url
 from schemas import (

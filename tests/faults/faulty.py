@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from demo.models.digits import DigitsClassifier
 from schemas import DEFAULT_LIMITS, ContentType, Limits
-from workers.demo_model import load_digits_handler
 
 SPEC = "tests.faults.faulty:FaultyDigits"
 """What a test worker is given as ``--model`` to serve it."""
@@ -29,7 +29,7 @@ SPEC = "tests.faults.faulty:FaultyDigits"
 
 class FaultyDigits:
     def __init__(self, device: torch.device | str = "cpu", limits: Limits = DEFAULT_LIMITS) -> None:
-        self._inner = load_digits_handler(device=device, limits=limits)
+        self._inner = DigitsClassifier(device=device, limits=limits)
         self.name = "digits"
         self.version = "digits-faulty"
         oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")

@@ -29,9 +29,9 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from PIL import Image
 
+from common.s3 import S3Settings, s3_client
 from producers import AsyncClient, ClientSettings
 from producers.admin import Role, create_model_topics
-from producers.s3 import S3Settings, s3_client
 from producers.testing import (
     Fleet,
     Tally,

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import SecretStr
 
-from producers.s3 import S3Settings, s3_client
+from common.s3 import S3Settings, s3_client
 from schemas import ErrorCode, parse_dataref, redis_dataref, s3_dataref
 from workers.claims import Fault, StoreOutage
 from workers.payload_stores import RedisPayloads, S3Payloads

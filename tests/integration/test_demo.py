@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.demo import main
-from workers.demo_model import digits_metadata
+from demo.digits import main
+from demo.models.digits import digits_metadata
 
 _SUMMARY = re.compile(r"accuracy (\d+\.\d+)% \((\d+)/(\d+)\), offline (\d+\.\d+)%")
 

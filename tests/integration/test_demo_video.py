@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import GifImagePlugin, Image
 
-from workers.demo_detector import build_detector
-from workers.demo_video import main
+from demo.models.detector import build_detector
+from demo.video import main
 
 _SUMMARY = re.compile(r"(\d+)/(\d+) frames answered ok, in order; found (\d+) of (\d+) digits")
 FRAMES = 30

@@ -36,18 +36,18 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from common.install import DISTRIBUTION
+from demo.models.digits import DIGITS_VERSION, heldout_digits
 from producers import AsyncClient, ClientSettings, Status
 from producers.admin import create_model_topics
-from producers.install import DISTRIBUTION
 from tests.conftest import REPO
 from workers.cli import EXIT_ENVIRONMENT
-from workers.demo_model import DIGITS_VERSION, heldout_digits
 
 DOCKERFILE = REPO / "compose" / "Dockerfile.worker"
 COMPOSE = REPO / "compose" / "docker-compose.yml"
 # The Dockerfile's RUN lines, each reproduced below; a new one must be added here.
-INSTALL = "pip install '.[worker]'"
-BUILD_MODEL = "python -m workers.demo_model"
+INSTALL = "pip install '.[worker,demo]'"
+BUILD_MODEL = "python -m demo.models.digits"
 ADD_USER = "useradd --create-home --uid 10001 --user-group conveyor"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -151,7 +151,7 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
             else:
                 shutil.copy2(REPO / source, destination)
     image = Image(dockerfile, root, root / "venv/bin/python", read_capability=False)
-    # RUN pip install '.[worker]': a wheel of /app, installed by root. Its dependencies
+    # RUN pip install '.[worker,demo]': a wheel of /app, installed by root. Its dependencies
     # are the development environment's (read-only for the worker), not PyPI's.
     wheels = root / "wheels"
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
@@ -164,7 +164,7 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
     [wheel] = wheels.glob("*.whl")
     pip_install = [str(image.python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
     _run([*pip_install, str(wheel)], cwd=root)
-    # RUN python -m workers.demo_model, as root, with the image's ENV.
+    # RUN python -m demo.models.digits, as root, with the image's ENV.
     _run([str(image.python), *BUILD_MODEL.split()[1:]], cwd=app, env=image.env())
     # RUN useradd --create-home: the user's home is the only folder it owns.
     home = image.path("/home/conveyor")
@@ -175,11 +175,13 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
 
 
 def _dependency_folders() -> list[str]:
-    """Where this environment keeps the distribution's dependencies, the worker extra's too."""
+    """Where this environment keeps the distribution's dependencies, the worker and demo
+    extras' too."""
     folders = set()
     for line in metadata.requires(DISTRIBUTION) or []:
         requirement = Requirement(line)
-        if requirement.marker is None or requirement.marker.evaluate({"extra": "worker"}):
+        marker = requirement.marker
+        if marker is None or any(marker.evaluate({"extra": e}) for e in ("worker", "demo")):
             folders.add(str(metadata.distribution(requirement.name).locate_file("")))
     return sorted(folders)
 

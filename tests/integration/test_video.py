@@ -189,7 +189,7 @@ async def results_topic(create_topic: CreateTopic, model_name: str) -> str:
 def test_sync_reader_starts_at_start_seq(
     settings: ClientSettings, results_topic: str, model_name: str, kafka_bootstrap: str
 ) -> None:
-    # A plain (not async) test: the sync reader runs its own event loop in this thread.
+    # A plain (not async) test: the sync reader runs its own event loop.
     with StreamReader(settings, model_name, "cam", start_seq=10, timeout=10) as reader:
         # Published after the reader started; 9 is before start_seq and skipped.
         ids = [f"cam:{n}" for n in (12, 9, 11, 10)]

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from demo.models.digits import DigitsClassifier
 from producers.admin import create_model_topics
 from producers.settings import ClientSettings
 from producers.testing import (
@@ -18,14 +19,13 @@ from producers.testing import (
 )
 from schemas import ContentType, Result, Status, encode_request, topics_for
 from tests.harness import digit_requests
-from workers.demo_model import load_digits_handler
 from workers.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
 def direct_predictions(digits: list[tuple[bytes, int]]) -> dict[bytes, dict[str, object]]:
     """The model run directly on each single input: what every served answer must equal."""
-    runner = ModelRunner(load_digits_handler(device="cpu"), device="cpu")
+    runner = ModelRunner(DigitsClassifier(device="cpu"), device="cpu")
     out = {}
     for png, _digit in digits:
         tensor = runner.handler.preprocess(png, ContentType.PNG, {})

@@ -1,7 +1,7 @@
 """The distribution as users get it: built, installed into a fresh environment, run.
 
 - ``python -m build`` makes an sdist and, from it, a wheel; the wheel holds the
-  three packages (every module, ``py.typed``), the license and the ``conveyor``
+  five packages (every module, ``py.typed``), the license and the ``conveyor``
   command, and nothing else (no tests, no bench, no deployment files).
 - ``pip install .`` into a fresh virtual environment (the client-only install:
   no extras, so no torch) imports the public package and runs ``conveyor --help``;
@@ -24,14 +24,16 @@ from pathlib import Path
 
 import pytest
 
+import common
+import demo
 import producers
 import schemas
 import workers
-from producers.install import DISTRIBUTION
+from common.install import DISTRIBUTION
 from workers.cli import EXIT_NOT_INSTALLED
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (schemas, workers, producers)
+PACKAGES = (schemas, common, workers, producers, demo)
 PUBLIC_PACKAGE = producers  # the SDK: what a client-only install is for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -103,6 +105,8 @@ def test_wheel_holds_the_packages_license_and_command_only(built: tuple[Path, Pa
     assert metadata["License-File"] == "LICENSE"
     assert "Apache License\n                           Version 2.0, January 2004" in license_text
     assert f"conveyor = {PUBLIC_PACKAGE.__name__}.cli:main" in entry_points
+    # `conveyor worker`, found by the client package without importing the worker.
+    assert "[conveyor_serve.commands]\nworker = workers.cli:configure" in entry_points
     extras = set(metadata.get_all("Provides-Extra") or [])
     assert {"worker", "video", "dev"} <= extras
 

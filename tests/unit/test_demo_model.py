@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from schemas import ContentType
-from workers.demo_model import (
+from demo.models.digits import (
     DIGITS_VERSION,
     MIN_HELDOUT_ACCURACY,
+    DigitsClassifier,
     ModelCacheError,
     build_digits_model,
     default_model_path,
@@ -23,8 +23,8 @@ from workers.demo_model import (
     digits_metadata,
     heldout_digits,
     heldout_indices,
-    load_digits_handler,
 )
+from schemas import ContentType
 from workers.handlers import ImageClassifier
 from workers.runner import ModelRunner
 
@@ -32,7 +32,7 @@ from workers.runner import ModelRunner
 @pytest.fixture(scope="module")
 def digits() -> ImageClassifier:
     # The default artifact path: built once on this machine, loaded in milliseconds after.
-    return load_digits_handler()
+    return DigitsClassifier()
 
 
 def predict(handler: ImageClassifier, tensors: list[torch.Tensor]) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.install import DISTRIBUTION
+from common.install import DISTRIBUTION
 
 ROOT = Path(__file__).resolve().parents[2]
 

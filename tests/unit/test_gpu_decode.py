@@ -20,9 +20,10 @@ import torch
 from PIL import Image
 
 from schemas import ContentType, ContractError, ErrorCode, Limits
-from workers import gpu_decode
-from workers.gpu_decode import BatchDecoder, read_jpeg_header
+from workers import jpeg as device_jpeg
+from workers.gpu_decode import BatchDecoder
 from workers.handlers import Collating, ImageClassifier
+from workers.jpeg import read_jpeg_header
 from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD, load_handler
 from workers.preprocess import ImageSpec
 from workers.runner import ModelRunner, batch_buckets
@@ -158,7 +159,7 @@ def test_a_jpeg_the_device_decoder_rejects_is_decoded_by_pillow(
     gpu, cpu = classifier("gpu"), classifier("cpu")
     payloads = [photo(640, 480, n) for n in range(3)]
     items = [gpu.preprocess(p, ContentType.JPEG, {}) for p in payloads]
-    real = gpu_decode.decode_jpegs
+    real = device_jpeg.decode_jpegs
     refused = items[1]
 
     def picky(data: list[torch.Tensor], mode: int, device: torch.device) -> list[torch.Tensor]:
@@ -166,7 +167,7 @@ def test_a_jpeg_the_device_decoder_rejects_is_decoded_by_pillow(
             raise RuntimeError("nvjpegDecode failed")  # as nvJPEG reports a bitstream it refuses
         return real(data, mode, device)
 
-    monkeypatch.setattr(gpu_decode, "decode_jpegs", picky)
+    monkeypatch.setattr(device_jpeg, "decode_jpegs", picky)
     batch = gpu.collate(items, CPU)
 
     assert batch is not None

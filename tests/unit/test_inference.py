@@ -81,10 +81,10 @@ async def test_the_pipeline_splits_postprocess_and_gives_the_serial_results() ->
     import numpy as np
     from PIL import Image
 
+    from demo.models.digits import DigitsClassifier
     from schemas import ContentType
-    from workers.demo_model import load_digits_handler
 
-    handler: ImageClassifier = load_digits_handler()
+    handler: ImageClassifier = DigitsClassifier()
     rng = np.random.default_rng(1)
     tensors = []
     for _ in range(12):

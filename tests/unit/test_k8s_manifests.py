@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from schemas import consumer_group, topics_for
-from workers.health import DEFAULT_PORT
+from workers.settings import DEFAULT_METRICS_PORT as DEFAULT_PORT
 from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,6 @@ from workers.kafka_records import (
     REPAIRED,
     TolerantMemoryRecords,
     install,
-    is_repaired,
     parse_batch,
 )
 
@@ -28,10 +27,14 @@ Headers = list[tuple[str, bytes | None]]
 class ReadRecord(Protocol):
     """What the tests read of a record, leniently parsed or aiokafka's."""
 
-    offset: int
-    value: bytes | None
-    headers: Sequence[tuple[str, bytes | None]]
-    checksum: int | None
+    @property
+    def offset(self) -> int: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes | None]]: ...
+    @property
+    def checksum(self) -> int | None: ...
 
 
 _PLACEHOLDER = "\x01\x02"  # replaced by b"\xff\xfe" after the batch is built
@@ -78,6 +81,11 @@ def read_all(data: bytes) -> list[ReadRecord]:
     return out
 
 
+def repaired(record: ReadRecord) -> bool:
+    """Whether the reader marked ``record`` as read leniently."""
+    return record.checksum == REPAIRED
+
+
 MIXED: list[tuple[bytes | None, bytes | None, Headers]] = [
     (b"k0", b"good-0", [("ce_id", b"a")]),
     (b"k1", b"bad-1", [(_PLACEHOLDER, b"v"), ("ce_id", b"b")]),
@@ -94,7 +102,7 @@ def test_the_fast_parser_refuses_what_the_tolerant_reader_reads() -> None:
     records = read_all(data)
     assert [r.offset for r in records] == [0, 1, 2, 3]
     assert [r.value for r in records] == [b"good-0", b"bad-1", b"good-2", None]
-    assert [is_repaired(r) for r in records] == [False, True, False, False]
+    assert [repaired(r) for r in records] == [False, True, False, False]
     bad = records[1]
     name = bad.headers[0][0]
     assert name.encode("utf-8", "surrogateescape") == b"\xff\xfe"
@@ -106,7 +114,7 @@ def test_compressed_batches_are_read_leniently_too() -> None:
     data = bytes(gzipped(with_bad_names(build(MIXED, base_offset=40))))
     records = read_all(data)
     assert [r.offset for r in records] == [40, 41, 42, 43]
-    assert [is_repaired(r) for r in records] == [False, True, False, False]
+    assert [repaired(r) for r in records] == [False, True, False, False]
 
 
 def test_later_batches_of_the_same_fetch_are_unaffected() -> None:
@@ -114,8 +122,8 @@ def test_later_batches_of_the_same_fetch_are_unaffected() -> None:
     second = build([(b"k", b"after", [("h", b"1")])], base_offset=2)
     records = read_all(bytes(first + second))
     assert [r.value for r in records] == [b"good-0", b"bad-1", b"after"]
-    assert is_repaired(records[1])
-    assert not is_repaired(records[2])
+    assert repaired(records[1])
+    assert not repaired(records[2])
 
 
 def test_a_truncated_batch_at_the_end_of_a_fetch_is_left_for_the_next_fetch() -> None:
@@ -146,7 +154,7 @@ def test_lenient_reading_equals_aiokafka_on_valid_batches(
     assert [
         (r.offset, r.timestamp, r.timestamp_type, r.key, r.value, list(r.headers)) for r in fast
     ] == [(r.offset, r.timestamp, r.timestamp_type, r.key, r.value, r.headers) for r in lenient]
-    assert not any(is_repaired(r) for r in lenient)
+    assert not any(repaired(r) for r in lenient)
 
 
 def test_install_is_idempotent_and_checks_the_hook() -> None:
@@ -164,3 +172,45 @@ def test_checksums_are_checked_and_a_corrupt_batch_fails_them() -> None:
     corrupt = bytearray(raw)
     corrupt[-1] ^= 0xFF
     assert not TolerantMemoryRecords(bytes(corrupt)).next_batch().validate_crc()
+
+
+def test_what_the_consumer_hands_out_has_what_the_pipeline_reads() -> None:
+    """The pipeline reads records as ``workers.types.Record``. aiokafka has no type
+    information for mypy to check that against, so this checks at run time that the
+    ``ConsumerRecord`` aiokafka's fetcher makes, from records read fast or leniently,
+    has every member of it with a value of the declared type."""
+    from types import SimpleNamespace
+    from typing import get_type_hints
+
+    from aiokafka.consumer.fetcher import PartitionRecords
+    from aiokafka.structs import ConsumerRecord, TopicPartition
+
+    from workers.types import Record
+
+    members = {name for name, value in vars(Record).items() if isinstance(value, property)}
+    assert members == {
+        "topic",
+        "partition",
+        "offset",
+        "timestamp",
+        "key",
+        "value",
+        "headers",
+        "checksum",
+    }
+    assert members <= set(get_type_hints(ConsumerRecord))
+    fetched = read_all(bytes(with_bad_names(build(MIXED))))
+    assert [repaired(r) for r in fetched] == [False, True, False, False]  # both kinds
+    fetcher = SimpleNamespace(_key_deserializer=None, _value_deserializer=None)
+    for record in fetched:
+        made = PartitionRecords._consumer_record(fetcher, TopicPartition("requests", 3), record)
+        assert isinstance(made, ConsumerRecord)
+        assert (made.topic, made.partition) == ("requests", 3)
+        assert isinstance(made.offset, int)
+        assert isinstance(made.timestamp, int)
+        assert made.key is None or isinstance(made.key, bytes)
+        assert made.value is None or isinstance(made.value, bytes)
+        assert all(
+            isinstance(n, str) and (v is None or isinstance(v, bytes)) for n, v in made.headers
+        )
+        assert made.checksum in (None, REPAIRED)

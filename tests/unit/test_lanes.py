@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from schemas import topics_for
 from workers.batcher import CloseReason
 from workers.cli import add_arguments, settings_from_args
-from workers.lanes import LaneBatcher, LaneScheduler, paused_lanes
-from workers.settings import LaneSpec, WorkerSettings
+from workers.lanes import LaneBatcher, LaneScheduler, LaneSpec, paused_lanes
+from workers.settings import WorkerSettings
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from demo.models.digits import DIGITS_VERSION
 from schemas import DEFAULT_LIMITS, ContentType, Limits
-from workers.demo_model import DIGITS_VERSION
 from workers.handlers import Handler, ImageClassifier
 from workers.loader import ModelLoadError, load_handler
 from workers.runner import ModelRunner

@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 
-from workers.logs import configure_logging, request_context
+from workers.logs import configure_logging
 
 LOGGER = "conveyor.test"
 
@@ -47,16 +47,13 @@ def test_json_lines_carry_the_fields(stream: io.StringIO) -> None:
     datetime.fromisoformat(str(doc["ts"]))
 
 
-def test_request_id_from_extra_or_context(stream: io.StringIO) -> None:
+def test_request_id_from_extra(stream: io.StringIO) -> None:
     configure_logging("INFO", "json", stream=stream)
     log = logging.getLogger(LOGGER)
     log.warning("bad input", extra={"request_id": "req-1"})
-    with request_context("req-2"):
-        log.warning("model failed")
-        log.warning("explicit wins", extra={"request_id": "req-3"})
-    log.warning("outside")
+    log.warning("no request")
     ids = [doc.get("request_id") for doc in json_lines(stream)]
-    assert ids == ["req-1", "req-2", "req-3", None]
+    assert ids == ["req-1", None]
 
 
 def test_json_exception_is_one_line_with_the_traceback(stream: io.StringIO) -> None:

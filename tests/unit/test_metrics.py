@@ -13,13 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Status
 from workers.batcher import CloseReason
-from workers.metrics import (
-    BulkHistogram,
-    Metrics,
-    RateMeter,
-    cuda_memory_allocated,
-    drain_seconds,
-)
+from workers.meters import BulkHistogram, RateMeter, drain_seconds
+from workers.metrics import Metrics, cuda_memory_allocated
 
 MODEL = {"model": "digits"}
 
@@ -238,3 +233,15 @@ def test_render_is_valid_exposition_in_a_private_registry() -> None:
     assert second.render().count(b"conveyor_requests_total{") == len(Status)
     default = {m.name for m in prometheus_client.REGISTRY.collect()}
     assert not any(name.startswith("conveyor_") for name in default)
+
+
+def test_totals_read_back_what_the_counters_counted() -> None:
+    metrics = Metrics("digits")
+    assert metrics.totals().answered == 0
+    metrics.observe_results({"ok": 3, "error": 1, "expired": 0}, [0.1] * 4)
+    metrics.observe_results({"ok": 2}, [0.1] * 2)
+    metrics.duplicates(2)
+    metrics.handed_back(5)
+    totals = metrics.totals()
+    assert totals.by_status == {"ok": 5, "error": 1}
+    assert (totals.answered, totals.duplicates, totals.handed_back) == (6, 2, 5)

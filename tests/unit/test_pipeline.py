@@ -249,7 +249,8 @@ async def run_until(pipeline: Pipeline, done: Any, timeout: float = 10) -> None:
 async def test_every_record_is_answered_once_in_partition_order() -> None:
     source = FakeSource({0: records(0, 40), 1: records(1, 40)})
     model = EchoModel()
-    pipeline, sink = make(source, model)
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, metrics=metrics)
     await run_until(pipeline, lambda: len(sink.stored) == 80)
     ids = sink.published_ids()
     assert sorted(ids) == sorted(f"p{p}-{n}" for p in (0, 1) for n in range(40))
@@ -262,7 +263,7 @@ async def test_every_record_is_answered_once_in_partition_order() -> None:
     assert sink.status("p0-13") is Status.error
     assert decode_result(sink.stored["p0-13"]).error.code == ErrorCode.model_error  # type: ignore[union-attr]
     assert sum(sink.status(i) is Status.ok for i in sink.stored) == 79
-    assert pipeline.stats.answered == 80
+    assert metrics.totals().answered == 80
 
 
 async def test_results_carry_their_reply_topic_partition_and_timings() -> None:
@@ -350,7 +351,8 @@ async def test_backpressure_pauses_fetching_at_the_in_flight_cap() -> None:
 async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
     source = FakeSource({0: records(0, 24), 1: records(1, 24)})
     model = EchoModel()
-    pipeline, sink = make(source, model)
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, metrics=metrics)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
@@ -362,7 +364,7 @@ async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
         # Everything fetched from partition 1 was answered before it went away.
         assert all(f"p1-{n}" in sink.stored for n in range(fetched))
         assert source.committed[1] == fetched
-        assert pipeline.stats.handed_back == 0
+        assert metrics.totals().handed_back == 0
         async with asyncio.timeout(5):
             while len([i for i in sink.stored if i.startswith("p0-")]) < 24:
                 await asyncio.sleep(0.01)
@@ -375,13 +377,16 @@ async def test_a_drain_past_its_bound_hands_the_rest_back_uncommitted() -> None:
     source = FakeSource({0: records(0, 20)})
     model = EchoModel()
     model.gate = threading.Event()
-    pipeline, _sink = make(source, model, max_drain_ms=200, rebalance_timeout_ms=5_200)
+    metrics = Metrics("t")
+    pipeline, _sink = make(
+        source, model, metrics=metrics, max_drain_ms=200, rebalance_timeout_ms=5_200
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
         assert await asyncio.to_thread(model.entered.acquire, True, 5)
         await source.revoke(0)  # the model is stuck: the drain gives up after 200 ms
-        assert pipeline.stats.handed_back > 0
+        assert metrics.totals().handed_back > 0
         assert 0 not in source.committed  # nothing was finished, nothing committed
     finally:
         model.gate.set()
@@ -705,13 +710,14 @@ async def test_exactly_once_commits_each_partition_in_order_with_its_position() 
     )
     source = FakeSource({0: bad, 1: records(1, 30)})
     txns = FakeTransactions(source)
-    pipeline, sink = make(source, EchoModel(), transactions=txns)
+    metrics = Metrics("t")
+    pipeline, sink = make(source, EchoModel(), metrics=metrics, transactions=txns)
     await run_until(pipeline, lambda: len(txns.ids()) == 60)
     check_exactly_once(txns, {0: 30, 1: 30})
     assert sink.outboxes == []  # nothing went the at-least-once way
     dead = [letter for part in txns.committed for letter in part.outbox.dead]
     assert len(dead) == 1 + 1  # the bad request and the poison item, inside transactions
-    assert pipeline.stats.answered == 60
+    assert metrics.totals().answered == 60
 
 
 async def test_a_lost_transaction_reads_its_partition_again_from_the_committed_position() -> None:

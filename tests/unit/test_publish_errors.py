@@ -17,7 +17,7 @@ from aiokafka.errors import (
 from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.publisher import PublishConfigError, _config_problem, _Failures
+from workers.publish_errors import Failures, PublishConfigError, config_problem
 from workers.types import ConfigError
 
 
@@ -34,7 +34,7 @@ from workers.types import ConfigError
     ],
 )
 def test_outages_are_not_configuration_problems(exc: Exception) -> None:
-    assert _config_problem("x", exc) is None
+    assert config_problem("x", exc) is None
 
 
 @pytest.mark.parametrize(
@@ -47,13 +47,13 @@ def test_outages_are_not_configuration_problems(exc: Exception) -> None:
     ],
 )
 def test_configuration_problems_say_what_to_fix(exc: Exception, says: str) -> None:
-    problem = _config_problem("x", exc)
+    problem = config_problem("x", exc)
     assert problem is not None
     assert says in problem
 
 
 async def test_an_outage_is_retried_until_it_ends() -> None:
-    failures = _Failures(grace_s=0.0)
+    failures = Failures(grace_s=0.0)
     calls = 0
 
     async def flaky() -> str:
@@ -70,7 +70,7 @@ async def test_an_outage_is_retried_until_it_ends() -> None:
 
 
 async def test_a_configuration_error_ends_after_its_grace() -> None:
-    failures = _Failures(grace_s=0.3)
+    failures = Failures(grace_s=0.3)
 
     async def refused() -> None:
         raise TopicAuthorizationFailedError()
@@ -85,7 +85,7 @@ async def test_a_configuration_error_ends_after_its_grace() -> None:
 
 
 async def test_a_configuration_error_fixed_in_time_clears() -> None:
-    failures = _Failures(grace_s=30.0)
+    failures = Failures(grace_s=30.0)
     calls = 0
 
     async def fixed_later() -> str:

@@ -1,4 +1,4 @@
-"""producers.redis_cluster and the cluster settings: slot maps, routes and URLs, no Redis needed."""
+"""common.redis_cluster and the cluster settings: slot maps, routes and URLs, no Redis needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pydantic import SecretStr, ValidationError
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, ClusterDownError, MovedError, ResponseError
 
-from producers.redis_cluster import ClusterRouter, Node, check_cluster_url, is_topology_error
+from common.redis_cluster import ClusterRouter, Node, check_cluster_url, is_topology_error
 from producers.settings import ClientSettings
 from schemas import result_key
 from workers.settings import WorkerSettings

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
-from workers.demo_model import heldout_digits, load_digits_handler
 from workers.handlers import ImageClassifier
 from workers.runner import ModelRunner, resolve_device
 
@@ -51,7 +51,7 @@ class Lossy(Echo):
 @pytest.fixture(scope="module")
 def digits() -> ImageClassifier:
     # The default artifact path: built once on this machine, loaded in milliseconds after.
-    return load_digits_handler()
+    return DigitsClassifier()
 
 
 def test_cpu_and_auto_resolve_to_the_cpu_without_a_gpu() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from producers.security import kafka_options, redis_location, redis_options
+from common.security import kafka_options, redis_location, redis_options
 from producers.settings import ClientSettings
 from workers.cli import add_arguments, settings_from_args
 

@@ -16,12 +16,12 @@ from producers.video import (
     FrameResult,
     FrameSampler,
     ReorderBuffer,
-    _answered,
-    _frame_record,
     check_stream_id,
     frame_request_id,
     parse_frame_request_id,
 )
+from producers.video.command import _answered
+from producers.video.send import _frame_record
 from schemas import ErrorCode, Status, error_result, ok_result
 
 

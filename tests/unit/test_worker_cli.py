@@ -15,7 +15,7 @@ import pytest
 from pydantic_settings import SettingsError
 
 from producers.cli import build_parser
-from workers import cli
+from workers import cli, settings_doc
 from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_a_config_mistake_exits_with_one_line(
 def test_the_documented_example_config_is_valid(
     clean_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    config = _config(tmp_path, "\n".join(cli._EXAMPLE_CONFIG))
+    config = _config(tmp_path, "\n".join(settings_doc.EXAMPLE_CONFIG))
     settings = WorkerSettings(config_file=config)
     assert settings.max_batch_size == 64
     assert settings.limits.max_payload_bytes == 4 * 1024 * 1024
@@ -191,6 +191,6 @@ def test_the_documented_example_config_is_valid(
 
 def test_settings_reference_is_current() -> None:
     documented = (ROOT / "docs" / "settings.md").read_text()
-    assert documented == cli.settings_reference(), (
+    assert documented == settings_doc.settings_reference(), (
         "docs/settings.md is stale: run `make settings-doc` and commit the result"
     )

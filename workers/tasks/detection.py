@@ -32,9 +32,10 @@ import torch
 
 from schemas import DEFAULT_LIMITS, ContentType, Limits
 from schemas.outputs import DETECTION_V1, INSTANCE_SEGMENTATION_V1, KEYPOINTS_V1
+from workers.decode_budget import DecodeBudget
 from workers.gpu_decode import DecodeOption, image_list_decoder
 from workers.handlers import DeviceInput
-from workers.preprocess import DecodeBudget, decode_full
+from workers.preprocess import decode_full
 from workers.tasks.groups import ShapeKey, group_indices
 from workers.tasks.params import DetectionParams
 from workers.tasks.rle import encode_columns

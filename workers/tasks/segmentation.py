@@ -26,9 +26,10 @@ from PIL import Image
 
 from schemas import DEFAULT_LIMITS, ContentType, Limits
 from schemas.outputs import SEMANTIC_SEGMENTATION_V1
+from workers.decode_budget import DecodeBudget
 from workers.gpu_decode import DecodeOption, image_list_decoder
 from workers.handlers import DeviceInput
-from workers.preprocess import DecodeBudget, decode_full
+from workers.preprocess import decode_full
 from workers.tasks.groups import group_indices
 from workers.tasks.params import SegmentationParams
 from workers.tasks.rle import encode_columns

@@ -11,10 +11,14 @@ and training feeds those uint8 pixels through the serving handler's own
 ``forward``, so a submitted PNG reaches the network as the very tensor it was
 trained on.
 
-Build it with ``python -m workers.demo_model [--force]``; the worker also builds
-it on first use, in ``$CONVEYOR_MODEL_DIR`` or the user's cache folder (see
-``default_model_path``). A container image builds it at image build time, so
-that a worker running as an unprivileged user only reads it.
+The worker serves it as it serves any handler class of a user's:
+``--model demo.models.digits:DigitsClassifier``, or ``--model digits`` for short
+(``workers.loader``). Build it with ``python -m demo.models.digits [--force]``;
+the worker also builds it on first use, in ``$CONVEYOR_MODEL_DIR`` or the user's
+cache folder (see ``default_model_path``). Training needs scikit-learn (the
+``demo`` extra); serving a built artifact needs only the worker extra. A
+container image builds it at image build time, so that a worker running as an
+unprivileged user only reads it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import numpy.typing as npt
 import torch
 from PIL import Image
 
-from producers.install import DISTRIBUTION
+from common.install import DISTRIBUTION, install_hint
 from schemas import DEFAULT_LIMITS, Limits
+from workers.decode_budget import DecodeBudget
 from workers.handlers import ImageClassifier
-from workers.preprocess import DecodeBudget, ImageSpec
+from workers.model_files import RANDOM_WEIGHTS
+from workers.preprocess import ImageSpec
 from workers.settings import MODEL_DIR_VARIABLE
 
 DIGITS_VERSION = "digits-cnn-v1"
@@ -64,7 +70,12 @@ class ModelCacheError(OSError):
 
 
 def default_model_path() -> Path:
-    """``$CONVEYOR_MODEL_DIR/digits-cnn-v1.pt``, else in the user's cache folder.
+    """``$CONVEYOR_MODEL_DIR/digits-cnn-v1.pt``, else in the user's cache folder."""
+    return model_folder() / f"{DIGITS_VERSION}.pt"
+
+
+def model_folder() -> Path:
+    """Where the demo models are built: ``$CONVEYOR_MODEL_DIR``, else the user's cache folder.
 
     The cache folder is ``$XDG_CACHE_HOME/conveyor-serve/models``, else
     ``~/.cache/conveyor-serve/models``. Never beside the installed package: that
@@ -72,7 +83,7 @@ def default_model_path() -> Path:
     """
     model_dir = os.environ.get(MODEL_DIR_VARIABLE)
     if model_dir:
-        return Path(model_dir) / f"{DIGITS_VERSION}.pt"
+        return Path(model_dir)
     cache = os.environ.get("XDG_CACHE_HOME")
     if not cache:
         try:
@@ -82,7 +93,7 @@ def default_model_path() -> Path:
                 f"no folder for the demo model: this user has no home folder; set "
                 f"{MODEL_DIR_VARIABLE} to a folder it may write"
             ) from None
-    return Path(cache) / DISTRIBUTION / "models" / f"{DIGITS_VERSION}.pt"
+    return Path(cache) / DISTRIBUTION / "models"
 
 
 def build_digits_model(path: Path | None = None, *, force: bool = False) -> Path:
@@ -137,7 +148,7 @@ def _cache_error(folder: Path, exc: OSError) -> ModelCacheError:
     error = ModelCacheError(
         f"cannot write the demo model to {folder} ({exc.strerror or exc}): set "
         f"{MODEL_DIR_VARIABLE} to a folder this user may write, or build the model ahead "
-        "of time (python -m workers.demo_model) as a user who may write there"
+        "of time (python -m demo.models.digits) as a user who may write there"
     )
     error.errno = exc.errno
     return error
@@ -149,35 +160,47 @@ def digits_metadata(path: Path | None = None) -> dict[str, Any]:
     return {key: value for key, value in artifact.items() if key != "state_dict"}
 
 
-def load_digits_handler(
-    path: Path | None = None,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    channels_last: bool = False,
-    limits: Limits = DEFAULT_LIMITS,
-    decode_budget: DecodeBudget | None = None,
-) -> ImageClassifier:
-    """The demo model as a handler (named ``digits``), building the artifact if it is missing."""
-    artifact = _load(build_digits_model(path))
-    # Built on the meta device, then given the saved tensors: no wasted random init.
-    with torch.device("meta"):
-        module = _digits_cnn()
-    module.load_state_dict(artifact["state_dict"], assign=True)
-    return ImageClassifier(
-        module,
-        name="digits",
-        version=DIGITS_VERSION,
-        labels=artifact["labels"],
-        image=DIGITS_IMAGE,
-        mean=_MEAN,
-        std=_STD,
-        device=device,
-        dtype=dtype,
-        channels_last=channels_last,
-        limits=limits,
-        decode_budget=decode_budget,
-    )
+class DigitsClassifier(ImageClassifier):
+    """The demo model as a handler (named ``digits``), building the artifact if it is missing.
+
+    ``weights`` is the artifact's path (default ``default_model_path()``). The other
+    arguments are the worker's settings, which the loader passes by name.
+    """
+
+    def __init__(
+        self,
+        weights: str | Path | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        decode_budget: DecodeBudget | None = None,
+    ) -> None:
+        if weights == RANDOM_WEIGHTS:
+            raise ValueError(
+                "the demo model trains its own weights in seconds; leave weights unset "
+                "or pass the path of its artifact"
+            )
+        artifact = _load(build_digits_model(Path(weights) if weights else None))
+        # Built on the meta device, then given the saved tensors: no wasted random init.
+        with torch.device("meta"):
+            module = _digits_cnn()
+        module.load_state_dict(artifact["state_dict"], assign=True)
+        super().__init__(
+            module,
+            name="digits",
+            version=DIGITS_VERSION,
+            labels=artifact["labels"],
+            image=DIGITS_IMAGE,
+            mean=_MEAN,
+            std=_STD,
+            device=device,
+            dtype=dtype,
+            channels_last=channels_last,
+            limits=limits,
+            decode_budget=decode_budget,
+        )
 
 
 def digit_png(pixels_8x8: npt.ArrayLike) -> bytes:
@@ -217,7 +240,13 @@ def heldout_indices() -> npt.NDArray[np.intp]:
 
 
 def _digits() -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-    from sklearn.datasets import load_digits  # lazily: it costs seconds at worker start-up
+    try:
+        # Lazily: it costs seconds at worker start-up, and serving a built model needs none.
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError(
+            f"the demo models train on scikit-learn's digits: {install_hint('demo')} ({exc})"
+        ) from None
 
     data = load_digits()
     return data.images, data.target
@@ -308,8 +337,8 @@ def _is_current(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m workers.demo_model [--force] [--path PATH]``: build and report."""
-    parser = argparse.ArgumentParser(prog="python -m workers.demo_model", description=__doc__)
+    """``python -m demo.models.digits [--force] [--path PATH]``: build and report."""
+    parser = argparse.ArgumentParser(prog="python -m demo.models.digits", description=__doc__)
     parser.add_argument("--force", action="store_true", help="retrain even if it is cached")
     parser.add_argument("--path", type=Path, default=None, help="artifact path")
     args = parser.parse_args(argv)

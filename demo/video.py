@@ -1,13 +1,14 @@
 """The video demo: digits moving on a canvas, detected frame by frame through Kafka.
 
-``python -m workers.demo_video`` (what ``make demo-video`` runs after ``make up``):
+``python -m demo.video`` (what ``make demo-video`` runs after ``make up``):
 
-1. builds the demo detector (``workers.demo_detector``) unless it is cached;
+1. builds the demo detector (``demo.models.detector``) unless it is cached;
 2. draws a video of held-out digits (never trained on) bouncing around a 160x120
    canvas, one per quarter, each replaced by another every two seconds, and writes
-   it as an H.264 MP4, remembering every digit's true box in every frame;
+   it as an H.264 MP4, remembering every digit's true box in every frame
+   (``demo.footage``);
 3. creates the model's topics and starts ``conveyor worker --model
-   workers.demo_detector:DigitsDetector`` as a child process;
+   demo.models.detector:DigitsDetector`` as a child process;
 4. sends the video with ``conveyor stream --wait`` (every frame as a JPEG request of
    one stream) and reads the results back in frame order, as that command prints them;
 5. draws each frame's boxes, labels and scores on the decoded video and writes an
@@ -32,36 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
-import torch
-from PIL import Image, ImageDraw, ImageFont
 from pydantic import SecretStr
 
+from demo.footage import FPS, Truth, annotate, detections, make_video
+from demo.models.detector import build_detector, detector_metadata, match
+from demo.models.scenes import CANVAS
+from demo.worker import REPO, DemoError, WorkerChild
 from producers import AsyncClient, ClientError, ClientSettings, ContractError, Status
 from producers.admin import create_model_topics
 from schemas import ContentType, Result, Timings, decode_result
-from workers.demo import REPO, DemoError, WorkerChild
-from workers.demo_detector import (
-    CANVAS,
-    DigitSet,
-    Placement,
-    build_detector,
-    detector_metadata,
-    draw_scene,
-    match,
-)
 
 MIN_RECALL = 0.7
 """The share of true digits the served boxes must find (IoU >= 0.5, right label)."""
-FPS = 10
-DIGIT_SECONDS = 2  # each track shows a new digit this often
-SCALE = 3  # the annotated output is drawn at 3x the video's size
 _PARTITIONS = 2
-_LANES = 4  # one digit per quarter of the canvas, so digits never overlap
-_QUALITY_CRF = "16"  # H.264 quality: high enough that the frames stay the model's kind
-_BOX_COLOUR = (255, 210, 0)
-Truth = list[tuple[float, float, float, float, int]]
 
 
 @dataclass(frozen=True)
@@ -90,74 +75,6 @@ class VideoReport:
     @property
     def passed(self) -> bool:
         return self.ok == self.frames and self.recall >= MIN_RECALL
-
-
-@dataclass
-class _Track:
-    """One digit bouncing around its quarter of the canvas."""
-
-    digit: int  # row of the digit set
-    size: int  # side, pixels
-    origin: tuple[int, int]  # top-left corner of its quarter
-    position: np.ndarray[Any, np.dtype[np.float64]]  # x, y within the quarter
-    velocity: np.ndarray[Any, np.dtype[np.float64]]  # pixels per frame
-    colour: tuple[float, float, float]
-
-    def step(self, room: tuple[int, int]) -> Placement:
-        """Move one frame on, reflecting off the quarter's edges; where it is now."""
-        limit = np.array(room, dtype=float) - self.size
-        self.position = self.position + self.velocity
-        for axis in (0, 1):
-            if not 0 <= self.position[axis] <= limit[axis]:
-                self.velocity[axis] *= -1
-                self.position[axis] = min(max(self.position[axis], 0.0), limit[axis])
-        x, y = (self.origin[axis] + int(self.position[axis]) for axis in (0, 1))
-        return Placement(self.digit, x, y, self.size, self.colour)
-
-
-def make_video(path: Path, frames: int, seed: int = 7) -> list[Truth]:
-    """Write ``frames`` frames of bouncing held-out digits to ``path`` (H.264 MP4 at
-    ``FPS``); returns each frame's true boxes."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    digits = DigitSet.load(heldout=True)
-    width, height = CANVAS
-    room = (width // 2, height // 2)
-    tracks = []
-    for lane in range(_LANES):
-        size = int(rng.integers(22, 37))
-        red, green, blue = (float(c) for c in rng.uniform(0.6, 1.0, 3))
-        tracks.append(
-            _Track(
-                digit=int(rng.integers(len(digits.values))),
-                size=size,
-                origin=((lane % 2) * room[0], (lane // 2) * room[1]),
-                position=rng.uniform(0, [room[0] - size, room[1] - size]),
-                velocity=rng.uniform(1.0, 2.5, 2) * rng.choice([-1, 1], 2),
-                colour=(red, green, blue),
-            )
-        )
-    red, green, blue = (float(c) for c in rng.uniform(0.0, 0.2, 3))
-    truths: list[Truth] = []
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=FPS, options={"crf": _QUALITY_CRF})
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for n in range(frames):
-            if n and n % (DIGIT_SECONDS * FPS) == 0:
-                for track in tracks:
-                    track.digit = int(rng.integers(len(digits.values)))
-            placements = [track.step(room) for track in tracks]
-            canvas, truth = draw_scene(digits, placements, (red, green, blue), rng)
-            truths.append(truth)
-            pixels = (canvas.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts = n
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return truths
 
 
 async def run_demo_video(
@@ -260,51 +177,14 @@ def _result(document: dict[str, Any]) -> Result:
     return decode_result(orjson.dumps(document))
 
 
-def annotate(video: Path, results: Sequence[Result | None], gif: Path, png: Path) -> None:
-    """Draw each frame's boxes and labels on the video's frames, at ``SCALE`` times their
-    size: every frame into an animated GIF, the middle one into a PNG."""
-    import av
-
-    font = ImageFont.load_default(size=14)
-    drawn: list[Image.Image] = []
-    with av.open(str(video)) as container:
-        for frame, result in zip(container.decode(video=0), results, strict=False):
-            image = frame.to_image()  # type: ignore[no-untyped-call]
-            image = image.resize(
-                (image.width * SCALE, image.height * SCALE), Image.Resampling.NEAREST
-            )
-            draw = ImageDraw.Draw(image)
-            for detection in _detections(result):
-                x1, y1, x2, y2 = (v * SCALE for v in detection["box"])
-                draw.rectangle((x1, y1, x2, y2), outline=_BOX_COLOUR, width=2)
-                text = f"{detection['label']} {detection['score']:.2f}"
-                corner = (x1, max(y1 - 17, 0))
-                draw.rectangle(draw.textbbox(corner, text, font=font), fill=_BOX_COLOUR)
-                draw.text(corner, text, fill=(0, 0, 0), font=font)
-            drawn.append(image)
-    if not drawn:
-        raise DemoError(f"{video} has no frames to annotate")
-    drawn[0].save(
-        gif, save_all=True, append_images=drawn[1:], duration=1000 // FPS, loop=0, optimize=True
-    )
-    drawn[len(drawn) // 2].save(png)
-
-
-def _detections(result: Result | None) -> list[dict[str, Any]]:
-    if result is None or result.status is not Status.ok:
-        return []
-    detections: list[dict[str, Any]] = result.outputs["detections"]
-    return detections
-
-
 def _report(
     results: Sequence[Result | None], truths: Sequence[Truth], gif: Path, png: Path
 ) -> VideoReport:
     found = boxes = 0
     for result, truth in zip(results, truths, strict=False):
-        detections = _detections(result)
-        boxes += len(detections)
-        found += match([d["box"] for d in detections], [d["index"] for d in detections], truth)
+        served = detections(result)
+        boxes += len(served)
+        found += match([d["box"] for d in served], [d["index"] for d in served], truth)
     done = [r for r in results if r is not None]
     spans = [r.timings for r in done if r.timings is not None]
     latencies = sorted(_durable_ms(t) - t.produced_ms for t in spans)
@@ -351,7 +231,7 @@ def _print_summary(report: VideoReport) -> None:
 def _worker_argv(settings: ClientSettings, model_name: str, device: str) -> list[str]:
     return [
         sys.executable, "-m", "producers.cli", "worker",
-        "--model", "workers.demo_detector:DigitsDetector", "--model-name", model_name,
+        "--model", "demo.models.detector:DigitsDetector", "--model-name", model_name,
         "--device", device, "--kafka-bootstrap", settings.kafka_bootstrap,
         "--redis-url", settings.redis_url.get_secret_value(),
         "--topic-prefix", settings.topic_prefix,
@@ -366,7 +246,7 @@ def _say(message: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.demo_video", description=__doc__.split("\n\n")[0]
+        prog="python -m demo.video", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model-name", default="digits-detector-demo", help="name in topics")
     parser.add_argument("--frames", type=int, default=100, help="frames in the video")

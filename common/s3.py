@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 
-from producers.errors import ClientError
-from producers.install import install_hint
+from common.install import install_hint
 
 if TYPE_CHECKING:
     from types_aiobotocore_s3 import S3Client
@@ -29,8 +28,11 @@ __all__ = ["S3Settings", "S3Unavailable", "s3_client", "s3_fault"]
 Fault = Literal["missing", "denied", "outage"]
 
 
-class S3Unavailable(ClientError):
-    """S3 references are used but aiobotocore (the ``s3`` extra) is not installed."""
+class S3Unavailable(RuntimeError):
+    """S3 references are used but aiobotocore (the ``s3`` extra) is not installed.
+
+    The SDK raises it to its callers as a ``ClientError``; the worker as a ``ConfigError``.
+    """
 
 
 class S3Settings(BaseModel):

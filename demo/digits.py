@@ -1,6 +1,6 @@
 """The end-to-end demo: serve the bundled digits model and score it through Kafka.
 
-``python -m workers.demo`` (what ``make demo`` runs after ``make up``):
+``python -m demo.digits`` (what ``make demo`` runs after ``make up``):
 
 1. builds the digits model unless it is cached, and reads its offline held-out accuracy;
 2. creates the demo model's topics;
@@ -23,30 +23,23 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any
 
 from pydantic import SecretStr
 
+from demo.models.digits import build_digits_model, digits_metadata, heldout_digits
+from demo.worker import REPO, DemoError, WorkerChild
 from producers import AsyncClient, ClientError, ClientSettings, ContractError, Result, Status
 from producers.admin import create_model_topics
 from schemas import Timings
-from workers.demo_model import build_digits_model, digits_metadata, heldout_digits
 
-T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[1]
 ACCURACY_TOLERANCE = 0.01
 """How far (as a fraction) served accuracy may fall below the offline accuracy."""
 _PARTITIONS = 2
 _TABLE_ROWS = 15
-_STOP_TIMEOUT_S = 30.0
-
-
-class DemoError(Exception):
-    """The demo could not run to the end; the message says why and where to look."""
 
 
 @dataclass(frozen=True)
@@ -67,72 +60,6 @@ class DemoReport:
     @property
     def passed(self) -> bool:
         return self.accuracy >= self.offline_accuracy - ACCURACY_TOLERANCE - 1e-9
-
-
-class WorkerChild:
-    """``conveyor worker --model digits`` as a child process, its output in a log file.
-
-    It runs in a session of its own, so a Ctrl-C at the terminal reaches only
-    the demo, which then stops the worker with one SIGTERM: a clean drain.
-    """
-
-    def __init__(self, argv: Sequence[str], log_path: Path, cwd: Path = REPO) -> None:
-        self._argv = list(argv)
-        self.log_path = log_path
-        self._cwd = cwd  # its modules are imported from here (a checkout of another version)
-        self._proc: asyncio.subprocess.Process | None = None
-
-    async def __aenter__(self) -> Self:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self._proc = await asyncio.create_subprocess_exec(
-                *self._argv, stdout=log, stderr=log, cwd=self._cwd, start_new_session=True
-            )
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
-
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
-
-    async def stop(self) -> None:
-        """SIGTERM, then wait for the drain; SIGKILL if it takes too long."""
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.terminate()
-        try:
-            # Shielded: a second Ctrl-C must not leave the worker running unwaited.
-            await asyncio.shield(asyncio.wait_for(proc.wait(), _STOP_TIMEOUT_S))
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-    async def unless_it_dies(self, work: Awaitable[T]) -> T:
-        """Await ``work``, failing with ``DemoError`` as soon as the worker exits."""
-        assert self._proc is not None
-        task = asyncio.ensure_future(work)
-        exited = asyncio.ensure_future(self._proc.wait())
-        try:
-            await asyncio.wait({task, exited}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for pending in (task, exited):
-                pending.cancel()
-            # Let a cancelled wait give back its Redis subscription before going on.
-            await asyncio.gather(task, exited, return_exceptions=True)
-        if task.done() and not task.cancelled():
-            return task.result()
-        raise DemoError(
-            f"the worker exited with status {self._proc.returncode}; its log is {self.log_path}"
-        )
 
 
 async def run_demo(
@@ -289,7 +216,7 @@ def _say(message: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.demo", description=__doc__.split("\n\n")[0]
+        prog="python -m demo.digits", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model-name", default="digits-demo", help="name in the topic names")
     parser.add_argument("--device", default="auto", help="the worker's device: auto, cpu, cuda")

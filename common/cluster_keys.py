@@ -17,7 +17,7 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 from redis.exceptions import MovedError
 
-from producers.redis_cluster import ClusterRouter, Node, is_topology_error
+from common.redis_cluster import ClusterRouter, Node, is_topology_error
 
 __all__ = ["per_key"]
 

@@ -1,0 +1,236 @@
+"""Dependencies point one way: schemas ← common ← producers, workers; demo above them all.
+
+Every module of the five packages is parsed (``ast``), not imported, so every
+import counts: at the top of a module, inside a function, under
+``TYPE_CHECKING``, relative ones, and ``importlib.import_module("...")`` /
+``__import__("...")`` with a literal name. The rules:
+
+- ``schemas`` is the wire contract and does no I/O: it imports only itself, the
+  pure standard-library modules of ``SCHEMAS_MAY_IMPORT`` and pydantic and orjson
+  (no sockets, files, subprocesses, event loops, Kafka, Redis or S3 clients);
+- ``common`` (what the client and the worker share) imports none of ``producers``,
+  ``workers`` and ``demo``;
+- ``producers`` (the SDK and its commands) and ``workers`` (the server) import
+  neither each other nor ``demo``; ``conveyor worker`` reaches the worker through an
+  entry point (``producers/cli.py``), and the demo models through the worker's
+  user-class path (``workers/loader.py``);
+- ``demo`` is a client of a worker and may import anything.
+
+The checker is tried on synthetic trees too, so that a rule that stopped
+matching would fail here rather than pass in silence.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("schemas", "common", "producers", "workers", "demo")
+
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "common": frozenset({"producers", "workers", "demo"}),
+    "producers": frozenset({"workers", "demo"}),
+    "workers": frozenset({"producers", "demo"}),
+}
+"""Packages each package must not import (by top-level name)."""
+
+SCHEMAS_MAY_IMPORT = frozenset(
+    {
+        # The standard library's pure modules: data, text, numbers, types.
+        "__future__",
+        "array",
+        "base64",
+        "binascii",
+        "collections",
+        "copy",
+        "dataclasses",
+        "datetime",
+        "decimal",
+        "enum",
+        "fractions",
+        "functools",
+        "hashlib",
+        "itertools",
+        "json",
+        "math",
+        "operator",
+        "re",
+        "secrets",
+        "string",
+        "struct",
+        "sys",  # sys.byteorder; nothing here reads or writes its streams
+        "types",
+        "typing",
+        "urllib.parse",
+        "uuid",
+        # Validation and JSON encoding, both pure.
+        "pydantic",
+        "orjson",
+        # The package itself.
+        "schemas",
+    }
+)
+"""Everything ``schemas`` may import: a module here, or a submodule of one."""
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import found in a module's source."""
+
+    module: str  # the importing module, e.g. workers.cli
+    target: str  # what it imports, dotted: a module, or a module and a name from it
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}:{self.line} imports {self.target}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> Iterator[Import]:
+    """Every import of ``source``, the code of ``module``, wherever it stands."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package upwards
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                yield Import(module, f"{base}.{alias.name}", node.lineno)
+        elif isinstance(node, ast.Call) and _imports_by_name(node.func):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                yield Import(module, first.value, node.lineno)
+
+
+def _imports_by_name(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def broken_rules(imports: Iterator[Import] | list[Import]) -> list[str]:
+    """The imports that break a rule of the module doc, each said in one line."""
+    broken = []
+    for found in imports:
+        package = found.module.partition(".")[0]
+        root = found.target.partition(".")[0]
+        if package == "schemas" and not _allowed_in_schemas(found.target):
+            broken.append(f"{found.where}: schemas does no I/O (see SCHEMAS_MAY_IMPORT)")
+        elif root in FORBIDDEN.get(package, ()):
+            broken.append(f"{found.where}: {package} must not depend on {root}")
+    return broken
+
+
+def _allowed_in_schemas(target: str) -> bool:
+    parts = target.split(".")
+    return any(".".join(parts[:n]) in SCHEMAS_MAY_IMPORT for n in range(1, len(parts) + 1))
+
+
+def tree_imports(root: Path) -> Iterator[Import]:
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            yield from imports_in(
+                path.read_text(), module_name(path, root), path.name == "__init__.py"
+            )
+
+
+def test_the_packages_depend_on_each_other_one_way_only() -> None:
+    found = list(tree_imports(ROOT))
+    assert len(found) > 500, "the parser found too few imports to be reading the packages"
+    assert broken_rules(found) == []
+
+
+def test_the_rules_see_the_imports_the_code_has() -> None:
+    """The real tree has the edges the rules allow: seen, and let through."""
+    targets = {(i.module.partition(".")[0], i.target.partition(".")[0]) for i in tree_imports(ROOT)}
+    assert {("workers", "common"), ("producers", "common"), ("demo", "workers")} <= targets
+    assert {("demo", "producers"), ("producers", "schemas"), ("schemas", "pydantic")} <= targets
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for package in PACKAGES:
+        (root / package).mkdir(exist_ok=True)
+        (root / package / "__init__.py").touch()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "words"),
+    [
+        ("workers/a.py", "from producers import Client\n", "workers must not depend on producers"),
+        ("workers/a.py", "def f():\n    import producers.client\n", "on producers"),
+        ("producers/b.py", "import workers.cli as cli\n", "producers must not depend on workers"),
+        (
+            "producers/b.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers import app\n",
+            "on workers",
+        ),
+        ("producers/b.py", "from demo.models import digits\n", "producers must not depend on demo"),
+        (
+            "workers/c.py",
+            'import importlib\nimportlib.import_module("demo.models.digits")\n',
+            "demo",
+        ),
+        ("workers/sub/d.py", "from ...producers import cli\n", "on producers"),
+        ("common/e.py", "from workers.settings import WorkerSettings\n", "common must not"),
+        ("common/e.py", "from producers.errors import ClientError\n", "common must not"),
+        ("schemas/f.py", "import socket\n", "schemas does no I/O"),
+        ("schemas/f.py", "import asyncio\n", "schemas does no I/O"),
+        ("schemas/f.py", "from asyncio import streams\n", "schemas does no I/O"),
+        ("schemas/f.py", "import subprocess\n", "schemas does no I/O"),
+        ("schemas/f.py", "from urllib import request\n", "schemas does no I/O"),
+        ("schemas/f.py", "def f():\n    import aiokafka\n", "schemas does no I/O"),
+        ("schemas/f.py", "import redis.asyncio as aioredis\n", "schemas does no I/O"),
+        ("schemas/f.py", "import httpx\n", "schemas does no I/O"),
+        ("schemas/f.py", "from aiobotocore.session import get_session\n", "schemas does no I/O"),
+        ("schemas/f.py", "from common.security import kafka_options\n", "schemas does no I/O"),
+        ("schemas/f.py", "__import__('os')\n", "schemas does no I/O"),
+    ],
+)
+def test_a_forbidden_import_is_found(tmp_path: Path, name: str, code: str, words: str) -> None:
+    root = _write(tmp_path, {name: code})
+    [broken] = broken_rules(tree_imports(root))
+    assert broken.startswith(f"{module_name(root / name, root)}:")
+    assert words in broken
+
+
+def test_allowed_imports_pass(tmp_path: Path) -> None:
+    root = _write(
+        tmp_path,
+        {
+            "schemas/ok.py": "from collections.abc import Sequence\n"
+            "from urllib.parse import quote\nimport orjson\nfrom pydantic import BaseModel\n"
+            "from . import naming\n",
+            "common/ok.py": "from schemas import Limits\nimport aiokafka\n",
+            "producers/ok.py": "from common.security import kafka_options\nimport schemas\n",
+            "workers/ok.py": "from common import security\nimport torch\n",
+            "demo/ok.py": "from producers import AsyncClient\n"
+            "from workers.handlers import Handler\n",
+        },
+    )
+    found = list(tree_imports(root))
+    assert {i.target for i in found} >= {
+        "schemas.naming",
+        "common.security",
+        "workers.handlers.Handler",
+    }
+    assert broken_rules(found) == []
