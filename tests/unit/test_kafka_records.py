@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gzip
 import struct
-from collections.abc import Sequence
-from typing import Protocol
 
 import pytest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -16,27 +14,13 @@ from hypothesis import strategies as st
 
 from workers.kafka_records import (
     REPAIRED,
+    BatchRecord,
     TolerantMemoryRecords,
     install,
     parse_batch,
 )
 
 Headers = list[tuple[str, bytes | None]]
-
-
-class ReadRecord(Protocol):
-    """What the tests read of a record, leniently parsed or aiokafka's."""
-
-    @property
-    def offset(self) -> int: ...
-    @property
-    def value(self) -> bytes | None: ...
-    @property
-    def headers(self) -> Sequence[tuple[str, bytes | None]]: ...
-    @property
-    def checksum(self) -> int | None: ...
-
-
 _PLACEHOLDER = "\x01\x02"  # replaced by b"\xff\xfe" after the batch is built
 _CRC_FROM = 21  # the CRC covers the batch from its attributes field on
 _ATTRIBUTES_AT = 21
@@ -71,9 +55,9 @@ def gzipped(raw: bytearray) -> bytearray:
     return out
 
 
-def read_all(data: bytes) -> list[ReadRecord]:
+def read_all(data: bytes) -> list[BatchRecord]:
     records = TolerantMemoryRecords(data)
-    out: list[ReadRecord] = []
+    out: list[BatchRecord] = []
     while records.has_next():
         batch = records.next_batch()
         assert batch.validate_crc()
@@ -81,7 +65,7 @@ def read_all(data: bytes) -> list[ReadRecord]:
     return out
 
 
-def repaired(record: ReadRecord) -> bool:
+def repaired(record: BatchRecord) -> bool:
     """Whether the reader marked ``record`` as read leniently."""
     return record.checksum == REPAIRED
 
