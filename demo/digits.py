@@ -26,15 +26,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from pydantic import SecretStr
 
 from demo.models.digits import build_digits_model, digits_metadata, heldout_digits
-from demo.worker import REPO, DemoError, launch, worker_config
-from producers import AsyncClient, ClientError, ClientSettings, ContractError, Result, Status
+from demo.worker import REPO, client_settings, exit_status, launch, worker_config
+from producers import AsyncClient, ClientSettings, Result, Status
 from producers.admin import create_model_topics
-from producers.testing import WorkerExited
 from schemas import Timings
 
 ACCURACY_TOLERANCE = 0.01
@@ -210,30 +206,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when served accuracy is within one point of the offline accuracy."""
     args = _parser().parse_args(argv)
-    given: dict[str, Any] = {}
-    if args.kafka_bootstrap:
-        given["kafka_bootstrap"] = args.kafka_bootstrap
-    if args.redis_url:
-        given["redis_url"] = SecretStr(args.redis_url)
-    settings = ClientSettings(**given)
+    settings = client_settings(args.kafka_bootstrap, args.redis_url)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # our errors say it better
-    try:
-        report = asyncio.run(
-            run_demo(
-                settings,
-                args.model_name,
-                device=args.device,
-                wait_s=args.timeout,
-                log_path=args.worker_log,
-            )
-        )
-    except KeyboardInterrupt:
-        _say("interrupted; the worker was stopped")
-        return 130
-    except (ClientError, ContractError, DemoError, WorkerExited) as exc:
-        _say(f"failed: {exc}")
-        return 2
-    return 0 if report.passed else 1
+    demo = run_demo(
+        settings, args.model_name, device=args.device, wait_s=args.timeout, log_path=args.worker_log
+    )
+    return exit_status(demo, _say)
 
 
 if __name__ == "__main__":

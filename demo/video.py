@@ -34,15 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import SecretStr
 
 from demo.footage import FPS, Truth, annotate, detections, make_video
 from demo.models.detector import build_detector, detector_metadata, match
 from demo.models.scenes import CANVAS
-from demo.worker import REPO, DemoError, launch, worker_config
-from producers import AsyncClient, ClientError, ClientSettings, ContractError, Status
+from demo.worker import REPO, DemoError, client_settings, exit_status, launch, worker_config
+from producers import AsyncClient, ClientSettings, Status
 from producers.admin import create_model_topics
-from producers.testing import WorkerExited
 from schemas import ContentType, Result, Timings, decode_result
 
 MIN_RECALL = 0.7
@@ -253,31 +251,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when every frame is answered and the boxes find the digits."""
     args = _parser().parse_args(argv)
-    given: dict[str, Any] = {}
-    if args.kafka_bootstrap:
-        given["kafka_bootstrap"] = args.kafka_bootstrap
-    if args.redis_url:
-        given["redis_url"] = SecretStr(args.redis_url)
-    settings = ClientSettings(**given)
-    try:
-        report = asyncio.run(
-            run_demo_video(
-                settings,
-                args.model_name,
-                frames=args.frames,
-                out=args.out,
-                device=args.device,
-                wait_s=args.timeout,
-                log_path=args.worker_log,
-            )
-        )
-    except KeyboardInterrupt:
-        _say("interrupted; the worker was stopped")
-        return 130
-    except (ClientError, ContractError, DemoError, WorkerExited) as exc:
-        _say(f"failed: {exc}")
-        return 2
-    return 0 if report.passed else 1
+    demo = run_demo_video(
+        client_settings(args.kafka_bootstrap, args.redis_url),
+        args.model_name,
+        frames=args.frames,
+        out=args.out,
+        device=args.device,
+        wait_s=args.timeout,
+        log_path=args.worker_log,
+    )
+    return exit_status(demo, _say)
 
 
 if __name__ == "__main__":

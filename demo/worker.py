@@ -3,16 +3,53 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, Protocol
 
+from pydantic import SecretStr
+
+from producers import ClientError, ContractError
 from producers.settings import ClientSettings
-from producers.testing import WorkerConfig, WorkerProcess
+from producers.testing import WorkerConfig, WorkerExited, WorkerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 class DemoError(Exception):
     """The demo could not run to the end; the message says why and where to look."""
+
+
+class Report(Protocol):
+    """What a demo's run ends with: whether it passed."""
+
+    @property
+    def passed(self) -> bool: ...
+
+
+def client_settings(kafka_bootstrap: str | None, redis_url: str | None) -> ClientSettings:
+    """The SDK's settings: the addresses given on the command line, else the environment's."""
+    given: dict[str, Any] = {}
+    if kafka_bootstrap:
+        given["kafka_bootstrap"] = kafka_bootstrap
+    if redis_url:
+        given["redis_url"] = SecretStr(redis_url)
+    return ClientSettings(**given)
+
+
+def exit_status(demo: Coroutine[Any, Any, Report], say: Callable[[str], None]) -> int:
+    """Run ``demo``: 0 when its report passed, 1 when not, 2 when it could not run to the
+    end (``say`` says why), 130 when interrupted (its worker is stopped first)."""
+    try:
+        report = asyncio.run(demo)
+    except KeyboardInterrupt:
+        say("interrupted; the worker was stopped")
+        return 130
+    except (ClientError, ContractError, DemoError, WorkerExited) as exc:
+        say(f"failed: {exc}")
+        return 2
+    return 0 if report.passed else 1
 
 
 def worker_config(
