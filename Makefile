@@ -29,7 +29,7 @@ help:
 	@echo "make demo-video  install, up, detect digits in a synthetic video streamed frame by frame"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
-	@echo "make lint     ruff (lint + format check) and mypy --strict"
+	@echo "make lint     ruff (lint + format check) and mypy --strict, tests and benches included"
 	@echo "make settings-doc  regenerate docs/settings.md from workers/settings.py"
 	@echo "make clean    remove the venv, caches and local service data"
 

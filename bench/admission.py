@@ -41,17 +41,17 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 
 async def compare(bench: Bench, requests: int, repeats: int) -> dict[str, object]:
     rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    async with bench.fresh_model("admission") as (model, topics, ids):
+    async with bench.fresh_model("admission") as (model, _topics, ids):
         for repeat in range(repeats):
             for name, flags in VARIANTS.items():
                 options = ["--max-batch-size", str(OVERHEAD_BATCH), *flags]
-                argv = bench.worker_argv(IDENTITY, model, options)
-                prefix = f"{name.replace('+', '-')}{repeat}-"
+                config = bench.worker(IDENTITY, model, options)
+                prefix = f"{name.replace('+', '-')}{repeat}"
                 records, batch_ids = _requests(
                     model, SMALL_PAYLOAD, ContentType.TEXT, requests, prefix
                 )
                 ids += batch_ids
-                run = await bench.serve_backlog(topics, model, argv, records, batch_ids)
+                run = await bench.serve_backlog(config, records, batch_ids)
                 rates[name].append(float(run["rate"]))
                 print(f"{name:<20} run {repeat}: {run['rate']:.0f} requests/s", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}

@@ -47,12 +47,13 @@ from pydantic import SecretStr
 
 from bench.identity import ITEM_BYTES
 from bench.plot import Line, Timeline, draw_timelines
-from demo.worker import REPO, WorkerChild
 from producers.admin import create_model_topics
 from producers.client import AsyncClient
 from producers.settings import ClientSettings
+from producers.testing import Fleet, WorkerConfig, WorkerProcess
 from schemas import ContentType, consumer_group, topics_for
 
+REPO = Path(__file__).resolve().parents[1]
 SCALED_OBJECT = REPO / "compose" / "k8s" / "worker-scaledobject.yaml"
 _RATE_WINDOW_S = 3.0  # answered rate: committed offsets over this long
 
@@ -258,14 +259,28 @@ class GroupLag:
         return lag, sum(committed.values())
 
 
-class Fleet:
-    """``conveyor worker`` processes of one model, started and stopped by count."""
+class Replicas:
+    """``conveyor worker`` processes of one model, started and stopped by count; logs in
+    ``log_dir/<model>/``."""
 
     def __init__(self, config: RunConfig, model: str) -> None:
-        self._config, self._model = config, model
-        self._running: list[WorkerChild] = []
+        worker = WorkerConfig(
+            model,
+            config.bootstrap,
+            config.redis_url,
+            model="bench.paced:PacedHandler",
+            options=(
+                *(["--redis-cluster"] if config.redis_cluster else []),
+                *("--decode-threads", "1", "--max-batch-size", str(config.max_batch_size)),
+                *("--session-timeout-ms", "6000"),
+            ),
+            # The paced model reads its batch time from the environment.
+            env={"CONVEYOR_PACED_BATCH_MS": f"{config.batch_ms:g}"},
+        )
+        # Sessions of their own: a Ctrl-C reaches only the benchmark, which drains them.
+        self._fleet = Fleet(worker, config.log_dir / model, new_session=True)
+        self._running: list[WorkerProcess] = []
         self._stopping: set[asyncio.Task[None]] = set()
-        self._started = 0
 
     @property
     def size(self) -> int:
@@ -273,50 +288,16 @@ class Fleet:
 
     async def scale_to(self, count: int) -> None:
         while self.size < count:
-            self._started += 1
-            log = self._config.log_dir / f"{self._model}-worker-{self._started}.log"
-            worker = WorkerChild(self._argv(), log)
-            await worker.__aenter__()
-            self._running.append(worker)
+            self._running.append(self._fleet.start())
         while self.size > count:
             newest = self._running.pop()  # as a StatefulSet removes its highest ordinal
-            task = asyncio.create_task(newest.stop())  # the drain runs on; the loop goes on
+            task = asyncio.create_task(newest.aclose())  # the drain runs on; the loop goes on
             self._stopping.add(task)
             task.add_done_callback(self._stopping.discard)
 
     async def aclose(self) -> None:
         await self.scale_to(0)
         await asyncio.gather(*list(self._stopping))
-
-    def _argv(self) -> list[str]:
-        c = self._config
-        return [
-            "env",  # the paced model reads its batch time from the environment
-            f"CONVEYOR_PACED_BATCH_MS={c.batch_ms:g}",
-            sys.executable,
-            "-m",
-            "producers.cli",
-            "worker",
-            "--model",
-            "bench.paced:PacedHandler",
-            "--model-name",
-            self._model,
-            "--kafka-bootstrap",
-            c.bootstrap,
-            "--redis-url",
-            c.redis_url,
-            *(["--redis-cluster"] if c.redis_cluster else []),
-            "--device",
-            "cpu",
-            "--decode-threads",
-            "1",
-            "--max-batch-size",
-            str(c.max_batch_size),
-            "--metrics-port",
-            "0",
-            "--session-timeout-ms",
-            "6000",
-        ]
 
 
 class Load:
@@ -363,7 +344,7 @@ async def run(config: RunConfig) -> Report:
     await create_model_topics(settings, model, config.partitions, config.replication_factor)
     report = Report(config=_describe(config), model=model)
     rule = ScaleRule(config.policy)
-    fleet = Fleet(config, model)
+    fleet = Replicas(config, model)
     load = Load(config, model)
     lag_probe = GroupLag(
         config.bootstrap, consumer_group(model), topics.requests, config.partitions

@@ -51,16 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.plot import Line, Panel, draw_panels
-from bench.services import (
-    Services,
-    create_topics,
-    delete_results,
-    delete_topics,
-    produce_at_rate,
-    produce_backlog,
-    read_results,
-    wait_for_results,
-)
+from bench.services import Services, all_results_in
 from bench.stats import (
     backlog_rate,
     batch_summary,
@@ -69,8 +60,17 @@ from bench.stats import (
     pyspy_summary,
 )
 from demo.models.digits import build_digits_model, heldout_digits
-from demo.worker import WorkerChild
-from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, encode_request
+from producers.admin import create_model_topics, delete_model_topics
+from producers.testing import (
+    WorkerConfig,
+    WorkerProcess,
+    delete_results,
+    produce,
+    produce_at_rate,
+    read_results,
+    requests,
+)
+from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, topics_for
 from workers.app import start_up_objects_frozen
 from workers.consumer import Consumer
 from workers.offsets import OffsetTracker
@@ -126,65 +126,60 @@ class Bench:
 
     # -- workers -----------------------------------------------------------------------
 
-    def worker_argv(self, spec: str, model: str, options: Sequence[str]) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "producers.cli",
-            "worker",
-            "--model",
-            spec,
-            "--model-name",
+    def worker(
+        self, spec: str, model: str, options: Sequence[str], tree: Path = REPO
+    ) -> WorkerConfig:
+        """``conveyor worker --model spec`` from the checkout ``tree``, with ``options``."""
+        return WorkerConfig(
             model,
-            "--kafka-bootstrap",
             self.services.kafka_bootstrap,
-            "--redis-url",
             self.services.redis_url,
-            "--device",
-            "cpu",
-            "--decode-threads",
-            "2",  # the box has 2 cores
-            "--result-ttl-s",
-            "3600",
-            "--metrics-port",
-            "0",  # several workers share this host
-            *options,
-        ]
+            model=spec,
+            # The box has 2 cores; results outlive the run, to be read back after it.
+            options=("--decode-threads", "2", "--result-ttl-s", "3600", *options),
+            cwd=tree,
+        )
+
+    def launch(self, config: WorkerConfig, log_path: Path) -> WorkerProcess:
+        """A worker in a session of its own: a Ctrl-C at the terminal reaches only the
+        benchmark, which then stops the worker with one SIGTERM (a clean drain)."""
+        return WorkerProcess(config, log_path, new_session=True)
 
     async def serve_backlog(
         self,
-        topics: ModelTopics,
-        model: str,
-        argv: list[str],
+        config: WorkerConfig,
         records: Sequence[OutgoingRecord],
         ids: Sequence[str],
-        tree: Path = REPO,
         profile: Path | None = None,
         label: str | None = None,
     ) -> dict[str, Any]:
-        """Produce ``records``, then start a worker (from ``tree``) on them; rate and batches
+        """Produce ``records``, then start a worker of ``config`` on them; rate and batches
         once all are in. With ``profile``, py-spy samples the worker into that file.
-        ``label`` names the worker's log (default: the tree's directory name)."""
-        await produce_backlog(self.services, topics.requests, records, PARTITIONS)
+        ``label`` names the worker's log (default: its tree's directory name)."""
+        tree = config.cwd or REPO
+        model = config.model_name
+        await produce(
+            self.services.kafka_bootstrap, topics_for(model).requests, records, round_robin=True
+        )
         log_path = self.log_dir / f"{model}-{label or tree.name}-{len(ids)}.log"
-        async with WorkerChild(argv, log_path, cwd=tree) as worker:
+        async with self.launch(config, log_path) as worker:
             sampler = None
             if profile is not None:
                 # Sample steady serving only: start-up (imports, model, warm-up) is over
                 # once the first answer is in.
                 await worker.unless_it_dies(
-                    wait_for_results(self.services, ids[:1], ids[:1], _WAIT_S)
+                    all_results_in(self.services, ids[:1], ids[:1], _WAIT_S)
                 )
                 sampler = await _py_spy(worker.pid, profile)
             try:
                 seen_at = await worker.unless_it_dies(
-                    wait_for_results(self.services, ids, ids[-PARTITIONS:], _WAIT_S)
+                    all_results_in(self.services, ids, ids[-PARTITIONS:], _WAIT_S)
                 )
             finally:
                 if sampler is not None:
                     sampler.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
                     await sampler.wait()
-        results = await read_results(self.services, ids)
+        results = list((await read_results(self.services.redis_url, ids)).values())
         check_all_ok(results, len(ids), f"{model} (log {log_path})")
         return {"requests": len(ids), "rate": backlog_rate(results, seen_at)} | batch_summary(
             results
@@ -197,13 +192,14 @@ class Bench:
         Yields the name, its topics and a list the caller fills with the request ids it used.
         """
         model = self.model(scenario)
-        topics = await create_topics(self.services, model, PARTITIONS)
+        settings = self.services.client_settings()
+        await create_model_topics(settings, model, PARTITIONS)
         ids: list[str] = []
         try:
-            yield model, topics, ids
+            yield model, topics_for(model), ids
         finally:
-            await delete_results(self.services, ids)
-            await delete_topics(self.services, topics)
+            await delete_results(self.services.redis_url, ids)
+            await delete_model_topics(settings, model)
 
 
 # -- scenario 1: transport -------------------------------------------------------------------
@@ -214,7 +210,7 @@ async def transport(bench: Bench) -> dict[str, Any]:
     async with bench.fresh_model("transport") as (model, topics, _ids):
         payload = bytes(i % 251 for i in range(TRANSPORT_PAYLOAD))
         records = _requests(model, payload, ContentType.TEXT, n)[0]
-        await produce_backlog(bench.services, topics.requests, records, PARTITIONS)
+        await produce(bench.services.kafka_bootstrap, topics.requests, records, round_robin=True)
         settings = WorkerSettings(
             model=IDENTITY,
             model_name=model,
@@ -347,8 +343,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         arms["variant"] = (REPO, [*options, *bench.overhead_variant])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     profile_path = bench.log_dir / f"{bench.model('overhead')}.pyspy.txt"
-    async with bench.fresh_model("overhead") as (model, topics, ids):
-        argv = bench.worker_argv(IDENTITY, model, options)
+    async with bench.fresh_model("overhead") as (model, _topics, ids):
         for repeat in range(plan.overhead_repeats):
             for name, (tree, flags) in arms.items():
                 # Same topic and group: each worker gets only the records produced for it.
@@ -357,21 +352,18 @@ async def overhead(bench: Bench) -> dict[str, Any]:
                     SMALL_PAYLOAD,
                     ContentType.TEXT,
                     plan.overhead_requests,
-                    f"{name}{repeat}-",
+                    f"{name}{repeat}",
                 )
                 ids += batch_ids
-                arm_argv = bench.worker_argv(IDENTITY, model, flags)
-                runs[name].append(
-                    await bench.serve_backlog(
-                        topics, model, arm_argv, records, batch_ids, tree, label=name
-                    )
-                )
+                config = bench.worker(IDENTITY, model, flags, tree)
+                runs[name].append(await bench.serve_backlog(config, records, batch_ids, label=name))
         profile = None
         if plan.profile_seconds:
             count = int(plan.profile_seconds * OVERHEAD_GOAL)
-            records, batch_ids = _requests(model, SMALL_PAYLOAD, ContentType.TEXT, count, "p-")
+            records, batch_ids = _requests(model, SMALL_PAYLOAD, ContentType.TEXT, count, "p")
             ids += batch_ids
-            await bench.serve_backlog(topics, model, argv, records, batch_ids, profile=profile_path)
+            config = bench.worker(IDENTITY, model, options)
+            await bench.serve_backlog(config, records, batch_ids, profile=profile_path)
             profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
     rates = {name: sorted(float(run["rate"]) for run in done) for name, done in runs.items()}
     rate = statistics.median(rates["current"])
@@ -450,10 +442,9 @@ async def batching(bench: Bench, digits: Sequence[tuple[bytes, int]]) -> dict[st
 async def _batching_run(
     bench: Bench, digits: Sequence[tuple[bytes, int]], name: str, options: list[str]
 ) -> dict[str, Any]:
-    async with bench.fresh_model(f"batch-{name.replace('_', '-')}") as (model, topics, ids):
+    async with bench.fresh_model(f"batch-{name.replace('_', '-')}") as (model, _topics, ids):
         records, ids[:] = _digit_requests(model, digits, bench.plan.batching_requests)
-        argv = bench.worker_argv("digits", model, options)
-        result = await bench.serve_backlog(topics, model, argv, records, ids)
+        result = await bench.serve_backlog(bench.worker("digits", model, options), records, ids)
     return result | {
         "worker_options": options or ["(defaults: --max-batch-size 32 --max-delay-ms 5)"]
     }
@@ -465,15 +456,13 @@ async def _batching_run(
 async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float) -> dict[str, Any]:
     levels = []
     async with bench.fresh_model("latency") as (model, topics, ids):
-        argv = bench.worker_argv("digits", model, [])
-        async with WorkerChild(argv, bench.log_dir / f"{model}.log") as worker:
+        config = bench.worker("digits", model, [])
+        async with bench.launch(config, bench.log_dir / f"{model}.log") as worker:
             # The first answers say the worker is up and in its group.
             warm, warm_ids = _digit_requests(model, digits, 50, "w")
             ids += warm_ids
-            await produce_backlog(bench.services, topics.requests, warm, PARTITIONS)
-            await worker.unless_it_dies(
-                wait_for_results(bench.services, warm_ids, warm_ids, _WAIT_S)
-            )
+            await produce(bench.services.kafka_bootstrap, topics.requests, warm, round_robin=True)
+            await worker.unless_it_dies(all_results_in(bench.services, warm_ids, warm_ids, _WAIT_S))
             for fraction in LOAD_FRACTIONS:
                 rate = fraction * peak
                 count = max(20, int(rate * bench.plan.latency_seconds))
@@ -481,11 +470,13 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
                     model, digits, count, f"r{int(fraction * 100)}"
                 )
                 ids += level_ids
-                sent_rate = await produce_at_rate(bench.services, topics.requests, records, rate)
-                await worker.unless_it_dies(
-                    wait_for_results(bench.services, level_ids, level_ids[-5:], _WAIT_S)
+                sent_rate = await produce_at_rate(
+                    bench.services.kafka_bootstrap, topics.requests, records, rate
                 )
-                results = await read_results(bench.services, level_ids)
+                await worker.unless_it_dies(
+                    all_results_in(bench.services, level_ids, level_ids[-5:], _WAIT_S)
+                )
+                results = list((await read_results(bench.services.redis_url, level_ids)).values())
                 check_all_ok(results, count, f"latency at {fraction:.0%}")
                 levels.append(
                     {
@@ -514,27 +505,18 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
 
 
 def _requests(
-    model: str, payload: bytes, content_type: ContentType, count: int, tag: str = ""
+    model: str, payload: bytes, content_type: ContentType, count: int, tag: str = "r"
 ) -> tuple[list[OutgoingRecord], list[str]]:
-    ids = [f"{model}-{tag}{n}" for n in range(count)]
-    records = [
-        encode_request(payload, request_id=i, content_type=content_type, source="bench")
-        for i in ids
-    ]
-    return records, ids
+    """``count`` requests of ``payload``, ids ``<model>-<tag>-<n>``."""
+    return requests([payload], count, f"{model}-{tag}", content_type, source="bench")
 
 
 def _digit_requests(
-    model: str, digits: Sequence[tuple[bytes, int]], count: int, tag: str = ""
+    model: str, digits: Sequence[tuple[bytes, int]], count: int, tag: str = "d"
 ) -> tuple[list[OutgoingRecord], list[str]]:
-    ids = [f"{model}-{tag}{n}" for n in range(count)]
-    records = [
-        encode_request(
-            digits[n % len(digits)][0], request_id=i, content_type=ContentType.PNG, source="bench"
-        )
-        for n, i in enumerate(ids)
-    ]
-    return records, ids
+    """``count`` requests cycling through the PNGs of ``digits``."""
+    pngs = [png for png, _digit in digits]
+    return requests(pngs, count, f"{model}-{tag}", ContentType.PNG, source="bench")
 
 
 # -- the run ----------------------------------------------------------------------------------

@@ -52,7 +52,6 @@ import math
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,7 +72,22 @@ from PIL import Image, ImageDraw, ImageFilter
 from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.plot import Line, Panel, draw_panels
 from bench.stats import percentile
-from schemas import DEFAULT_LIMITS, ContentType
+from producers.admin import create_model_topics, delete_model_topics
+from producers.settings import ClientSettings
+from producers.testing import (
+    Fleet,
+    WorkerConfig,
+    WorkerProcess,
+    await_results,
+    produce,
+    produce_at_rate,
+    read_results,
+    tally,
+    unless_one_exits,
+    until_all_ready,
+    until_answered,
+)
+from schemas import DEFAULT_LIMITS, ContentType, Result, topics_for
 from schemas.fastpath import FastMeta
 from workers.gpu_decode import BatchDecoder
 from workers.handlers import Handler, ImageClassifier
@@ -540,11 +554,13 @@ def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) 
     batch = runner.prepare(list(items))
     if batch.ready is not None:
         batch.ready.synchronize()
-    graph = runner._graphs[tuple(batch.tensor.shape)]
+    tensor = batch.tensor
+    assert isinstance(tensor, torch.Tensor)  # a classifier's batch is stacked, not a list
+    graph = runner._graphs[tuple(tensor.shape)]
     torch.cuda.synchronize(cfg.device)
     with torch.inference_mode():
-        eager = handler.forward(batch.tensor).float()
-        replayed = graph.run(batch.tensor).float()
+        eager = handler.forward(tensor).float()
+        replayed = graph.run(tensor).float()
     return float((replayed - eager).abs().max())
 
 
@@ -808,17 +824,16 @@ async def _e2e_one(
 ) -> dict[str, Any]:
     """Start the workers, wait until every one is ready and the group is stable, then
     produce backlogs (in parallel producer processes) and time the steady state."""
-    from bench.services import Services, create_topics, delete_topics, produce_at_rate
-
-    services = Services(args.kafka_bootstrap, args.redis_url)
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
-    topics = await create_topics(services, model, args.partitions)
-    procs = [_start_worker(cfg, model, args, k, workers, gpus) for k in range(workers)]
+    await create_model_topics(settings, model, args.partitions)
+    fleet = _fleet(cfg, model, args)
     row: dict[str, Any] = {"workers": workers, "gpus": gpus, "compiled": cfg.compile}
     try:
-        ready_s = await _until_group_ready(procs, args, workers)
-        row["ready_s"] = ready_s
+        procs = [_start_worker(fleet, cfg, args, k, workers, gpus) for k in range(workers)]
+        # Ready means it owns partitions; ready again a second later: the group has settled.
+        row["ready_s"] = await until_all_ready(procs, args.ready_timeout, settle_s=1.0)
         runs = []
         for repeat in range(args.repeats):
             prefix = f"{run}-b{repeat}"
@@ -833,7 +848,7 @@ async def _e2e_one(
                 produced = await _produce_parallel(
                     args, model, corpus, prefix, cfg.e2e_count, on_go=sample
                 )
-                results = await _await_results(services, prefix, cfg.e2e_count, args, procs)
+                results = await _await_results(prefix, cfg.e2e_count, args, procs)
             for sampler in samplers:
                 sampler.wait(timeout=args.profile_s + 30)
             runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
@@ -854,9 +869,9 @@ async def _e2e_one(
         count = max(int(paced_rate * args.paced_s), 1)
         ids = [f"{run}-p-{n}" for n in range(count)]
         achieved = await produce_at_rate(
-            services, topics.requests, _records(corpus, ids), paced_rate
+            args.kafka_bootstrap, topics_for(model).requests, _records(corpus, ids), paced_rate
         )
-        paced = await _await_results(services, f"{run}-p", count, args, procs)
+        paced = await _await_results(f"{run}-p", count, args, procs)
         latencies = [_durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
         computes = [r.timings.inference_ms for r in paced if r.timings]
         row.update(
@@ -868,9 +883,8 @@ async def _e2e_one(
             }
         )
     finally:
-        for proc in procs:
-            _stop_worker(proc)
-        await delete_topics(services, topics)
+        await fleet.aclose()
+        await delete_model_topics(settings, model)
     return row
 
 
@@ -903,42 +917,6 @@ def _durable_ms(result: Any) -> float:
     return float(timings.finished_ms if timings.published_ms is None else timings.published_ms)
 
 
-async def _until_group_ready(
-    procs: Sequence[subprocess.Popen[bytes]], args: argparse.Namespace, workers: int
-) -> float:
-    """Seconds until every worker answers /readyz 200 twice, two seconds apart (ready
-    means it owns partitions: the group has settled)."""
-    started = time.monotonic()
-    deadline = started + args.ready_timeout
-    settled = 0
-    while settled < 2:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"workers not ready within {args.ready_timeout} s")
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a worker exited with status {proc.returncode}")
-        ready = [await _ready(args.metrics_port + k) for k in range(workers)]
-        settled = settled + 1 if all(ready) else 0
-        await asyncio.sleep(1.0 if settled else 0.5)
-    return time.monotonic() - started
-
-
-async def _ready(port: int) -> bool:
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
-    except (OSError, TimeoutError):
-        return False
-    try:
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
-        await writer.drain()
-        head = await asyncio.wait_for(reader.read(), 5)
-    except (OSError, TimeoutError):
-        return False
-    finally:
-        writer.close()
-    return head.startswith(b"HTTP/1.1 200")
-
-
 async def _produce_parallel(
     args: argparse.Namespace,
     model: str,
@@ -953,8 +931,6 @@ async def _produce_parallel(
     Each process builds its records first and says so; all start sending together, so
     the rate counts sending only.
     """
-    from schemas import topics_for
-
     share = [count // args.producers + (k < count % args.producers) for k in range(args.producers)]
     first, procs = 0, []
     for n in share:
@@ -992,8 +968,6 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
     """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
     (the corpus is rebuilt from the same seeds, so every process sends the same images).
     Prints "ready" once its records are built, and sends them when a line comes in."""
-    from bench.services import Services, produce_backlog
-
     topic, width, height, prefix, first, count = spec.split(",")
     corpus = Corpus(
         f"{width}x{height}",
@@ -1005,31 +979,21 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
     records = _records(corpus, ids)
     print("ready", flush=True)
     sys.stdin.readline()
-    services = Services(args.kafka_bootstrap, "redis://unused")
-    asyncio.run(produce_backlog(services, topic, records, args.partitions))
+    asyncio.run(produce(args.kafka_bootstrap, topic, records, round_robin=True))
     return 0
 
 
 async def _await_results(
-    services: Any,
-    prefix: str,
-    count: int,
-    args: argparse.Namespace,
-    procs: Sequence[subprocess.Popen[bytes]],
-) -> list[Any]:
-    from bench.services import read_results, wait_for_results
-
+    prefix: str, count: int, args: argparse.Namespace, workers: Sequence[WorkerProcess]
+) -> list[Result]:
+    """Every result of the requests ``<prefix>-0`` to ``<prefix>-<count - 1>``, all ``ok``;
+    ``RuntimeError`` otherwise, or as soon as a worker exits."""
     ids = [f"{prefix}-{n}" for n in range(count)]
-    waiting = asyncio.ensure_future(
-        wait_for_results(services, ids, ids[-args.producers :], timeout_s=args.e2e_timeout)
+    watch = ids[-args.producers :]  # each producer's last request
+    await unless_one_exits(
+        workers, await_results(args.redis_url, ids, args.e2e_timeout, watch=watch)
     )
-    while not waiting.done():
-        if any(proc.poll() is not None for proc in procs):
-            waiting.cancel()
-            raise RuntimeError("a worker exited during the run")
-        await asyncio.sleep(0.2)
-    await waiting
-    results = await read_results(services, ids)
+    results = list((await read_results(args.redis_url, ids)).values())
     bad = [r for r in results if r.status.value != "ok"]
     if len(results) != count or bad:
         raise RuntimeError(f"{len(results)} of {count} results, {len(bad)} not ok: {bad[:1]}")
@@ -1055,50 +1019,34 @@ def _mean_batch(results: Sequence[Any]) -> float:
     return len(results) / len(batches) if batches else math.nan
 
 
+def _fleet(cfg: Config, model: str, args: argparse.Namespace) -> Fleet:
+    """The workers of one layout (``_start_worker`` starts each); logs in ``--out``."""
+    options = (
+        "--weights", "random", "--max-batch-size", str(cfg.max_batch),
+        "--max-in-flight", str(cfg.max_batch * 16),
+        "--dtype", "float16", "--channels-last", "--decode", args.worker_decode,
+        "--metrics-host", "127.0.0.1", "--result-ttl-s", "3600",
+        *(["--compile"] if cfg.compile else []),
+    )  # fmt: skip
+    config = WorkerConfig(
+        model, args.kafka_bootstrap, args.redis_url, model=cfg.model, options=options
+    )
+    return Fleet(config, args.out / "workers" / model)
+
+
 def _start_worker(
-    cfg: Config,
-    model: str,
-    args: argparse.Namespace,
-    index: int,
-    workers: int,
-    gpus: int,
-) -> subprocess.Popen[bytes]:
+    fleet: Fleet, cfg: Config, args: argparse.Namespace, index: int, workers: int, gpus: int
+) -> WorkerProcess:
     """Worker ``index`` of ``workers``, on card ``index % gpus``; the worker cores shared."""
     device = cfg.device
     if device.type == "cuda":
         device = torch.device("cuda", index % gpus)
     threads = max(1, len(_worker_cores()) // workers) if args.pin else cfg.threads // workers
-    command = [
-        sys.executable, "-m", "producers.cli", "worker",
-        "--model", cfg.model, "--model-name", model, "--weights", "random",
-        "--device", str(device), "--max-batch-size", str(cfg.max_batch),
-        "--kafka-bootstrap", args.kafka_bootstrap, "--redis-url", args.redis_url,
-        "--decode-threads", str(max(1, threads)), "--max-in-flight", str(cfg.max_batch * 16),
-        "--dtype", "float16", "--channels-last", "--decode", args.worker_decode,
-        "--metrics-port", str(args.metrics_port + index), "--metrics-host", "127.0.0.1",
-        "--result-ttl-s", "3600",
-    ]  # fmt: skip
-    if cfg.compile:
-        command.append("--compile")
-    command += shlex.split(args.worker_options)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "worker-logs.txt").open("ab") as log:  # the child keeps its own copy
-        log.write(f"\n=== {' '.join(command)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    flags = ("--decode-threads", str(max(1, threads)), *shlex.split(args.worker_options))
+    worker = fleet.start(*flags, device=str(device), metrics_port=args.metrics_port + index)
     if args.pin:
-        os.sched_setaffinity(proc.pid, _worker_cores())  # its threads inherit it
-    return proc
-
-
-def _stop_worker(worker: subprocess.Popen[bytes]) -> None:
-    if worker.poll() is None:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        os.sched_setaffinity(worker.pid, _worker_cores())  # its threads inherit it
+    return worker
 
 
 # -- the kill test: a GPU worker SIGKILLed mid-run loses nothing ----------------------------
@@ -1110,78 +1058,32 @@ def stage_kill(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace)
 
 async def _kill_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
     """A backlog, a worker SIGKILLed once a third is answered, a new worker: every request
-    answered once in Redis, the reply topic agreeing with it (lost 0, duplicate-visible 0)."""
-    from bench.services import Services, create_topics, delete_topics, read_results
-    from schemas import topics_for
-
-    services = Services(args.kafka_bootstrap, args.redis_url)
+    answered once in Redis, the reply topic agreeing with it (lost 0, duplicate-visible 0),
+    counted as the fault tests count (``producers.testing.tally``)."""
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpukill{run}"
-    topics = await create_topics(services, model, args.partitions)
+    await create_model_topics(settings, model, args.partitions)
     count = cfg.e2e_count
     prefix = f"{run}-k"
     ids = [f"{prefix}-{n}" for n in range(count)]
     await _produce_parallel(args, model, corpus, prefix, count)
-    first = _start_worker(cfg, model, args, 0, 1, 1)
     try:
-        while len(await read_results(services, ids[: count // 3 : 7])) < count // 21:
-            if first.poll() is not None:
-                raise RuntimeError("the worker exited before it was killed")
-            await asyncio.sleep(0.05)
-        first.kill()
-        first.wait()
-        second = _start_worker(cfg, model, args, 0, 1, 1)
-        try:
-            results = await _await_results(services, prefix, count, args, [second])
-        finally:
-            _stop_worker(second)
-        replies = await _read_replies(args.kafka_bootstrap, topics_for(model).results, count)
-    finally:
-        if first.poll() is None:
+        async with _fleet(cfg, model, args) as fleet:
+            first = _start_worker(fleet, cfg, args, 0, 1, 1)
+            # Every 7th of the first third keeps the poll cheap while the GPU works.
+            await first.unless_it_dies(
+                until_answered(args.redis_url, ids[: count // 3 : 7], count // 21)
+            )
             first.kill()
-        await delete_topics(services, topics)
-    stored = {r.id: r for r in results}
-    copies: dict[str, set[bytes]] = {}
-    for key, value in replies:
-        copies.setdefault(key, set()).add(value)
-    from schemas import decode_result
-
-    mismatched = sum(
-        1
-        for request_id, values in copies.items()
-        if any(decode_result(v) != stored.get(request_id) for v in values)
-    )
-    row = {
-        "produced": count,
-        "answered": len(stored),
-        "lost": count - len(stored),
-        "duplicate_visible": mismatched,
-        "reply_records": len(replies),
-        "redelivered": len(replies) - len(copies),
-    }
+            second = _start_worker(fleet, cfg, args, 0, 1, 1)
+            await _await_results(prefix, count, args, [second])
+        counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
+    finally:
+        await delete_model_topics(settings, model)
+    row = dataclasses.asdict(counted)
     print(f"  kill: {json.dumps(row)}", flush=True)
     return row
-
-
-async def _read_replies(bootstrap: str, topic: str, expect: int) -> list[tuple[str, bytes]]:
-    from aiokafka import AIOKafkaConsumer
-
-    consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
-    )
-    await consumer.start()
-    out: list[tuple[str, bytes]] = []
-    deadline = time.monotonic() + 120
-    try:
-        idle = 0
-        while time.monotonic() < deadline and (len(out) < expect or idle < 3):
-            batch = await consumer.getmany(timeout_ms=1000)
-            got = [(r.key.decode(), r.value) for records in batch.values() for r in records]
-            out += got
-            idle = 0 if got else idle + 1
-    finally:
-        await consumer.stop()
-    return out
 
 
 # -- report ---------------------------------------------------------------------------------

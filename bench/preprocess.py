@@ -151,7 +151,7 @@ def random_network_agreement(corpus: list[tuple[bytes, ContentType]]) -> dict[st
     module.eval()
     with torch.inference_mode():
         top1 = {
-            name: torch.cat([model.forward(chunk).argmax(1) for chunk in batch.split(50)])
+            name: torch.cat([model.forward(chunk).argmax(1) for chunk in torch.split(batch, 50)])
             for name, batch in inputs.items()
         }
     return {

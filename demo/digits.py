@@ -26,13 +26,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from pydantic import SecretStr
 
 from demo.models.digits import build_digits_model, digits_metadata, heldout_digits
-from demo.worker import REPO, DemoError, WorkerChild
-from producers import AsyncClient, ClientError, ClientSettings, ContractError, Result, Status
+from demo.worker import REPO, client_settings, exit_status, launch, worker_config
+from producers import AsyncClient, ClientSettings, Result, Status
 from producers.admin import create_model_topics
 from schemas import Timings
 
@@ -79,8 +76,8 @@ async def run_demo(
     states = await create_model_topics(settings, model_name, _PARTITIONS)
     _say(f"topics {', '.join(state.name for state in states)} ready")
     log_path = log_path or REPO / ".run" / f"demo-worker-{model_name}.log"
-    argv = _worker_argv(settings, model_name, device)
-    async with WorkerChild(argv, log_path) as worker, AsyncClient(settings) as client:
+    config = worker_config(settings, model_name, "digits", device)
+    async with launch(config, log_path) as worker, AsyncClient(settings) as client:
         _say(f"worker started (pid {worker.pid}); its log: {log_path}")
         # The first answer says the worker has loaded the model and joined its group.
         started = time.monotonic()
@@ -116,29 +113,6 @@ def _offline_accuracy() -> float:
         f"on {metadata['heldout_size']} digits"
     )
     return accuracy
-
-
-def _worker_argv(settings: ClientSettings, model_name: str, device: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "producers.cli",
-        "worker",
-        "--model",
-        "digits",
-        "--model-name",
-        model_name,
-        "--device",
-        device,
-        "--kafka-bootstrap",
-        settings.kafka_bootstrap,
-        "--redis-url",
-        settings.redis_url.get_secret_value(),
-        "--topic-prefix",
-        settings.topic_prefix,
-        "--metrics-port",
-        "0",  # any free port: never collide with another worker on this host
-    ]
 
 
 def _top1(result: Result) -> tuple[int, float] | None:
@@ -232,30 +206,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when served accuracy is within one point of the offline accuracy."""
     args = _parser().parse_args(argv)
-    given: dict[str, Any] = {}
-    if args.kafka_bootstrap:
-        given["kafka_bootstrap"] = args.kafka_bootstrap
-    if args.redis_url:
-        given["redis_url"] = SecretStr(args.redis_url)
-    settings = ClientSettings(**given)
+    settings = client_settings(args.kafka_bootstrap, args.redis_url)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # our errors say it better
-    try:
-        report = asyncio.run(
-            run_demo(
-                settings,
-                args.model_name,
-                device=args.device,
-                wait_s=args.timeout,
-                log_path=args.worker_log,
-            )
-        )
-    except KeyboardInterrupt:
-        _say("interrupted; the worker was stopped")
-        return 130
-    except (ClientError, ContractError, DemoError) as exc:
-        _say(f"failed: {exc}")
-        return 2
-    return 0 if report.passed else 1
+    demo = run_demo(
+        settings, args.model_name, device=args.device, wait_s=args.timeout, log_path=args.worker_log
+    )
+    return exit_status(demo, _say)
 
 
 if __name__ == "__main__":

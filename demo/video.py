@@ -34,13 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import SecretStr
 
 from demo.footage import FPS, Truth, annotate, detections, make_video
 from demo.models.detector import build_detector, detector_metadata, match
 from demo.models.scenes import CANVAS
-from demo.worker import REPO, DemoError, WorkerChild
-from producers import AsyncClient, ClientError, ClientSettings, ContractError, Status
+from demo.worker import REPO, DemoError, client_settings, exit_status, launch, worker_config
+from producers import AsyncClient, ClientSettings, Status
 from producers.admin import create_model_topics
 from schemas import ContentType, Result, Timings, decode_result
 
@@ -97,7 +96,9 @@ async def run_demo_video(
     states = await create_model_topics(settings, model_name, _PARTITIONS)
     _say(f"topics {', '.join(state.name for state in states)} ready")
     log_path = log_path or REPO / ".run" / f"demo-worker-{model_name}.log"
-    async with WorkerChild(_worker_argv(settings, model_name, device), log_path) as worker:
+    detector = "demo.models.detector:DigitsDetector"
+    config = worker_config(settings, model_name, detector, device, "--max-batch-size", "16")
+    async with launch(config, log_path) as worker:
         _say(f"worker started (pid {worker.pid}); its log: {log_path}")
         await worker.unless_it_dies(_first_answer(settings, model_name, video, wait_s))
         _say("worker ready; streaming the video with `conveyor stream --wait`")
@@ -228,18 +229,6 @@ def _print_summary(report: VideoReport) -> None:
     )
 
 
-def _worker_argv(settings: ClientSettings, model_name: str, device: str) -> list[str]:
-    return [
-        sys.executable, "-m", "producers.cli", "worker",
-        "--model", "demo.models.detector:DigitsDetector", "--model-name", model_name,
-        "--device", device, "--kafka-bootstrap", settings.kafka_bootstrap,
-        "--redis-url", settings.redis_url.get_secret_value(),
-        "--topic-prefix", settings.topic_prefix,
-        "--max-batch-size", "16",
-        "--metrics-port", "0",  # any free port: never collide with another worker on this host
-    ]  # fmt: skip
-
-
 def _say(message: str) -> None:
     print(f"[demo-video] {message}", flush=True)
 
@@ -262,31 +251,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when every frame is answered and the boxes find the digits."""
     args = _parser().parse_args(argv)
-    given: dict[str, Any] = {}
-    if args.kafka_bootstrap:
-        given["kafka_bootstrap"] = args.kafka_bootstrap
-    if args.redis_url:
-        given["redis_url"] = SecretStr(args.redis_url)
-    settings = ClientSettings(**given)
-    try:
-        report = asyncio.run(
-            run_demo_video(
-                settings,
-                args.model_name,
-                frames=args.frames,
-                out=args.out,
-                device=args.device,
-                wait_s=args.timeout,
-                log_path=args.worker_log,
-            )
-        )
-    except KeyboardInterrupt:
-        _say("interrupted; the worker was stopped")
-        return 130
-    except (ClientError, ContractError, DemoError) as exc:
-        _say(f"failed: {exc}")
-        return 2
-    return 0 if report.passed else 1
+    demo = run_demo_video(
+        client_settings(args.kafka_bootstrap, args.redis_url),
+        args.model_name,
+        frames=args.frames,
+        out=args.out,
+        device=args.device,
+        wait_s=args.timeout,
+        log_path=args.worker_log,
+    )
+    return exit_status(demo, _say)
 
 
 if __name__ == "__main__":

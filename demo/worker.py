@@ -1,83 +1,77 @@
-"""A worker as a child process of a demo: started, watched, and drained when the demo ends."""
+"""A worker as a child process of a demo, launched as the tests and benchmarks launch theirs
+(``producers.testing``): started, watched, and drained when the demo ends."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Protocol
 
-T = TypeVar("T")
+from pydantic import SecretStr
+
+from producers import ClientError, ContractError
+from producers.settings import ClientSettings
+from producers.testing import WorkerConfig, WorkerExited, WorkerProcess
+
 REPO = Path(__file__).resolve().parents[1]
-_STOP_TIMEOUT_S = 30.0
 
 
 class DemoError(Exception):
     """The demo could not run to the end; the message says why and where to look."""
 
 
-class WorkerChild:
-    """``conveyor worker --model digits`` as a child process, its output in a log file.
-
-    It runs in a session of its own, so a Ctrl-C at the terminal reaches only
-    the demo, which then stops the worker with one SIGTERM: a clean drain.
-    """
-
-    def __init__(self, argv: Sequence[str], log_path: Path, cwd: Path = REPO) -> None:
-        self._argv = list(argv)
-        self.log_path = log_path
-        self._cwd = cwd  # its modules are imported from here (a checkout of another version)
-        self._proc: asyncio.subprocess.Process | None = None
-
-    async def __aenter__(self) -> Self:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self._proc = await asyncio.create_subprocess_exec(
-                *self._argv, stdout=log, stderr=log, cwd=self._cwd, start_new_session=True
-            )
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
+class Report(Protocol):
+    """What a demo's run ends with: whether it passed."""
 
     @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
+    def passed(self) -> bool: ...
 
-    async def stop(self) -> None:
-        """SIGTERM, then wait for the drain; SIGKILL if it takes too long."""
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.terminate()
-        try:
-            # Shielded: a second Ctrl-C must not leave the worker running unwaited.
-            await asyncio.shield(asyncio.wait_for(proc.wait(), _STOP_TIMEOUT_S))
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
 
-    async def unless_it_dies(self, work: Awaitable[T]) -> T:
-        """Await ``work``, failing with ``DemoError`` as soon as the worker exits."""
-        assert self._proc is not None
-        task = asyncio.ensure_future(work)
-        exited = asyncio.ensure_future(self._proc.wait())
-        try:
-            await asyncio.wait({task, exited}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for pending in (task, exited):
-                pending.cancel()
-            # Let a cancelled wait give back its Redis subscription before going on.
-            await asyncio.gather(task, exited, return_exceptions=True)
-        if task.done() and not task.cancelled():
-            return task.result()
-        raise DemoError(
-            f"the worker exited with status {self._proc.returncode}; its log is {self.log_path}"
-        )
+def client_settings(kafka_bootstrap: str | None, redis_url: str | None) -> ClientSettings:
+    """The SDK's settings: the addresses given on the command line, else the environment's."""
+    given: dict[str, Any] = {}
+    if kafka_bootstrap:
+        given["kafka_bootstrap"] = kafka_bootstrap
+    if redis_url:
+        given["redis_url"] = SecretStr(redis_url)
+    return ClientSettings(**given)
+
+
+def exit_status(demo: Coroutine[Any, Any, Report], say: Callable[[str], None]) -> int:
+    """Run ``demo``: 0 when its report passed, 1 when not, 2 when it could not run to the
+    end (``say`` says why), 130 when interrupted (its worker is stopped first)."""
+    try:
+        report = asyncio.run(demo)
+    except KeyboardInterrupt:
+        say("interrupted; the worker was stopped")
+        return 130
+    except (ClientError, ContractError, DemoError, WorkerExited) as exc:
+        say(f"failed: {exc}")
+        return 2
+    return 0 if report.passed else 1
+
+
+def worker_config(
+    settings: ClientSettings, model_name: str, model: str, device: str, *options: str
+) -> WorkerConfig:
+    """``conveyor worker --model model`` serving ``model_name`` on the services of ``settings``
+    (and its topic prefix), imported from this checkout; its metrics on any free port."""
+    return WorkerConfig(
+        model_name,
+        settings.kafka_bootstrap,
+        settings.redis_url.get_secret_value(),
+        model=model,
+        device=device,
+        options=("--topic-prefix", settings.topic_prefix, *options),
+        cwd=REPO,
+    )
+
+
+def launch(config: WorkerConfig, log_path: Path) -> WorkerProcess:
+    """A worker of ``config`` (start it with ``async with``), its log in ``log_path`` (this
+    run's only). It runs in a session of its own, so a Ctrl-C at the terminal reaches only
+    the demo, which then stops the worker with one SIGTERM as it leaves: a clean drain.
+    ``unless_it_dies`` raises ``producers.testing.WorkerExited`` if it exits early."""
+    log_path.unlink(missing_ok=True)
+    return WorkerProcess(config, log_path, new_session=True)

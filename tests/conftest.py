@@ -10,13 +10,20 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from pydantic import SecretStr
 
-from tests.integration.harness import NOTES, REPO, ROWS, fault_table
+from demo.models.digits import build_digits_model, heldout_digits
+from producers.settings import ClientSettings
+from producers.testing import Fleet, WorkerConfig, kafka_admin
+from tests.harness import NOTES, ROWS, TEST_WORKER_OPTIONS, fault_table
+
+REPO = Path(__file__).resolve().parents[1]
 
 KAFKA_PORT = int(os.environ.get("KAFKA_PORT", "9092"))
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
@@ -49,7 +56,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault table of the scenarios that ran (harness.tally), also in .run/."""
+    """The fault table of the scenarios that ran (tests.harness.record), also in .run/."""
     if not ROWS:
         return
     lines = [*fault_table(), "", *NOTES]
@@ -127,12 +134,34 @@ async def redis_client(redis_url: str, redis_prefix: str) -> AsyncIterator[aiore
     await client.aclose()
 
 
+@pytest.fixture(name="kafka_admin")
+async def kafka_admin_fixture(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
+    async with kafka_admin(kafka_bootstrap) as admin:
+        yield admin
+
+
 @pytest.fixture
-async def kafka_admin(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaAdminClient]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    yield admin
-    await admin.close()
+def client_settings(kafka_bootstrap: str, redis_url: str) -> ClientSettings:
+    """The SDK's settings for the services of `make up`."""
+    return ClientSettings(kafka_bootstrap=kafka_bootstrap, redis_url=SecretStr(redis_url))
+
+
+@pytest.fixture(scope="session")
+def digits() -> list[tuple[bytes, int]]:
+    """The demo model's held-out digits as (PNG, digit); the model is built (cached) first,
+    so the worker processes of the tests load it rather than train it."""
+    build_digits_model()
+    return heldout_digits()
+
+
+@pytest.fixture
+def workers(
+    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
+) -> Iterator[Fleet]:
+    """The test's worker processes (``workers.start(*flags, ...)``), stopped at its end."""
+    base = WorkerConfig(model_name, kafka_bootstrap, redis_url, options=TEST_WORKER_OPTIONS)
+    with Fleet(base, tmp_path) as fleet:
+        yield fleet
 
 
 CreateTopic = Callable[..., Awaitable[str]]

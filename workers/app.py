@@ -249,7 +249,7 @@ def _give_large_frees_back() -> None:
     decoded images (Pillow allocates them in 16 MiB blocks) come from per-thread heaps
     that keep the memory after it is freed: with 8 decode threads the process would
     hold 8 images' worth however the decode budget spaces them. With the fixed
-    threshold, resident memory follows the budget (tests/faults/test_reliability.py).
+    threshold, resident memory follows the budget (tests/faults/test_faults.py).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import SecretStr
 
-from tests.conftest import require_listening
-from tests.integration.harness import CLUSTER_SCHEME, REPO, Workers, admin_for
+from producers.settings import ClientSettings
+from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin, plain_url
+from tests.conftest import REPO, require_listening
+from tests.harness import TEST_WORKER_OPTIONS
 
 KAFKA_CLUSTER_PORT = int(os.environ.get("KAFKA_CLUSTER_PORT", "9292"))
 REDIS_CLUSTER_PORT = int(os.environ.get("REDIS_CLUSTER_PORT", "7000"))
@@ -53,10 +56,7 @@ class KafkaCluster:
 
     def kill(self, node: int) -> None:
         """SIGKILL: a crash, no controlled shutdown."""
-        pid = self.pid(node)
-        os.kill(pid, signal.SIGKILL)
-        while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
-            time.sleep(0.05)  # until the kernel has closed its sockets
+        _kill(self.pid(node))
 
     def stop(self, node: int) -> None:
         """SIGTERM: a controlled shutdown, leadership handed over first."""
@@ -68,7 +68,7 @@ class KafkaCluster:
 
     async def leaders(self, topic: str) -> set[int]:
         """The brokers leading ``topic``'s partitions now."""
-        async with admin_for(self.bootstrap) as admin:
+        async with kafka_admin(self.bootstrap) as admin:
             [described] = await admin.describe_topics([topic])
         return {p["leader"] for p in described["partitions"]}
 
@@ -111,7 +111,7 @@ class RedisClusterNodes:
 
     @property
     def url(self) -> str:
-        """The harness's name for it (see tests/integration/harness.py)."""
+        """The harness's name for it (see producers/testing/results.py)."""
         return f"{CLUSTER_SCHEME}://127.0.0.1:{self.port}/0"
 
     def node_of_port(self, port: int) -> int:
@@ -122,15 +122,21 @@ class RedisClusterNodes:
         return int(path.read_text())
 
     def kill(self, node: int) -> None:
-        pid = self.pid(node)
-        os.kill(pid, signal.SIGKILL)
-        while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
-            time.sleep(0.05)
+        """SIGKILL: a crash."""
+        _kill(self.pid(node))
 
     def start(self, node: int | None = None) -> None:
         """Start ``node`` (default: every node not running); returns once the cluster serves
         with every replica linked."""
         _script("redis-cluster.sh", "start", *([str(node)] if node else []))
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL ``pid``; returns once the kernel has closed its sockets (it is gone or a
+    zombie)."""
+    os.kill(pid, signal.SIGKILL)
+    while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X"):
+        time.sleep(0.05)  # polling the process table, not a wait for readiness
 
 
 def _state(pid: int) -> str:
@@ -172,10 +178,20 @@ def healthy_redis_cluster(redis_cluster_nodes: RedisClusterNodes) -> Iterator[Re
 
 
 @pytest.fixture
+def cluster_settings(healthy_redis_cluster: RedisClusterNodes) -> ClientSettings:
+    """The SDK's settings for the Redis Cluster (the Kafka cluster is not needed)."""
+    return ClientSettings(
+        redis_url=SecretStr(plain_url(healthy_redis_cluster.url)),
+        redis_cluster=True,
+        connect_timeout_s=15,
+    )
+
+
+@pytest.fixture
 def cluster_workers(
     kafka_cluster: KafkaCluster, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[Workers]:
+) -> Iterator[Fleet]:
     """Workers of the test, on the Kafka cluster and the plain Redis by default."""
-    group = Workers(model_name, kafka_cluster.bootstrap, redis_url, tmp_path)
-    yield group
-    group.stop_all()
+    base = WorkerConfig(model_name, kafka_cluster.bootstrap, redis_url, options=TEST_WORKER_OPTIONS)
+    with Fleet(base, tmp_path) as fleet:
+        yield fleet

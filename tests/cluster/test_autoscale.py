@@ -16,7 +16,7 @@ import pytest
 
 from bench.autoscale import COMPRESSED, LOAD_STEP, RunConfig, run
 from tests.cluster.conftest import KafkaCluster
-from tests.integration.harness import NOTES, check, tally
+from tests.harness import NOTES, check, tally_scenario
 
 
 @pytest.mark.timeout(400)
@@ -54,17 +54,17 @@ async def test_load_step_scales_one_to_three_to_one(
     assert back < high_until, f"back under target only after the load dropped: {summary}"
     assert samples[-1].lag == 0
 
-    row = await tally(
+    row = await tally_scenario(
         "autoscaling 1 → 3 → 1 under a load step",
         healthy_kafka.bootstrap,
         redis_url,
         report.model,
         report.request_ids,
-        timeout=120,
+        timeout_s=120,
     )
     check(row, logs)
     NOTES.append(f"autoscaling (load step {high_from:g}-{high_until:g} s): {summary}")
 
 
 def _logs(folder: Path) -> str:
-    return "\n".join(path.read_text() for path in sorted(folder.glob("*.log")))
+    return "\n".join(path.read_text() for path in sorted(folder.rglob("*.log")))

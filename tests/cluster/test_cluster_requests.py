@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -19,6 +18,7 @@ from common.redis_cluster import ClusterRouter
 from producers.claims import Uploader
 from producers.cluster_results import ClusterResultReader
 from producers.settings import ClientSettings
+from producers.testing import plain_url
 from schemas import (
     cancel_key,
     encode_result,
@@ -29,7 +29,6 @@ from schemas import (
     status_key,
 )
 from tests.cluster.conftest import RedisClusterNodes
-from tests.integration.harness import plain_url
 from workers.admission import CANCELLED, ClusterRequestState
 from workers.payload_stores import ClusterRedisPayloads
 
@@ -55,15 +54,6 @@ async def router(healthy_redis_cluster: RedisClusterNodes) -> AsyncIterator[Clus
     await router.aclose()
 
 
-@pytest.fixture
-def client_settings(healthy_redis_cluster: RedisClusterNodes) -> ClientSettings:
-    return ClientSettings(
-        redis_url=SecretStr(plain_url(healthy_redis_cluster.url)),
-        redis_cluster=True,
-        connect_timeout_s=15,
-    )
-
-
 async def test_the_batch_script_cancels_and_counts_per_slot(
     router: ClusterRouter, witness: RedisCluster
 ) -> None:
@@ -84,9 +74,9 @@ async def test_the_batch_script_cancels_and_counts_per_slot(
 
 
 async def test_payloads_uploaded_by_the_sdk_are_read_per_primary(
-    router: ClusterRouter, witness: RedisCluster, client_settings: ClientSettings
+    router: ClusterRouter, witness: RedisCluster, cluster_settings: ClientSettings
 ) -> None:
-    uploader = Uploader(client_settings)
+    uploader = Uploader(cluster_settings)
     try:
         await uploader.store([(i, i.encode() * 100) for i in IDS[:20]])
     finally:
@@ -101,9 +91,9 @@ async def test_payloads_uploaded_by_the_sdk_are_read_per_primary(
 
 
 async def test_sdk_status_and_cancel_on_a_cluster(
-    witness: RedisCluster, client_settings: ClientSettings
+    witness: RedisCluster, cluster_settings: ClientSettings
 ) -> None:
-    reader = ClusterResultReader(client_settings)
+    reader = ClusterResultReader(cluster_settings)
     try:
         queued = await reader.cancel(IDS[5], ttl_s=60)
         assert queued.state == "queued"

@@ -11,36 +11,26 @@ from __future__ import annotations
 
 import pytest
 
-from demo.models.digits import build_digits_model, heldout_digits
+from producers.testing import Fleet, produce, read_results, until_answered
 from schemas import topics_for
 from tests.cluster.conftest import KafkaCluster
-from tests.integration.harness import (
-    Workers,
+from tests.faults import faulty
+from tests.harness import (
     check_exactly_once,
     extra_records_uncommitted,
     kill_inside_a_transaction,
-    produce,
-    redis_results,
     setup_model,
-    tally,
-    until_answered,
+    tally_scenario,
 )
 
 EXACTLY_ONCE = ("--delivery", "exactly-once", "--max-batch-size", "8")
-FAULTY = "tests.faults.faulty:FaultyDigits"
 SLOW = {"CONVEYOR_TEST_SLOW_MS": "20"}  # 8 requests per 20 ms: the faults land mid-stream
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
 
 
 @pytest.mark.timeout(300)
 async def test_exactly_once_across_a_worker_kill_and_a_broker_kill(
     healthy_kafka: KafkaCluster,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -56,23 +46,23 @@ async def test_exactly_once_across_a_worker_kill_and_a_broker_kill(
         leaders={"requests": 1, "results": 2},
     )
     await produce(cluster.bootstrap, topics.requests, records)
-    first = cluster_workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
+    first = cluster_workers.start(*EXACTLY_ONCE, model=faulty.SPEC, env=SLOW)
     await until_answered(redis_url, ids, 300)
     left_open = await kill_inside_a_transaction(first, cluster.bootstrap, topics.results)
-    cluster_workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
-    cluster_workers.start(*EXACTLY_ONCE, spec=FAULTY, env=SLOW)
-    answered = len(await redis_results(redis_url, ids))
+    cluster_workers.start(*EXACTLY_ONCE, model=faulty.SPEC, env=SLOW)
+    cluster_workers.start(*EXACTLY_ONCE, model=faulty.SPEC, env=SLOW)
+    answered = len(await read_results(redis_url, ids))
     await until_answered(redis_url, ids, answered + 300)
     cluster.kill(2)  # the leader of every result partition, mid-transaction
-    assert len(await redis_results(redis_url, ids)) < len(ids), "the kills must land mid-stream"
+    assert len(await read_results(redis_url, ids)) < len(ids), "the kills must land mid-stream"
 
-    row = await tally(
+    row = await tally_scenario(
         "exactly-once, 3 brokers: worker and results leader killed (read_committed)",
         cluster.bootstrap,
         redis_url,
         model_name,
         ids,
-        timeout=180,
+        timeout_s=180,
         isolation_level="read_committed",
     )
     check_exactly_once(row, cluster_workers.logs())

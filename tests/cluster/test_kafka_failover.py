@@ -12,31 +12,18 @@ import asyncio
 
 import pytest
 
-from demo.models.digits import build_digits_model, heldout_digits
+from producers.testing import Fleet, until_answered
 from schemas import topics_for
 from tests.cluster.conftest import KafkaCluster
-from tests.integration.harness import (
-    Workers,
-    check,
-    setup_model,
-    submit_paced,
-    tally,
-    until_answered,
-)
+from tests.harness import check, setup_model, submit_paced, tally_scenario
 
 REPLICAS = 3
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
 
 
 @pytest.mark.timeout(300)
 async def test_leader_of_requests_then_of_results_killed(
     healthy_kafka: KafkaCluster,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -72,13 +59,13 @@ async def test_leader_of_requests_then_of_results_killed(
     await stream
     assert 2 not in await cluster.leaders(topics.results)
 
-    row = await tally(
+    row = await tally_scenario(
         "Kafka: leader of requests, then of results, killed",
         cluster.bootstrap,
         redis_url,
         model_name,
         ids,
-        timeout=180,
+        timeout_s=180,
     )
     check(row, cluster_workers.logs())
 
@@ -86,7 +73,7 @@ async def test_leader_of_requests_then_of_results_killed(
 @pytest.mark.timeout(300)
 async def test_rolling_restart_of_every_broker(
     healthy_kafka: KafkaCluster,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -109,12 +96,12 @@ async def test_rolling_restart_of_every_broker(
     done.set()
     ids = await stream
 
-    row = await tally(
+    row = await tally_scenario(
         "Kafka: rolling restart of all 3 brokers",
         cluster.bootstrap,
         redis_url,
         model_name,
         ids,
-        timeout=180,
+        timeout_s=180,
     )
     check(row, cluster_workers.logs())

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from producers.testing import free_ports
 from tests.cluster.conftest import LOCAL, RUN_DIR, KafkaCluster, RedisClusterNodes
-from tests.integration.harness import free_port
 
 
 def _run(
@@ -81,32 +81,13 @@ def private(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = dict(os.environ)
     env.update(
         CONVEYOR_RUN_DIR=str(tmp_path / "run"),
-        KAFKA_CLUSTER_PORT=str(_free_run(6)),
-        REDIS_CLUSTER_PORT=str(_free_run(6, plus=10000)),
+        KAFKA_CLUSTER_PORT=str(free_ports(range(6))),
+        REDIS_CLUSTER_PORT=str(free_ports([*range(6), *range(10000, 10006)])),  # + cluster bus
         READY_TIMEOUT="20",
     )
     yield env
     _run("kafka-cluster.sh", "stop", env=env)
     _run("redis-cluster.sh", "stop", env=env)
-
-
-def _free_run(count: int, plus: int = 0) -> int:
-    """A port p with p .. p + count - 1 free (and the same + ``plus``)."""
-    for _ in range(100):
-        base = free_port()
-        wanted = [base + n for n in range(count)] + [base + n + plus for n in range(count) if plus]
-        if all(port < 65536 and _free(port) for port in wanted):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 KAFKA_NODE_2_LOG = "kafka-cluster-{base}/node-2/logs/server.log"

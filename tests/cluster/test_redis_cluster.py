@@ -18,23 +18,14 @@ from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from demo.models.digits import build_digits_model, heldout_digits
 from producers.client import AsyncClient
 from producers.cluster_results import ClusterResultReader
 from producers.errors import ResultTimeout
 from producers.settings import ClientSettings
+from producers.testing import Fleet, plain_url, read_results, until_answered
 from schemas import Result, encode_result, ok_result, result_key
 from tests.cluster.conftest import KafkaCluster, RedisClusterNodes
-from tests.integration.harness import (
-    Workers,
-    check,
-    plain_url,
-    redis_results,
-    setup_model,
-    submit_paced,
-    tally,
-    until_answered,
-)
+from tests.harness import check, setup_model, submit_paced, tally_scenario
 from workers.redis_cluster import (
     CLUSTER_WRITE_FIRST_SCRIPT,
     RedisClusterResultStore,
@@ -46,15 +37,6 @@ from workers.store import WRITE_FIRST_SCRIPT
 
 def _document(request_id: str, worker: str) -> bytes:
     return encode_result(ok_result(request_id, [1], model="m", model_version="1", worker=worker))
-
-
-@pytest.fixture
-def client_settings(healthy_redis_cluster: RedisClusterNodes) -> ClientSettings:
-    return ClientSettings(
-        redis_url=SecretStr(plain_url(healthy_redis_cluster.url)),
-        redis_cluster=True,
-        connect_timeout_s=15,
-    )
 
 
 @pytest.fixture
@@ -85,11 +67,17 @@ def test_the_cluster_script_differs_only_in_its_wake_up() -> None:
     assert CLUSTER_WRITE_FIRST_SCRIPT.replace("SPUBLISH", "PUBLISH") == WRITE_FIRST_SCRIPT
 
 
+def _primary(witness: RedisCluster, key: str) -> str:
+    node = witness.get_node_from_key(key)
+    assert node is not None, key
+    return node.name
+
+
 async def test_store_writes_a_batch_over_every_primary_first_write_wins(
     store: RedisClusterResultStore, witness: RedisCluster, uid: str
 ) -> None:
     ids = [f"{uid}-{n}" for n in range(64)]
-    primaries = {witness.get_node_from_key(result_key(i)).name for i in ids}
+    primaries = {_primary(witness, result_key(i)) for i in ids}
     assert len(primaries) == 3, "the batch must span every primary"
     first = [_document(i, "first") for i in ids]
 
@@ -121,10 +109,10 @@ async def test_store_reloads_its_script_on_every_node(
 
 
 async def test_wait_many_over_every_primary_and_get(
-    store: RedisClusterResultStore, client_settings: ClientSettings, uid: str
+    store: RedisClusterResultStore, cluster_settings: ClientSettings, uid: str
 ) -> None:
     ids = [f"{uid}-{n}" for n in range(90)]
-    reader = ClusterResultReader(client_settings)
+    reader = ClusterResultReader(cluster_settings)
     try:
         early = ids[:30]  # answered before the wait starts: found by its first read
         await store.write_first(early, [_document(i, "w") for i in early])
@@ -155,7 +143,7 @@ async def test_wait_many_over_every_primary_and_get(
 
 async def test_waits_and_writes_follow_a_manual_failover(
     store: RedisClusterResultStore,
-    client_settings: ClientSettings,
+    cluster_settings: ClientSettings,
     healthy_redis_cluster: RedisClusterNodes,
     uid: str,
 ) -> None:
@@ -163,7 +151,7 @@ async def test_waits_and_writes_follow_a_manual_failover(
     seed = aioredis.Redis(port=healthy_redis_cluster.port)
     primary, replica_port = await _shard_of(seed, result_key(ids[0]))
     replica = aioredis.Redis(port=replica_port)
-    reader = ClusterResultReader(client_settings)
+    reader = ClusterResultReader(cluster_settings)
     try:
         waited: list[Result] = []
 
@@ -203,23 +191,18 @@ async def until_subscribed(channel: str, port: int) -> None:
     """Wait until ``port``'s node counts a sharded subscriber on ``channel``."""
     node = aioredis.Redis(port=port)
     try:
-        while not (await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]:
+        # The raw reply ([channel, count]); redis-py leaves execute_command untyped.
+        while not (await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]:  # type: ignore[no-untyped-call]
             await asyncio.sleep(0.05)  # polling the server's count, not a wait for readiness
     finally:
         await node.aclose()
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
 
 
 @pytest.mark.timeout(300)
 async def test_primary_killed_mid_run_replica_promoted(
     healthy_kafka: KafkaCluster,
     healthy_redis_cluster: RedisClusterNodes,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     model_name: str,
 ) -> None:
@@ -259,17 +242,17 @@ async def test_primary_killed_mid_run_replica_promoted(
         await asyncio.wait_for(asyncio.gather(*waiting), 240)
     await seed.aclose()
 
-    row = await tally(
+    row = await tally_scenario(
         "Redis Cluster: a primary killed, replica promoted",
         bootstrap,
         nodes.url,
         model_name,
         ids,
-        timeout=180,
+        timeout_s=180,
     )
     check(row, cluster_workers.logs())
     assert "redis failed" in cluster_workers.logs()  # the failover really hit the worker
     # Every waiting caller got its answer, and it is the one Redis keeps.
     assert seen.keys() == set(ids)
-    stored = await redis_results(nodes.url, ids)
+    stored = await read_results(nodes.url, ids)
     assert all(seen[i] == stored[i] for i in ids)

@@ -17,25 +17,10 @@ import signal
 from dataclasses import dataclass, field
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from demo.models.digits import build_digits_model, heldout_digits
+from producers.testing import Fleet, Tally, WorkerProcess, free_port, until, until_answered
 from tests.cluster.conftest import KafkaCluster
-from tests.integration.harness import (
-    NOTES,
-    Row,
-    WorkerProcess,
-    Workers,
-    assigned_partitions,
-    check,
-    free_port,
-    http_get,
-    setup_model,
-    submit_paced,
-    tally,
-    until,
-    until_answered,
-)
+from tests.harness import NOTES, check, metrics, setup_model, submit_paced, tally_scenario
 
 PARTITIONS = 6
 WORKERS = 3
@@ -45,12 +30,6 @@ RATE_CHUNK, RATE_PAUSE_S = 30, 0.2  # about 150 requests/s: busy workers, no run
 # for a departure (the trade-off: a worker that never comes back holds its
 # partitions idle this long).
 STATIC_SESSION_TIMEOUT_MS = 45_000
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
 
 
 @dataclass
@@ -65,49 +44,40 @@ class Rollout:
 class Slot:
     """One of the three worker positions: a process now, another after its restart."""
 
-    def __init__(self, group: Workers, name: str, static: bool) -> None:
+    def __init__(self, group: Fleet, name: str, static: bool) -> None:
         self.group, self.name, self.static = group, name, static
         self.process: WorkerProcess | None = None
-        self.port = 0
 
     def start(self) -> WorkerProcess:
-        self.port = free_port()
-        extra = ["--max-batch-size", "8", "--worker-id", self.name]
-        extra += ["--metrics-port", str(self.port), "--metrics-host", "127.0.0.1"]
+        extra = ["--max-batch-size", "8", "--worker-id", self.name, "--metrics-host", "127.0.0.1"]
         if self.static:
             extra += ["--group-instance-id", self.name]
             extra += ["--session-timeout-ms", str(STATIC_SESSION_TIMEOUT_MS)]
-        self.process = self.group.start(*extra, spec=PACED)
+        self.process = self.group.start(*extra, model=PACED, metrics_port=free_port())
+        return self.process
+
+    @property
+    def worker(self) -> WorkerProcess:
+        assert self.process is not None
         return self.process
 
     @property
     def log(self) -> str:
-        assert self.process is not None
-        return self.process.log()
+        return self.worker.log()
 
     async def in_flight(self) -> int:
-        status, body = await http_get(self.port, "/metrics")
-        assert status == 200
-        return int(_gauge(body.decode(), "conveyor_in_flight_requests"))
-
-
-def _gauge(exposition: str, name: str) -> float:
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    raise AssertionError(f"{name} missing from /metrics")
+        return int((await metrics(self.worker))["conveyor_in_flight_requests"])
 
 
 async def _roll(
     cluster: KafkaCluster,
-    group: Workers,
+    group: Fleet,
     digits: list[tuple[bytes, int]],
     model: str,
     redis_url: str,
     static: bool,
     restarts: int,
-) -> tuple[Row, Rollout]:
+) -> tuple[Tally, Rollout]:
     records, ids = await setup_model(
         cluster.bootstrap, model, digits, 20_000, partitions=PARTITIONS, replication_factor=3
     )
@@ -116,7 +86,7 @@ async def _roll(
         slot.start()
 
     def settled() -> bool:
-        now = [assigned_partitions(slot.log) for slot in slots]
+        now = [slot.worker.assigned_partitions() for slot in slots]
         owned = [p for parts in now if parts for p in parts]
         return all(now) and sorted(owned) == list(range(PARTITIONS))
 
@@ -130,22 +100,20 @@ async def _roll(
     await until_answered(redis_url, ids, 300)
     rollout = Rollout()
     for slot in slots[:restarts]:
-        assert slot.process is not None
-        before = assigned_partitions(slot.log)
+        before = slot.worker.assigned_partitions()
         others = [s for s in slots if s is not slot]
         revoked_before = [s.log.count("partitions revoked:") for s in others]
         rollout.in_flight.append(await slot.in_flight())
-        slot.process.signal(signal.SIGTERM)
-        assert await asyncio.to_thread(slot.process.wait, 60) == 0
+        slot.worker.signal(signal.SIGTERM)
+        assert await slot.worker.exited(60) == 0
         restarted = slot.start()
-        await until(
-            lambda restarted=restarted: bool(assigned_partitions(restarted.log())),
-            f"{slot.name} gets partitions again",
-            120,
-            group.logs,
-        )
+
+        def back(restarted: WorkerProcess = restarted) -> bool:
+            return bool(restarted.assigned_partitions())
+
+        await until(back, f"{slot.name} gets partitions again", 120, group.logs)
         await until(settled, "the group settles", 120, group.logs)
-        rollout.same_partitions.append(assigned_partitions(restarted.log()) == before)
+        rollout.same_partitions.append(restarted.assigned_partitions() == before)
         rollout.revoked_elsewhere += sum(
             s.log.count("partitions revoked:") - n
             for s, n in zip(others, revoked_before, strict=True)
@@ -154,13 +122,13 @@ async def _roll(
     done.set()
     sent = await stream
     kind = "static" if static else "dynamic"
-    row = await tally(
+    row = await tally_scenario(
         f"3 workers, {restarts} restarted in turn, {kind} membership",
         cluster.bootstrap,
         redis_url,
         model,
         sent,
-        timeout=180,
+        timeout_s=180,
     )
     NOTES.append(
         f"3 workers, {restarts} restarted in turn, {kind} membership: "
@@ -175,7 +143,7 @@ async def _roll(
 @pytest.mark.timeout(400)
 async def test_rolling_restart_with_static_membership_keeps_the_group_still(
     healthy_kafka: KafkaCluster,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,
@@ -192,7 +160,7 @@ async def test_rolling_restart_with_static_membership_keeps_the_group_still(
 @pytest.mark.timeout(400)
 async def test_a_restart_without_static_membership_rebalances_the_group(
     healthy_kafka: KafkaCluster,
-    cluster_workers: Workers,
+    cluster_workers: Fleet,
     digits: list[tuple[bytes, int]],
     redis_url: str,
     model_name: str,

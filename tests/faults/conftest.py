@@ -1,16 +1,12 @@
-"""Fault-test fixtures: services a test may stop, and the workers of a test.
+"""Fault-test fixtures: a Kafka broker, Redis server or S3 gateway a test may stop.
 
-Every scenario produces N requests, injects its fault, and records a row of
-produced / answered / lost / duplicate-visible with ``tally`` in the table
-printed at the end of the run (and written to .run/fault-report.txt). The
-helpers live in tests/integration/harness.py, shared with tests/cluster; the
-fault tests import them from here.
+The worker processes of a test come from the ``workers`` fixture of tests/conftest.py;
+the helpers are ``producers.testing``'s and tests/harness.py's.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,22 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from demo.models.digits import build_digits_model, heldout_digits
-from tests.integration.harness import (
-    REPO,
-    Workers,
-    admin_for,
-    check,
-    free_port,
-    tally,
-    until_answered,
-)
-from tests.integration.harness import setup_model as setup
-
-__all__ = ["LocalService", "Workers", "admin_for", "check", "setup", "tally", "until_answered"]
-
+from producers.testing import free_port, free_ports
+from tests.conftest import REPO
 
 _PORT_VARIABLE = {"kafka.sh": "KAFKA_PORT", "redis.sh": "REDIS_PORT", "seaweedfs.sh": "S3_PORT"}
+# SeaweedFS's filer, master and volume servers listen at these distances from its S3
+# port, and each of those and the S3 port have a gRPC port 10000 higher (seaweedfs.sh).
+_SEAWEEDFS_OFFSETS = tuple(n + grpc for n in (0, 555, 1000, -253) for grpc in (0, 10000))
 
 
 @dataclass
@@ -73,64 +60,30 @@ class LocalService:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @classmethod
+    def running(cls, script: str, port: int, run_dir: Path, **env: str) -> Iterator[LocalService]:
+        """A fixture's body: the service started, yielded, stopped."""
+        service = cls(script, port, run_dir, env)
+        service.start()
+        yield service
+        service.stop()
+
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[LocalService]:
     # Snapshots on: a real deployment's Redis keeps its data across a restart.
-    service = LocalService("redis.sh", free_port(), tmp_path / "run", {"REDIS_SAVE": "3600 1"})
-    service.start()
-    yield service
-    service.stop()
+    yield from LocalService.running("redis.sh", free_port(), tmp_path / "run", REDIS_SAVE="3600 1")
 
 
 @pytest.fixture
 def private_kafka(tmp_path: Path) -> Iterator[LocalService]:
-    # The controller listens on port + 1: pick a port whose neighbour is free too.
-    while True:
-        port = free_port()
-        try:
-            socket.create_connection(("127.0.0.1", port + 1), timeout=0.2).close()
-        except OSError:
-            break
-    service = LocalService("kafka.sh", port, tmp_path / "run")
-    service.start()
-    yield service
-    service.stop()
+    # The controller listens on port + 1.
+    yield from LocalService.running("kafka.sh", free_ports((0, 1)), tmp_path / "run")
 
 
 @pytest.fixture
 def private_s3(tmp_path: Path) -> Iterator[LocalService]:
     """SeaweedFS of this test's own: its S3 port and the ports derived from it are free."""
-    while True:
-        port = free_port()
-        derived = (port + 555, port + 1000, port - 253)
-        wanted = [*derived, *(p + 10000 for p in derived)]
-        if all(1024 < p < 65536 and not _listening(p) for p in wanted):
-            break
-    service = LocalService("seaweedfs.sh", port, tmp_path / "run")
-    service.start()
-    yield service
-    service.stop()
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-    except OSError:
-        return False
-    return True
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()
-    return heldout_digits()
-
-
-@pytest.fixture
-def workers(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[Workers]:
-    group = Workers(model_name, kafka_bootstrap, redis_url, tmp_path)
-    yield group
-    group.stop_all()
+    yield from LocalService.running(
+        "seaweedfs.sh", free_ports(_SEAWEEDFS_OFFSETS), tmp_path / "run"
+    )

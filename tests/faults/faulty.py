@@ -23,6 +23,9 @@ import torch
 from demo.models.digits import DigitsClassifier
 from schemas import DEFAULT_LIMITS, ContentType, Limits
 
+SPEC = "tests.faults.faulty:FaultyDigits"
+"""What a test worker is given as ``--model`` to serve it."""
+
 
 class FaultyDigits:
     def __init__(self, device: torch.device | str = "cpu", limits: Limits = DEFAULT_LIMITS) -> None:

@@ -11,52 +11,31 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
 
 from producers import AsyncClient, ClientSettings
+from producers.testing import Fleet, produce, until, wait_for_results
 from schemas import ErrorCode, Status, status_key, topics_for
-from tests.faults.conftest import Workers, setup
-from tests.integration.harness import (
-    WorkerProcess,
-    digit_requests,
-    http_get,
-    produce,
-    until,
-    wait_for_results,
-)
-
-FAULTY = "tests.faults.faulty:FaultyDigits"
-
-
-async def _metrics(worker: WorkerProcess) -> dict[str, float]:
-    port = worker.metrics_port()
-    assert port is not None, worker.log()
-    _, body = await http_get(port, "/metrics")
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(body.decode())
-        for sample in family.samples
-    }
+from tests.faults import faulty
+from tests.harness import metrics, setup_model
 
 
 @pytest.mark.timeout(240)
 async def test_cancelled_requests_never_reach_the_model_and_the_rest_are_ok(
-    workers: Workers,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
+    client_settings: ClientSettings,
     model_name: str,
 ) -> None:
-    records, ids = await setup(kafka_bootstrap, model_name, digits, 1000)
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 1000)
     await produce(kafka_bootstrap, topics_for(model_name).requests, records)
-    settings = ClientSettings(kafka_bootstrap=kafka_bootstrap, redis_url=SecretStr(redis_url))
     cancelled = ids[::2]
-    async with AsyncClient(settings) as client:
+    async with AsyncClient(client_settings) as client:
         states = {(await client.cancel(request_id)).state for request_id in cancelled}
     assert states == {"queued"}
     worker = workers.start("--cancellation", "--track-status")
-    results = await wait_for_results(redis_url, ids, timeout=180)
+    results = await wait_for_results(redis_url, ids, timeout_s=180)
     assert len(results) == 1000, workers.logs()[-3000:]
     for request_id in cancelled:
         result = results[request_id]
@@ -68,10 +47,10 @@ async def test_cancelled_requests_never_reach_the_model_and_the_rest_are_ok(
     kept = [i for i in ids if i not in set(cancelled)]
     assert {results[i].status for i in kept} == {Status.ok}
     assert {results[i].attempt for i in kept} == {1}
-    metrics = await _metrics(worker)
-    assert metrics["conveyor_cancelled_total"] == 500
-    assert metrics["conveyor_batch_size_sum"] == 500  # requests that reached the model
-    async with AsyncClient(settings) as client:
+    counted = await metrics(worker)
+    assert counted["conveyor_cancelled_total"] == 500
+    assert counted["conveyor_batch_size_sum"] == 500  # requests that reached the model
+    async with AsyncClient(client_settings) as client:
         # Cancelling after the result exists changes nothing: the first result stays.
         late = await client.cancel(kept[0])
         assert late.state == "done"
@@ -81,26 +60,24 @@ async def test_cancelled_requests_never_reach_the_model_and_the_rest_are_ok(
 
 @pytest.mark.timeout(180)
 async def test_status_goes_queued_running_done_and_attempts_are_counted(
-    workers: Workers,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
     kafka_bootstrap: str,
     redis_url: str,
     redis_client: aioredis.Redis,
+    client_settings: ClientSettings,
     model_name: str,
 ) -> None:
-    await setup(kafka_bootstrap, model_name, digits, 0, partitions=1)
-    records = [r for r, _ in digit_requests(digits, 3, prefix=model_name)]
-    ids = [r.key.decode() for r in records]
+    records, ids = await setup_model(kafka_bootstrap, model_name, digits, 3, partitions=1)
     # As if two workers had started the last request and died before answering it.
     await redis_client.hset(status_key(ids[2]), mapping={"attempt": 2, "worker": "gone"})
-    settings = ClientSettings(kafka_bootstrap=kafka_bootstrap, redis_url=SecretStr(redis_url))
-    async with AsyncClient(settings) as client:
+    async with AsyncClient(client_settings) as client:
         assert (await client.status(ids[0])).state == "queued"
         worker = workers.start(
             "--track-status",
             "--max-batch-size",
             "1",
-            spec=FAULTY,
+            model=faulty.SPEC,
             env={"CONVEYOR_TEST_SLOW_MS": "1500"},  # each batch runs 1.5 s
         )
         await produce(kafka_bootstrap, topics_for(model_name).requests, records)
@@ -114,7 +91,7 @@ async def test_status_goes_queued_running_done_and_attempts_are_counted(
         assert status.attempt == 1
         assert status.worker is not None
         assert status.started_ms is not None
-        results = await wait_for_results(redis_url, ids, timeout=60)
+        results = await wait_for_results(redis_url, ids, timeout_s=60)
         assert [results[i].attempt for i in ids] == [1, 1, 3]
         done = await client.status(ids[2])
         assert done.state == "done"

@@ -6,7 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -14,8 +14,10 @@ import pytest
 import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from demo.models.digits import build_digits_model, heldout_digits
+from producers.admin import create_model_topics
 from producers.cli import main
+from producers.settings import ClientSettings
+from producers.testing import Fleet, read_topic
 from schemas import (
     DEFAULT_LIMITS,
     encode_result,
@@ -24,22 +26,12 @@ from schemas import (
     result_key,
     topics_for,
 )
-from tests.integration.harness import REPO, WorkerProcess, create_model_topics, read_topic
+from tests.conftest import REPO
 
 
 @pytest.fixture
 def connection(kafka_bootstrap: str, redis_url: str) -> list[str]:
     return ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
-
-
-@pytest.fixture
-async def drop_topics(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[list[str]]:
-    """Models whose topics are deleted after the test."""
-    models: list[str] = []
-    yield models
-    for model in models:
-        topics = topics_for(model)
-        await kafka_admin.delete_topics([topics.requests, topics.results, topics.dlq])
 
 
 @pytest.fixture
@@ -60,22 +52,22 @@ def stored(redis_url: str, uid: str) -> Iterator[dict[str, str]]:
 
 @pytest.mark.timeout(180)
 async def test_submit_wait_prints_one_json_line_per_file(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
     drop_topics: list[str],
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
     tmp_path: Path,
 ) -> None:
-    build_digits_model()
     files = []
-    for n, (png, _digit) in enumerate(heldout_digits()[:3]):
+    for n, (png, _digit) in enumerate(digits[:3]):
         files.append(tmp_path / f"digit-{n}.png")
         files[-1].write_bytes(png)
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     drop_topics.append(model_name)
-    worker = WorkerProcess(model_name, kafka_bootstrap, redis_url, tmp_path / "worker.log")
-    worker.start()
+    worker = workers.start()
     try:
         # Connection settings from the environment this time, as a deployment would give them.
         env = {
@@ -96,6 +88,7 @@ async def test_submit_wait_prints_one_json_line_per_file(
 
 def test_submit_without_wait_prints_ids(
     connection: list[str],
+    digits: list[tuple[bytes, int]],
     model_name: str,
     drop_topics: list[str],
     tmp_path: Path,
@@ -103,7 +96,7 @@ def test_submit_without_wait_prints_ids(
 ) -> None:
     """No worker needed: the request is only queued. The topic must exist, though."""
     image = tmp_path / "a.png"
-    image.write_bytes(heldout_digits()[0][0])
+    image.write_bytes(digits[0][0])
     drop_topics.append(model_name)
     assert main([*connection, "topics", "create", "--model", model_name, "--partitions", "1"]) == 0
     assert main([*connection, "submit", str(image), "--model", model_name]) == 0
@@ -143,13 +136,14 @@ async def test_topics_create_makes_three_topics_and_is_idempotent(
 async def test_lanes_get_their_own_request_topics_and_submit_picks_one(
     kafka_admin: AIOKafkaAdminClient,
     connection: list[str],
+    digits: list[tuple[bytes, int]],
     model_name: str,
     drop_topics: list[str],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     image = tmp_path / "a.png"
-    image.write_bytes(heldout_digits()[0][0])
+    image.write_bytes(digits[0][0])
     drop_topics.append(model_name)
     topics = topics_for(model_name)
     create = ["topics", "create", "--model", model_name, "--partitions", "2", "--lanes", "high"]
@@ -190,10 +184,14 @@ async def test_topics_create_flags_an_existing_topic_too_small_for_large_payload
 
 
 def test_submit_to_unknown_model_says_how_to_create_it(
-    connection: list[str], uid: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    connection: list[str],
+    digits: list[tuple[bytes, int]],
+    uid: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     image = tmp_path / "a.png"
-    image.write_bytes(heldout_digits()[0][0])
+    image.write_bytes(digits[0][0])
     assert main([*connection, "submit", str(image), "--model", f"none{uid}"]) == 2
     captured = capsys.readouterr()
     assert f"topic conveyor.none{uid}.requests does not exist" in captured.err

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,14 @@ import pytest
 import torch
 import torchvision
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 from PIL import Image
 from torchvision.transforms.functional import to_tensor
 
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from producers.testing import Fleet, WorkerProcess, wait_for_results
 from schemas import Status, topics_for
 from schemas.outputs import DetectionOutput
-from tests.integration.harness import WorkerProcess, create_model_topics, wait_for_results
 from tests.unit.test_served_equals_direct import Agreement, calibrate_detector, photo_like
 
 ARCH = "fasterrcnn_mobilenet_v3_large_320_fpn"
@@ -53,25 +54,13 @@ def detector_weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, to
 
 
 @pytest.fixture
-def worker(
-    kafka_bootstrap: str,
-    redis_url: str,
-    model_name: str,
-    tmp_path: Path,
-    detector_weights: tuple[Path, torch.nn.Module],
-) -> Iterator[WorkerProcess]:
-    options = {**OPTIONS, "score_threshold": 0.0}
-    w = WorkerProcess(
-        model_name,
-        kafka_bootstrap,
-        redis_url,
-        tmp_path / "worker.log",
-        spec=f"torchvision:{ARCH}",
-        extra=["--weights", str(detector_weights[0]), "--model-options", json.dumps(options),
-               "--max-batch-size", "16"],
-    )  # fmt: skip
-    yield w
-    w.stop()
+def start_detector(
+    workers: Fleet, detector_weights: tuple[Path, torch.nn.Module]
+) -> Callable[[], WorkerProcess]:
+    """Starts the worker serving the detector (once its topics exist)."""
+    options = json.dumps({**OPTIONS, "score_threshold": 0.0})
+    flags = ("--weights", str(detector_weights[0]), "--model-options", options)
+    return lambda: workers.start(*flags, "--max-batch-size", "16", model=f"torchvision:{ARCH}")
 
 
 def as_jpeg(png: bytes) -> bytes:
@@ -97,15 +86,15 @@ def headers(request_id: str, content_type: str, params: dict[str, Any] | None) -
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_detector_worker_answers_as_the_model_does_directly(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    worker: WorkerProcess,
+    start_detector: Callable[[], WorkerProcess],
     detector_weights: tuple[Path, torch.nn.Module],
 ) -> None:
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=2)
+    await create_model_topics(client_settings, model_name, partitions=2)
     pngs = [photo_like(seed) for seed in range(IMAGES)]
     payloads = [
         (p, "image/png") if n % 2 else (as_jpeg(p), "image/jpeg") for n, p in enumerate(pngs)
@@ -125,15 +114,16 @@ async def test_a_detector_worker_answers_as_the_model_does_directly(
         )  # fmt: skip
     finally:
         await producer.stop()
-    worker.start()
+    worker = start_detector()
 
-    results = await wait_for_results(redis_url, [*ids, bad], timeout=240)
+    results = await wait_for_results(redis_url, [*ids, bad], timeout_s=240)
 
     assert set(results) == {*ids, bad}, worker.log()
     assert results[bad].status is Status.error
-    assert results[bad].error is not None
-    assert results[bad].error.code == "bad_request"
-    assert "ce_params.score_threshold" in results[bad].error.message
+    error = results[bad].error
+    assert error is not None
+    assert error.code == "bad_request"
+    assert "ce_params.score_threshold" in error.message
     _, module = detector_weights
     agreement = Agreement()
     with torch.inference_mode():
@@ -153,13 +143,13 @@ async def test_a_detector_worker_answers_as_the_model_does_directly(
 
 @pytest.mark.timeout(240)
 async def test_a_plain_kafka_consumer_reads_a_detection_result(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     model_name: str,
-    worker: WorkerProcess,
+    start_detector: Callable[[], WorkerProcess],
 ) -> None:
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     request_id = f"{model_name}-plain"
     png = photo_like(3)
     producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
@@ -171,7 +161,7 @@ async def test_a_plain_kafka_consumer_reads_a_detection_result(
         )  # fmt: skip
     finally:
         await producer.stop()
-    worker.start()
+    start_detector()
 
     consumer = AIOKafkaConsumer(
         topics.results, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest"

@@ -12,96 +12,49 @@ come in frame order on the reply topic.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import pytest
-from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient
 
-from demo.models.digits import build_digits_model, heldout_digits
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from producers.testing import Fleet, Reply, produce_at_rate, read_topic, wait_for_results
 from schemas import (
     ContentType,
     ErrorCode,
+    OutgoingRecord,
     Result,
     Status,
     decode_result,
     encode_request,
     topics_for,
 )
-from tests.integration.harness import (
-    WorkerProcess,
-    create_model_topics,
-    read_topic,
-    until,
-    wait_for_results,
-)
+from tests.faults import faulty
 
-FAULTY = "tests.faults.faulty:FaultyDigits"
 STREAMS = 4
 FPS = 40  # per stream: 160 frames/s against at most 80 served
 SECONDS = 6
 MAX_AGE_S = 1.0  # freshest mode: about 3 batch times plus transport; see the module doc
 
 
-@pytest.fixture(scope="module")
-def digit_png() -> bytes:
-    build_digits_model()
-    return heldout_digits()[0][0]
-
-
-@pytest.fixture
-def worker(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(
-        model_name,
-        kafka_bootstrap,
-        redis_url,
-        tmp_path / "worker.log",
-        ("--max-batch-size", "4"),
-        FAULTY,
-        {"CONVEYOR_TEST_SLOW_MS": "50"},
-    )
-    yield process
-    process.stop()
-
-
-async def send_live(
-    bootstrap: str, topic: str, model: str, png: bytes, supersede: bool
-) -> list[str]:
-    """STREAMS streams of FPS frames a second each, for SECONDS, paced by the clock."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
-    await producer.start()
-    ids: list[str] = []
-    pending = []
-    try:
-        start = time.monotonic()
-        for seq in range(FPS * SECONDS):
-            for k in range(STREAMS):
-                stream = f"{model}-s{k}"
-                record = encode_request(
-                    png,
-                    request_id=f"{stream}:{seq}",
-                    content_type=ContentType.PNG,
-                    source="camera",
-                    stream=stream,
-                    seq=seq,
-                    supersede=supersede,
-                )
-                pending.append(
-                    await producer.send(topic, record.value, key=record.key, headers=record.headers)
-                )
-                ids.append(f"{stream}:{seq}")
-            # The frame clock: live sources do not wait for anyone.
-            await asyncio.sleep(max(0.0, start + (seq + 1) / FPS - time.monotonic()))
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
-    return ids
+def live_frames(model: str, png: bytes, supersede: bool) -> tuple[list[OutgoingRecord], list[str]]:
+    """STREAMS streams of FPS * SECONDS frames, interleaved in the order a clock sends them;
+    and their request ids."""
+    streams = [(f"{model}-s{k}", seq) for seq in range(FPS * SECONDS) for k in range(STREAMS)]
+    records = [
+        encode_request(
+            png,
+            request_id=f"{stream}:{seq}",
+            content_type=ContentType.PNG,
+            source="camera",
+            stream=stream,
+            seq=seq,
+            supersede=supersede,
+        )
+        for stream, seq in streams
+    ]
+    return records, [f"{stream}:{seq}" for stream, seq in streams]
 
 
 def age_s(result: Result) -> float:
@@ -110,38 +63,43 @@ def age_s(result: Result) -> float:
     return (result.timings.published_ms - result.timings.produced_ms) / 1000.0
 
 
-async def run_streams(
-    worker: WorkerProcess,
-    kafka_admin: AIOKafkaAdminClient,
+Served = tuple[list[str], dict[str, Result], list[Reply]]
+"""The frames' request ids, their results by id, and the reply topic's records."""
+RunStreams = Callable[[bool], Awaitable[Served]]
+
+
+@pytest.fixture
+def run_streams(
+    workers: Fleet,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    png: bytes,
-    supersede: bool,
-) -> tuple[list[str], dict[str, Result], list[object]]:
-    await create_model_topics(kafka_admin, model_name, partitions=2)
-    worker.start()
-    await until(lambda: "ready: serving" in worker.log(), "the worker is ready", 120, worker.log)
-    topics = topics_for(model_name)
-    ids = await send_live(kafka_bootstrap, topics.requests, model_name, png, supersede)
-    results = await wait_for_results(redis_url, ids, 120)
-    assert len(results) == len(ids), worker.log()[-3000:]  # every frame ends with a result
-    replies = await read_topic(kafka_bootstrap, topics.results, len(ids), 60)
-    return ids, results, replies
+    digits: list[tuple[bytes, int]],
+) -> RunStreams:
+    """``run_streams(supersede)``: a slow worker (at most 80 frames/s) serving the live
+    streams (160 frames/s), with or without the freshest-frame mode."""
+
+    async def run(supersede: bool) -> Served:
+        await create_model_topics(client_settings, model_name, partitions=2)
+        slow = {"CONVEYOR_TEST_SLOW_MS": "50"}
+        worker = workers.start("--max-batch-size", "4", model=faulty.SPEC, env=slow)
+        await worker.until_serving(120)
+        topics = topics_for(model_name)
+        frames, ids = live_frames(model_name, digits[0][0], supersede)
+        # The frame clock: live sources do not wait for anyone.
+        await produce_at_rate(kafka_bootstrap, topics.requests, frames, STREAMS * FPS)
+        results = await wait_for_results(redis_url, ids, 120)
+        assert len(results) == len(ids), worker.log()[-3000:]  # every frame ends with a result
+        replies = await read_topic(kafka_bootstrap, topics.results, len(ids), 60)
+        return ids, results, replies
+
+    return run
 
 
 @pytest.mark.timeout(240)
-async def test_freshest_frames_keep_answered_frames_young(
-    worker: WorkerProcess,
-    kafka_admin: AIOKafkaAdminClient,
-    kafka_bootstrap: str,
-    redis_url: str,
-    model_name: str,
-    digit_png: bytes,
-) -> None:
-    ids, results, replies = await run_streams(
-        worker, kafka_admin, kafka_bootstrap, redis_url, model_name, digit_png, supersede=True
-    )
+async def test_freshest_frames_keep_answered_frames_young(run_streams: RunStreams) -> None:
+    ids, results, replies = await run_streams(True)
     ok = [r for r in results.values() if r.status is Status.ok]
     superseded = [r for r in results.values() if r.status is not Status.ok]
     for result in superseded:
@@ -171,16 +129,9 @@ async def test_freshest_frames_keep_answered_frames_young(
 
 @pytest.mark.timeout(240)
 async def test_without_the_mode_every_frame_runs_and_the_age_grows(
-    worker: WorkerProcess,
-    kafka_admin: AIOKafkaAdminClient,
-    kafka_bootstrap: str,
-    redis_url: str,
-    model_name: str,
-    digit_png: bytes,
+    run_streams: RunStreams,
 ) -> None:
-    ids, results, _ = await run_streams(
-        worker, kafka_admin, kafka_bootstrap, redis_url, model_name, digit_png, supersede=False
-    )
+    ids, results, _ = await run_streams(False)
     assert all(r.status is Status.ok for r in results.values())
     last = [results[i] for i in ids[-STREAMS:]]
     oldest = max(age_s(r) for r in last)

@@ -34,14 +34,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aiokafka.admin import AIOKafkaAdminClient
 from packaging.requirements import Requirement
-from pydantic import SecretStr
 
 from common.install import DISTRIBUTION
 from demo.models.digits import DIGITS_VERSION, heldout_digits
 from producers import AsyncClient, ClientSettings, Status
-from tests.integration.harness import REPO, create_model_topics
+from producers.admin import create_model_topics
+from tests.conftest import REPO
 from workers.cli import EXIT_ENVIRONMENT
 
 DOCKERFILE = REPO / "compose" / "Dockerfile.worker"
@@ -78,7 +77,7 @@ class Dockerfile:
             if word == "FROM":
                 image.base = rest
             elif word == "ENV":
-                image.env.update(item.split("=", 1) for item in shlex.split(rest))
+                image.env.update(_pair(item) for item in shlex.split(rest))
             elif word == "WORKDIR":
                 image.workdir = rest
             elif word == "COPY":
@@ -232,13 +231,13 @@ def test_the_image_builds_the_model_and_nothing_is_writable(image: Image) -> Non
 @pytest.mark.integration
 async def test_the_image_serves_a_request_as_its_unprivileged_user(
     image: Image,
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
     tmp_path: Path,
 ) -> None:
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     # Compose's worker environment, pointed at this machine's services, with this
     # test's own topics and a free metrics port on a shared broker and host.
     env = image.env(
@@ -256,8 +255,7 @@ async def test_the_image_serves_a_request_as_its_unprivileged_user(
     worker = _start_worker(image, env, log_path)
     try:
         png, digit = heldout_digits()[0]
-        settings = ClientSettings(kafka_bootstrap=kafka_bootstrap, redis_url=SecretStr(redis_url))
-        async with AsyncClient(settings) as client:
+        async with AsyncClient(client_settings) as client:
             request_id = await client.submit(png, model=model_name)
             result = await client.wait(request_id, timeout=240)
         assert result.status is Status.ok, log_path.read_text()
@@ -272,8 +270,17 @@ async def test_the_image_serves_a_request_as_its_unprivileged_user(
     assert status == 0, log_path.read_text()
 
 
+def _pair(item: str) -> tuple[str, str]:
+    """``NAME=value`` as (name, value)."""
+    name, _, value = item.partition("=")
+    return name, value
+
+
 def _start_worker(image: Image, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """The image's CMD as its USER, in its WORKDIR, logging to ``log_path``."""
+    """The image's CMD as its USER, in its WORKDIR, logging to ``log_path``.
+
+    Not producers.testing's WorkerProcess: what is under test is the image's own command
+    line, configured by the environment alone, as Compose and Kubernetes run it."""
     with log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             image.as_user(image.dockerfile.cmd),
@@ -290,12 +297,12 @@ def _owner(pid: int) -> int:
 
 async def test_an_unwritable_model_folder_fails_in_one_line(
     image: Image,
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
 ) -> None:
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     empty = image.path("/opt/conveyor/empty")
     empty.mkdir(parents=True)  # root's, and without the model
     env = image.env(

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from producers.testing import free_port, free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "compose" / "local"
 SCRIPT_TIMEOUT = 90  # seconds; a script that hangs fails the test instead of the suite
@@ -71,26 +73,6 @@ class Local:
         return found
 
 
-def _free_port_pair() -> int:
-    """A port p such that p and p + 1 (Kafka's controller) are both free."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
-        if port < 65535 and _is_free(port) and _is_free(port + 1):
-            return port
-    raise RuntimeError("no two consecutive free ports found on 127.0.0.1")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -106,10 +88,10 @@ def _cmdline(pid: int) -> str:
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[Local]:
     """Private ports and run folder; down.sh afterwards whatever the test did."""
-    kafka_port = _free_port_pair()
-    redis_port = _free_port_pair()
+    kafka_port = free_ports((0, 1))  # Kafka's controller listens on the next port
+    redis_port = free_port()
     while redis_port in (kafka_port, kafka_port + 1):
-        redis_port = _free_port_pair()
+        redis_port = free_port()
     run_dir = tmp_path / "run"
     env = dict(os.environ)
     env.update(

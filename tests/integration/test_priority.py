@@ -10,54 +10,26 @@ idle worker's; and the low lane keeps being served meanwhile.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from demo.models.digits import build_digits_model, heldout_digits
-from schemas import ContentType, OutgoingRecord, encode_request, topics_for
-from tests.integration.harness import (
-    WorkerProcess,
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from producers.testing import (
+    Fleet,
     count_results,
-    create_model_topics,
     produce,
-    until,
+    produce_at_rate,
+    until_answered,
     wait_for_results,
 )
+from schemas import ContentType, OutgoingRecord, encode_request, topics_for
+from tests.faults import faulty
 
-FAULTY = "tests.faults.faulty:FaultyDigits"
 SLOW_MS = 40
 PROBES = 30  # high-lane requests per phase
 P99_FACTOR = 3.0
-
-
-@pytest.fixture(scope="module")
-def digit_png() -> bytes:
-    build_digits_model()
-    return heldout_digits()[0][0]
-
-
-@pytest.fixture
-def worker(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(
-        model_name,
-        kafka_bootstrap,
-        redis_url,
-        tmp_path / "worker.log",
-        ("--lanes", "high:8", "--max-batch-size", "8"),
-        FAULTY,
-        {"CONVEYOR_TEST_SLOW_MS": str(SLOW_MS)},
-    )
-    yield process
-    process.stop()
 
 
 def request(png: bytes, request_id: str) -> OutgoingRecord:
@@ -67,18 +39,8 @@ def request(png: bytes, request_id: str) -> OutgoingRecord:
 async def probe(bootstrap: str, redis_url: str, topic: str, png: bytes, prefix: str) -> list[float]:
     """Send PROBES requests one at a time, 100 ms apart; their latencies in seconds, from
     the record timestamp to the result being sent to Redis (both on this host's clock)."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
-    await producer.start()
     ids = [f"{prefix}-{n}" for n in range(PROBES)]
-    try:
-        for request_id in ids:
-            record = request(png, request_id)
-            await producer.send_and_wait(
-                topic, record.value, key=record.key, headers=record.headers
-            )
-            await asyncio.sleep(0.1)  # the probes' pace, not a wait for readiness
-    finally:
-        await producer.stop()
+    await produce_at_rate(bootstrap, topic, [request(png, i) for i in ids], rate=10)
     results = await wait_for_results(redis_url, ids, 60)
     assert len(results) == PROBES
     latencies = []
@@ -95,27 +57,28 @@ def p99(values: list[float]) -> float:
 
 @pytest.mark.timeout(240)
 async def test_high_lane_latency_holds_under_a_low_lane_backlog(
-    worker: WorkerProcess,
-    kafka_admin: AIOKafkaAdminClient,
+    workers: Fleet,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    digit_png: bytes,
+    digits: list[tuple[bytes, int]],
 ) -> None:
+    digit_png = digits[0][0]
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=2)
-    await kafka_admin.create_topics([NewTopic(topics.lane("high"), 2, 1)])
-    worker.start()
-    await until(lambda: "ready: serving" in worker.log(), "the worker is ready", 120, worker.log)
+    await create_model_topics(client_settings, model_name, partitions=2, lanes=["high"])
+    worker = workers.start(
+        *("--lanes", "high:8", "--max-batch-size", "8"),
+        model=faulty.SPEC,
+        env={"CONVEYOR_TEST_SLOW_MS": str(SLOW_MS)},
+    )
+    await worker.until_serving(120)
     high = topics.lane("high")
     idle = await probe(kafka_bootstrap, redis_url, high, digit_png, f"{model_name}-idle")
 
     backlog = [f"{model_name}-low-{n}" for n in range(3000)]
     await produce(kafka_bootstrap, topics.requests, [request(digit_png, i) for i in backlog])
-    started = time.monotonic()
-    while await count_results(redis_url, backlog) < 100:  # the worker is saturated
-        assert time.monotonic() - started < 60, worker.log()[-3000:]
-        await asyncio.sleep(0.05)
+    await until_answered(redis_url, backlog, 100, timeout_s=60)  # the worker is saturated
     low_before = await count_results(redis_url, backlog)
     loaded = await probe(kafka_bootstrap, redis_url, high, digit_png, f"{model_name}-busy")
     low_after = await count_results(redis_url, backlog)

@@ -13,18 +13,17 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 from redis.exceptions import NoPermissionError, ResponseError
 
-from demo.models.digits import build_digits_model, heldout_digits
 from producers import AsyncClient, ClientSettings, Status
+from producers.admin import create_model_topics
+from producers.testing import Fleet
 from schemas import result_key
-from tests.integration.harness import REPO, WorkerProcess, create_model_topics
+from tests.conftest import REPO
 
 SECURITY_DOC = REPO / "docs" / "security.md"
 # A script of the kind a worker runs per batch: first result wins, read back, announce.
@@ -53,12 +52,13 @@ def acl_user(redis_url: str, uid: str) -> Iterator[dict[str, tuple[str, str]]]:
             rules = [
                 f">{password}" if rule.startswith(">") else rule for rule in _documented_rules(role)
             ]
-            admin.execute_command("ACL", "SETUSER", name, *rules)
+            # redis-py leaves execute_command untyped; the rules are the docs' own words.
+            admin.execute_command("ACL", "SETUSER", name, *rules)  # type: ignore[no-untyped-call]
             users[role] = (name, password)
         yield users
     finally:
         for name, _password in users.values():
-            admin.execute_command("ACL", "DELUSER", name)
+            admin.acl_deluser(name)
         admin.close()
 
 
@@ -66,34 +66,29 @@ def _as(redis_url: str, user: tuple[str, str]) -> redis.Redis:
     return redis.Redis.from_url(redis_url, username=user[0], password=user[1])
 
 
+def _settings_as(settings: ClientSettings, user: tuple[str, str], **more: object) -> ClientSettings:
+    """``settings`` with Redis reached as ``user`` (name, password), and ``more`` fields."""
+    name, password = user
+    update = {"redis_username": name, "redis_password": SecretStr(password), **more}
+    return settings.model_copy(update=update)
+
+
 @pytest.mark.timeout(240)
 async def test_documented_users_serve_and_wait_for_a_request(
     acl_user: dict[str, tuple[str, str]],
-    kafka_admin: AIOKafkaAdminClient,
-    kafka_bootstrap: str,
-    redis_url: str,
+    client_settings: ClientSettings,
     model_name: str,
-    tmp_path: Path,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
 ) -> None:
-    build_digits_model()
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     name, password = acl_user["worker"]
-    worker = WorkerProcess(
-        model_name,
-        kafka_bootstrap,
-        redis_url,
-        tmp_path / "worker.log",
-        env={"CONVEYOR_REDIS_USERNAME": name, "CONVEYOR_REDIS_PASSWORD": password},
-    ).start()
-    caller, caller_password = acl_user["caller"]
-    settings = ClientSettings(
-        kafka_bootstrap=kafka_bootstrap,
-        redis_url=SecretStr(redis_url),
-        redis_username=caller,
-        redis_password=SecretStr(caller_password),
+    worker = workers.start(
+        env={"CONVEYOR_REDIS_USERNAME": name, "CONVEYOR_REDIS_PASSWORD": password}
     )
+    settings = _settings_as(client_settings, acl_user["caller"])
     try:
-        png, digit = heldout_digits()[0]
+        png, digit = digits[0]
         async with AsyncClient(settings) as client:
             request_id = await client.submit(png, model=model_name)
             result = await client.wait(request_id, timeout=180)
@@ -144,7 +139,7 @@ def test_caller_user_reads_but_cannot_write_results(
             caller.set(key, b"forged")
         with pytest.raises(NoPermissionError):
             caller.publish(key, b"")
-        pubsub = caller.pubsub()
+        pubsub = caller.pubsub()  # type: ignore[no-untyped-call]  # untyped in redis-py
         pubsub.subscribe(key)
         deadline = time.monotonic() + 5
         while (message := pubsub.get_message(timeout=1)) is None and time.monotonic() < deadline:
@@ -159,20 +154,13 @@ def test_caller_user_reads_but_cannot_write_results(
 
 
 async def test_a_read_only_caller_is_told_its_large_payload_cannot_be_stored(
-    acl_user: dict[str, tuple[str, str]], kafka_bootstrap: str, redis_url: str, uid: str
+    acl_user: dict[str, tuple[str, str]], client_settings: ClientSettings, uid: str
 ) -> None:
     """Payloads above the threshold go to Redis by reference; a caller whose user may
     not write there gets a clear refusal, not an outage to retry."""
     from producers.claims import PayloadStoreRefused
 
-    name, password = acl_user["caller"]
-    settings = ClientSettings(
-        kafka_bootstrap=kafka_bootstrap,
-        redis_url=SecretStr(redis_url),
-        redis_username=name,
-        redis_password=SecretStr(password),
-        dataref_threshold_bytes=1024,
-    )
+    settings = _settings_as(client_settings, acl_user["caller"], dataref_threshold_bytes=1024)
     async with AsyncClient(settings) as client:
         with pytest.raises(PayloadStoreRefused, match=r"conveyor:data:\*, which needs \+set"):
             await client.submit(b"\x89PNG" + bytes(4096), model=f"m{uid}", content_type="image/png")

@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import SecretStr
 
-from demo.models.digits import build_digits_model, heldout_digits
 from producers import (
     AsyncClient,
     Client,
@@ -30,36 +29,9 @@ from producers import (
     Status,
     UnknownModel,
 )
-from producers.admin import create_model_topics as create_topics_as_the_cli_does
+from producers.admin import create_model_topics
 from producers.results import ResultReader
 from schemas import encode_result, ok_result, result_key, topics_for
-from tests.integration.harness import WorkerProcess, create_model_topics
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()  # the worker loads the same cached artifact
-    return heldout_digits()[:20]
-
-
-@pytest.fixture(scope="module")
-async def served_model(
-    kafka_bootstrap: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    """A model name with its topics and one worker process serving it, for this module."""
-    model = f"sdk{time.monotonic_ns() % 10**10}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    await create_model_topics(admin, model, partitions=2)
-    log = tmp_path_factory.mktemp("sdk") / "worker.log"
-    worker = WorkerProcess(model, kafka_bootstrap, redis_url, log).start()
-    try:
-        yield model
-    finally:
-        worker.stop()
-        topics = topics_for(model)
-        await admin.delete_topics([topics.requests, topics.results, topics.dlq])
-        await admin.close()
 
 
 @pytest.fixture
@@ -146,6 +118,7 @@ def test_sync_submit_many_and_wait_many(
     tmp_path: Path,
 ) -> None:
     files = []
+    digits = digits[:20]
     for n, (png, _digit) in enumerate(digits):
         files.append(tmp_path / f"{n}.png")
         files[-1].write_bytes(png)
@@ -336,7 +309,7 @@ async def test_the_largest_payload_fits_the_topics_the_cli_creates(
     settings: ClientSettings, kafka_admin: AIOKafkaAdminClient, uid: str
 ) -> None:
     model = f"big{uid}"
-    states = await create_topics_as_the_cli_does(settings, model, partitions=1)
+    states = await create_model_topics(settings, model, partitions=1)
     topics = topics_for(model)
     try:
         assert {s.name: s.max_message_bytes for s in states} == dict.fromkeys(

@@ -9,10 +9,8 @@ cause; the configured secrets never show in logs, output or ``/metrics``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -23,10 +21,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from demo.models.digits import build_digits_model, heldout_digits
 from producers import AsyncClient, ClientSettings, ServiceUnavailable, Status
 from producers.admin import create_model_topics
-from tests.integration.harness import REPO, WorkerProcess
+from producers.testing import Fleet, WorkerProcess, free_port, free_ports, http_get
+from tests.conftest import REPO
 
 SECURE_SH = REPO / "compose" / "local" / "secure.sh"
 _FAIL_WITHIN_S = 30
@@ -75,30 +73,10 @@ class Secured:
         return ClientSettings(**{**given, **overrides})  # type: ignore[arg-type]
 
 
-def _free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = int(sock.getsockname()[1])
-        if first + count < 65536 and all(_free(first + n) for n in range(1, count)):
-            return first
-    raise RuntimeError("no run of free ports found")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     run_dir = tmp_path_factory.mktemp("secure-run")
-    kafka_port, redis_port = _free_ports(3), _free_ports(1)
+    kafka_port, redis_port = free_ports(range(3)), free_port()
     env = {
         **os.environ,
         "CONVEYOR_RUN_DIR": str(run_dir),
@@ -140,9 +118,8 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def digit_png() -> bytes:
-    build_digits_model()  # the worker process loads the same cached artifact
-    return heldout_digits()[0][0]
+def digit_png(digits: list[tuple[bytes, int]]) -> bytes:
+    return digits[0][0]
 
 
 @pytest.fixture
@@ -151,24 +128,24 @@ async def topics(secured: Secured, model_name: str) -> str:
     return model_name
 
 
-def _worker(secured: Secured, model: str, log: Path, port: int, **overrides: str) -> WorkerProcess:
-    """A worker given the secure settings through CONVEYOR_* variables only."""
-    return WorkerProcess(
-        model,
-        secured.bootstrap,
-        secured.redis_url,
-        log,
-        extra=("--metrics-port", str(port), "--metrics-host", "127.0.0.1"),
+def _worker(workers: Fleet, secured: Secured, **overrides: str) -> WorkerProcess:
+    """A worker on the secured services, given the secure settings by CONVEYOR_* variables."""
+    return workers.start(
+        "--metrics-host",
+        "127.0.0.1",
+        kafka_bootstrap=secured.bootstrap,
+        redis_url=secured.redis_url,
         env=secured.env(**overrides),
+        metrics_port=free_port(),
     )
 
 
 @pytest.mark.timeout(180)
 async def test_worker_sdk_and_cli_serve_over_sasl_ssl_and_tls_without_leaking_secrets(
-    secured: Secured, topics: str, digit_png: bytes, tmp_path: Path
+    secured: Secured, topics: str, digit_png: bytes, workers: Fleet, tmp_path: Path
 ) -> None:
-    port = _free_ports(1)
-    worker = _worker(secured, topics, tmp_path / "worker.log", port).start()
+    worker = _worker(workers, secured)
+    port = worker.config.metrics_port
     try:
         async with AsyncClient(secured.settings()) as client:
             request_id = await client.submit(digit_png, model=topics)
@@ -191,7 +168,7 @@ async def test_worker_sdk_and_cli_serve_over_sasl_ssl_and_tls_without_leaking_se
         )
         assert cli.returncode == 0, cli.stderr + worker.log()
         assert orjson.loads(cli.stdout.splitlines()[0])["status"] == "ok"
-        metrics = await _get(port, "/metrics")
+        metrics = (await http_get(port, "/metrics"))[1].decode()
     finally:
         worker.stop()
     assert f'model="{topics}",status="ok"' in metrics
@@ -220,20 +197,17 @@ async def test_worker_sdk_and_cli_serve_over_sasl_ssl_and_tls_without_leaking_se
 async def test_worker_refused_exits_at_once_naming_endpoint_and_cause(
     secured: Secured,
     other_ca: Path,
-    digit_png: bytes,
-    model_name: str,
-    tmp_path: Path,
+    workers: Fleet,
     overrides: dict[str, str],
     endpoint: str,
     cause: str,
 ) -> None:
     names = {"bootstrap": secured.bootstrap, "redis_url": secured.redis_url, "other_ca": other_ca}
     given = {name: value.format(**names) for name, value in overrides.items()}
-    worker = _worker(secured, model_name, tmp_path / "worker.log", 0, **given)
     started = time.monotonic()
-    worker.start()
+    worker = _worker(workers, secured, **given)
     try:
-        code = await asyncio.to_thread(worker.wait, _FAIL_WITHIN_S)
+        code = await worker.exited(_FAIL_WITHIN_S)
     finally:
         worker.stop()
     log = worker.log()
@@ -263,17 +237,3 @@ async def test_sdk_with_untrusted_ca_or_wrong_password_says_which_service_and_wh
     assert f"Redis at {secured.redis_url}" in str(redis_error.value)
     assert "invalid username-password pair" in str(redis_error.value)
     assert secured.password not in str(kafka_error.value) + str(redis_error.value)
-
-
-async def _get(port: int, path: str) -> str:
-    """The body of one GET on the worker's metrics port."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    return raw.partition(b"\r\n\r\n")[2].decode()

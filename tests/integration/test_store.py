@@ -19,7 +19,7 @@ async def test_first_write_wins_and_announces(redis_client: aioredis.Redis, uid:
         await pubsub.get_message(timeout=5)
     try:
         assert await store.write_first(ids, [b"first-a", b"first-b"]) == [None, None]
-        announced = set()
+        announced: set[str] = set()
         while len(announced) < len(ids):
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
             assert message is not None, f"no wake-up for {set(ids) - announced}"
@@ -34,7 +34,7 @@ async def test_first_write_wins_and_announces(redis_client: aioredis.Redis, uid:
         ttl = await redis_client.ttl(result_key(ids[0]))
         assert 0 < ttl <= 60
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
         await redis_client.delete(*(result_key(i) for i in [*ids, f"{uid}-c"]))
 
 

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
-from typing import cast
 
 import pytest
-from aiokafka import AIOKafkaProducer, ConsumerRecord
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 
-from demo.models.digits import build_digits_model
 from producers.errors import ResultTimeout, UnknownModel
 from producers.settings import ClientSettings
+from producers.testing import read_topic
 from producers.video import (
     AsyncStreamReader,
     FrameResult,
@@ -36,7 +33,6 @@ from producers.video import (
 )
 from schemas import Status, encode_result, ok_result, result_headers, topics_for
 from tests.conftest import CreateTopic
-from tests.integration.harness import WorkerProcess, create_model_topics, read_topic
 from tests.unit.test_video_source import every_40_ms, parser, write_video
 
 FRAMES = 200  # 20 s sampled at 10 fps
@@ -46,30 +42,6 @@ FRAMES = 200  # 20 s sampled at 10 fps
 def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20 seconds at 25 fps, 64x64: 500 frames."""
     return write_video(tmp_path_factory.mktemp("video") / "clip.mp4", every_40_ms(20))
-
-
-@pytest.fixture(scope="module")
-async def served_model(
-    kafka_bootstrap: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    """A model name with its topics and one digits worker serving it, for this module.
-
-    The digits model takes any image and scales it to 8x8 grey, so frames are valid input.
-    """
-    build_digits_model()  # the worker loads the same cached artifact
-    model = f"video{time.monotonic_ns() % 10**10}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    await create_model_topics(admin, model, partitions=3)
-    log = tmp_path_factory.mktemp("video") / "worker.log"
-    worker = WorkerProcess(model, kafka_bootstrap, redis_url, log).start()
-    try:
-        yield model
-    finally:
-        worker.stop()
-        topics = topics_for(model)
-        await admin.delete_topics([topics.requests, topics.results, topics.dlq])
-        await admin.close()
 
 
 @pytest.fixture
@@ -114,10 +86,10 @@ async def test_two_interleaved_streams_come_back_complete_and_in_order(
         assert_complete_and_ok(stream_id, frames, FRAMES)
     # Keyed by stream id: each stream in one partition, frames in ce_seq order.
     records = await read_topic(
-        kafka_bootstrap, topics_for(served_model).requests, expect=2 * FRAMES, timeout=30
+        kafka_bootstrap, topics_for(served_model).requests, expect=2 * FRAMES, timeout_s=30
     )
     by_stream: dict[str, list[tuple[int, int]]] = {}
-    for record in cast(list[ConsumerRecord[bytes, bytes]], records):
+    for record in records:
         headers = dict(record.headers)
         stream_id = headers["ce_stream"].decode()
         by_stream.setdefault(stream_id, []).append((record.partition, int(headers["ce_seq"])))

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
-from demo.models.digits import DigitsClassifier, build_digits_model, heldout_digits
-from schemas import ContentType, Result, Status, encode_request, topics_for
-from tests.integration.harness import (
-    WorkerProcess,
-    create_model_topics,
-    digit_requests,
+from demo.models.digits import DigitsClassifier
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from producers.testing import (
+    Fleet,
     produce,
+    read_results,
     read_topic,
-    redis_results,
+    until_answered,
     wait_for_results,
 )
+from schemas import ContentType, Result, Status, encode_request, topics_for
+from tests.harness import digit_requests
 from workers.runner import ModelRunner
-
-
-@pytest.fixture(scope="module")
-def digits() -> list[tuple[bytes, int]]:
-    build_digits_model()  # the worker processes load the same cached artifact
-    return heldout_digits()
 
 
 @pytest.fixture(scope="module")
@@ -41,39 +33,29 @@ def direct_predictions(digits: list[tuple[bytes, int]]) -> dict[bytes, dict[str,
     return out
 
 
-@pytest.fixture
-def worker(
-    kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path
-) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(model_name, kafka_bootstrap, redis_url, tmp_path / "worker.log")
-    yield w
-    w.stop()
-
-
 @pytest.mark.timeout(240)
 async def test_thousand_requests_batched_and_matching_direct_runs(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    worker: WorkerProcess,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
     direct_predictions: dict[bytes, dict[str, object]],
 ) -> None:
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=3)
-    requests = digit_requests(digits, 1000, prefix=model_name)
-    ids = [r.key.decode() for r, _ in requests]
-    await produce(kafka_bootstrap, topics.requests, (r for r, _ in requests))  # a burst, queued
-    worker.start()
+    await create_model_topics(client_settings, model_name, partitions=3)
+    requests, ids = digit_requests(digits, 1000, prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)  # a burst, queued
+    workers.start()
 
-    results = await wait_for_results(redis_url, ids, timeout=180)
-    replies = await read_topic(kafka_bootstrap, topics.results, expect=1000, timeout=60)
+    results = await wait_for_results(redis_url, ids, timeout_s=180)
+    replies = await read_topic(kafka_bootstrap, topics.results, expect=1000, timeout_s=60)
 
-    assert set(results) == set(ids), worker.log()
+    assert set(results) == set(ids), workers.logs()
     reply_ids = [r.key.decode() for r in replies]
     assert sorted(reply_ids) == sorted(ids)  # exactly one reply each, ids matching
-    for (record, _digit), request_id in zip(requests, ids, strict=True):
+    for record, request_id in zip(requests, ids, strict=True):
         result = results[request_id]
         assert result.status is Status.ok, result
         assert result.outputs is not None
@@ -90,7 +72,7 @@ async def test_thousand_requests_batched_and_matching_direct_runs(
         png, request_id=f"{model_name}-lone", content_type=ContentType.PNG, source="tests"
     )
     await produce(kafka_bootstrap, topics.requests, [lone])
-    answer = (await wait_for_results(redis_url, [f"{model_name}-lone"], timeout=30))[
+    answer = (await wait_for_results(redis_url, [f"{model_name}-lone"], timeout_s=30))[
         f"{model_name}-lone"
     ]
     assert answer.status is Status.ok
@@ -99,17 +81,17 @@ async def test_thousand_requests_batched_and_matching_direct_runs(
 
 
 async def test_plain_kafka_client_request_is_answered(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    worker: WorkerProcess,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
 ) -> None:
     from aiokafka import AIOKafkaProducer
 
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     png, _digit = digits[3]
     request_id = f"{model_name}-plain"
     producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
@@ -130,8 +112,8 @@ async def test_plain_kafka_client_request_is_answered(
         )
     finally:
         await producer.stop()
-    worker.start()
-    result = (await wait_for_results(redis_url, [request_id], timeout=60))[request_id]
+    workers.start()
+    result = (await wait_for_results(redis_url, [request_id], timeout_s=60))[request_id]
     assert result.status is Status.ok
     assert len(result.outputs) == 3
     assert result.model == model_name
@@ -139,15 +121,15 @@ async def test_plain_kafka_client_request_is_answered(
 
 @pytest.mark.timeout(240)
 async def test_bad_inputs_get_error_results_and_dead_letters(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    worker: WorkerProcess,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
 ) -> None:
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=1)
+    await create_model_topics(client_settings, model_name, partitions=1)
     png, _ = digits[0]
     good = [
         encode_request(
@@ -173,12 +155,10 @@ async def test_bad_inputs_get_error_results_and_dead_letters(
         + good[10:]
     )
     await produce(kafka_bootstrap, topics.requests, records)
-    worker.extra = ["--max-batch-size", "8"]
-    worker.env = {"CONVEYOR_LIMITS__MAX_PAYLOAD_BYTES": str(256 * 1024)}
-    worker.start()
+    workers.start("--max-batch-size", "8", env={"CONVEYOR_LIMITS__MAX_PAYLOAD_BYTES": "262144"})
 
     ids = [r.key.decode() for r in records]
-    results = await wait_for_results(redis_url, ids, timeout=120)
+    results = await wait_for_results(redis_url, ids, timeout_s=120)
     for rid, (_payload, _ctype, code) in bad.items():
         assert results[rid].status is Status.error
         error = results[rid].error
@@ -186,40 +166,35 @@ async def test_bad_inputs_get_error_results_and_dead_letters(
         assert error.code == code, results[rid]
     assert all(results[r.key.decode()].status is Status.ok for r in good)
 
-    dead = await read_topic(kafka_bootstrap, topics.dlq, expect=len(bad), timeout=30)
+    dead = await read_topic(kafka_bootstrap, topics.dlq, expect=len(bad), timeout_s=30)
     dead_codes = {r.key.decode(): dict(r.headers)["conveyor_error_code"].decode() for r in dead}
     assert dead_codes == {rid: code for rid, (_p, _c, code) in bad.items()}
 
 
 @pytest.mark.timeout(300)
 async def test_sigkill_mid_stream_then_restart_loses_nothing(
-    kafka_admin: AIOKafkaAdminClient,
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
-    worker: WorkerProcess,
+    workers: Fleet,
     digits: list[tuple[bytes, int]],
 ) -> None:
     topics = topics_for(model_name)
-    await create_model_topics(kafka_admin, model_name, partitions=3)
-    requests = [r for r, _ in digit_requests(digits, 6000, prefix=model_name)]
-    ids = [r.key.decode() for r in requests]
+    await create_model_topics(client_settings, model_name, partitions=3)
+    requests, ids = digit_requests(digits, 6000, prefix=model_name)
     await produce(kafka_bootstrap, topics.requests, requests[:5000])
-    worker.extra = ["--max-batch-size", "8"]
-    worker.start()
+    first = workers.start("--max-batch-size", "8")
 
     # Kill as soon as the first results are written: the rest is in flight or queued.
-    async with asyncio.timeout(120):
-        while len(await redis_results(redis_url, ids[:5000])) < 100:
-            await asyncio.sleep(0.02)
-    worker.signal(signal.SIGKILL)
-    assert worker.wait() == -signal.SIGKILL
-    answered_at_kill = len(await redis_results(redis_url, ids))
+    await until_answered(redis_url, ids[:5000], 100)
+    assert first.kill() == -signal.SIGKILL
+    answered_at_kill = len(await read_results(redis_url, ids))
     assert 0 < answered_at_kill < 5000, "the kill must land mid-stream"
     await produce(kafka_bootstrap, topics.requests, requests[5000:])  # arrives while no worker runs
 
-    worker.start()
-    results: dict[str, Result] = await wait_for_results(redis_url, ids, timeout=240)
+    workers.start("--max-batch-size", "8")
+    results: dict[str, Result] = await wait_for_results(redis_url, ids, timeout_s=240)
     lost = [i for i in ids if i not in results]
     assert lost == []
     assert all(r.status is Status.ok for r in results.values())

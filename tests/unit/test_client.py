@@ -245,13 +245,15 @@ async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
     import asyncio
     import socket
 
+    from aiokafka import AIOKafkaProducer
+
     import producers.sender as sender_module
     from producers.sender import RequestSender
     from schemas import encode_request
 
-    made: list[sender_module.AIOKafkaProducer] = []
+    made: list[AIOKafkaProducer] = []
 
-    class Recorded(sender_module.AIOKafkaProducer):  # type: ignore[misc]
+    class Recorded(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka is untyped: Any
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
             made.append(self)

@@ -320,7 +320,7 @@ def test_the_autoscaler_keda_derives_is_valid(version: str) -> None:
     for scaled in (m for m in OBJECTS if m.kind == "ScaledObject"):
         spec = scaled.doc["spec"]
         target = spec["scaleTargetRef"]
-        hpa = {
+        hpa: dict[str, Any] = {
             "apiVersion": "autoscaling/v2",
             "kind": "HorizontalPodAutoscaler",
             "metadata": {"name": f"keda-hpa-{scaled.name}"},

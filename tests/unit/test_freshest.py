@@ -80,7 +80,7 @@ def test_requests_outside_the_mode_are_ignored() -> None:
 def test_the_count_matches_the_frames_superseded(events: list[tuple[str, str]]) -> None:
     latest = make()
     waiting: list[Frame] = []
-    newest: dict[str, Frame] = {}
+    newest: dict[str | None, Frame] = {}
     for n, (event, stream) in enumerate(events):
         if event == "arrive":
             frame = Frame(stream, n)

@@ -316,6 +316,7 @@ def test_runner_builds_batches_with_the_handlers_collate() -> None:
     prepared = runner.prepare(items)
     results = runner.infer(prepared, [{"top_k": 1}] * 3)
 
+    assert isinstance(prepared.tensor, torch.Tensor)
     assert prepared.tensor.shape == (3, 3, 224, 224)
     assert results == runner.run(items, [{"top_k": 1}] * 3)
 

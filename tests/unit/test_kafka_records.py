@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from workers.kafka_records import (
     REPAIRED,
+    BatchRecord,
     TolerantMemoryRecords,
     install,
     parse_batch,
@@ -54,9 +55,9 @@ def gzipped(raw: bytearray) -> bytearray:
     return out
 
 
-def read_all(data: bytes) -> list[object]:
+def read_all(data: bytes) -> list[BatchRecord]:
     records = TolerantMemoryRecords(data)
-    out: list[object] = []
+    out: list[BatchRecord] = []
     while records.has_next():
         batch = records.next_batch()
         assert batch.validate_crc()
@@ -64,12 +65,12 @@ def read_all(data: bytes) -> list[object]:
     return out
 
 
-def repaired(record: object) -> bool:
+def repaired(record: BatchRecord) -> bool:
     """Whether the reader marked ``record`` as read leniently."""
-    return getattr(record, "checksum", None) == REPAIRED
+    return record.checksum == REPAIRED
 
 
-MIXED = [
+MIXED: list[tuple[bytes | None, bytes | None, Headers]] = [
     (b"k0", b"good-0", [("ce_id", b"a")]),
     (b"k1", b"bad-1", [(_PLACEHOLDER, b"v"), ("ce_id", b"b")]),
     (None, b"good-2", [("x", None)]),
@@ -83,20 +84,20 @@ def test_the_fast_parser_refuses_what_the_tolerant_reader_reads() -> None:
     with pytest.raises(UnicodeDecodeError):
         list(fast)
     records = read_all(data)
-    assert [r.offset for r in records] == [0, 1, 2, 3]  # type: ignore[attr-defined]
-    assert [r.value for r in records] == [b"good-0", b"bad-1", b"good-2", None]  # type: ignore[attr-defined]
+    assert [r.offset for r in records] == [0, 1, 2, 3]
+    assert [r.value for r in records] == [b"good-0", b"bad-1", b"good-2", None]
     assert [repaired(r) for r in records] == [False, True, False, False]
     bad = records[1]
-    name = bad.headers[0][0]  # type: ignore[attr-defined]
+    name = bad.headers[0][0]
     assert name.encode("utf-8", "surrogateescape") == b"\xff\xfe"
-    assert bad.headers[1] == ("ce_id", b"b")  # type: ignore[attr-defined]
-    assert bad.checksum == REPAIRED  # type: ignore[attr-defined]
+    assert bad.headers[1] == ("ce_id", b"b")
+    assert bad.checksum == REPAIRED
 
 
 def test_compressed_batches_are_read_leniently_too() -> None:
     data = bytes(gzipped(with_bad_names(build(MIXED, base_offset=40))))
     records = read_all(data)
-    assert [r.offset for r in records] == [40, 41, 42, 43]  # type: ignore[attr-defined]
+    assert [r.offset for r in records] == [40, 41, 42, 43]
     assert [repaired(r) for r in records] == [False, True, False, False]
 
 
@@ -104,7 +105,7 @@ def test_later_batches_of_the_same_fetch_are_unaffected() -> None:
     first = with_bad_names(build(MIXED[:2], base_offset=0))
     second = build([(b"k", b"after", [("h", b"1")])], base_offset=2)
     records = read_all(bytes(first + second))
-    assert [r.value for r in records] == [b"good-0", b"bad-1", b"after"]  # type: ignore[attr-defined]
+    assert [r.value for r in records] == [b"good-0", b"bad-1", b"after"]
     assert repaired(records[1])
     assert not repaired(records[2])
 
@@ -112,7 +113,7 @@ def test_later_batches_of_the_same_fetch_are_unaffected() -> None:
 def test_a_truncated_batch_at_the_end_of_a_fetch_is_left_for_the_next_fetch() -> None:
     whole = build(MIXED[:1])
     partial = build(MIXED[2:3], base_offset=1)[:-5]
-    assert [r.offset for r in read_all(bytes(whole + partial))] == [0]  # type: ignore[attr-defined]
+    assert [r.offset for r in read_all(bytes(whole + partial))] == [0]
 
 
 def test_a_malformed_batch_raises_value_error() -> None:

@@ -41,7 +41,8 @@ class TinyNet(torch.nn.Module):
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.conv(x).mean(dim=(2, 3)))
+        out: torch.Tensor = self.head(self.conv(x).mean(dim=(2, 3)))
+        return out
 
 
 class OptionsHandler:
@@ -276,7 +277,9 @@ def test_model_options_reach_the_builder_and_the_handler() -> None:
     )
 
     assert isinstance(handler, Detector)
-    assert handler.module.transform.min_size == (128,)
+    transform = handler.module.transform
+    assert isinstance(transform, torch.nn.Module)
+    assert transform.min_size == (128,)
     assert (handler.max_detections, handler.score_threshold) == (7, 0.25)
 
 

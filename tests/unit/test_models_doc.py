@@ -42,7 +42,7 @@ def test_the_documented_handler_serves_requests(example_module: str) -> None:
     )  # fmt: skip
     runner = ModelRunner(handler, "cpu")
     runner.warm_up([2])
-    requests = ((10, {}), (250, {"bins": 2}))
+    requests: tuple[tuple[int, dict[str, int]], ...] = ((10, {}), (250, {"bins": 2}))
     items = [handler.preprocess(png(v), ContentType.PNG, p) for v, p in requests]
 
     dark, bright = runner.run(items, [{}, {"bins": 2}])

@@ -7,6 +7,7 @@ import struct
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -253,7 +254,7 @@ def test_npy_grayscale_of_the_target_size_is_passed_through_exactly() -> None:
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
-def test_npy_rgb_becomes_chw(order: str) -> None:
+def test_npy_rgb_becomes_chw(order: Literal["C", "F"]) -> None:
     pixels = np.asarray(np.arange(4 * 6 * 3).reshape(4, 6, 3), dtype=np.uint8, order=order)
     out = decode_npy(npy(pixels), ImageSpec(4, 6, "RGB"), max_pixels=MAX_PIXELS)
     assert torch.equal(out, torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1))

@@ -157,9 +157,11 @@ class Sizes(Echo):
         self.seen.append([len(item) for item in batch])
         return [item.sum() for item in batch]
 
-    def postprocess(
-        self, outputs: list[torch.Tensor], params: Sequence[Mapping[str, Any]]
-    ) -> list[Any]:  # type: ignore[override]
+    def postprocess(  # a list per batch, not a tensor: what forward gave it
+        self,
+        outputs: list[torch.Tensor],  # type: ignore[override]
+        params: Sequence[Mapping[str, Any]],
+    ) -> list[Any]:
         return [int(total) for total in outputs]
 
 

@@ -244,7 +244,7 @@ def test_embedding_values_read_back_little_endian() -> None:
     values = [1.0, -2.5, 0.125]
     for dtype, fmt in (("float32", "<3f"), ("float16", "<3e")):
         data = base64.b64encode(struct.pack(fmt, *values)).decode()
-        embedding = EmbeddingOutput(dtype=dtype, shape=[3], normalized=False, data=data)  # type: ignore[arg-type]
+        embedding = EmbeddingOutput(dtype=dtype, shape=[3], normalized=False, data=data)
         assert embedding.values() == values
 
 

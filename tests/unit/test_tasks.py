@@ -125,7 +125,7 @@ def test_detections_are_filtered_and_ordered_as_the_request_asks() -> None:
 
 
 def test_an_index_past_the_labels_is_named_by_its_number() -> None:
-    module = Told([([0.0, 0.0, 1.0, 1.0], 7, 0.9)])  # type: ignore[arg-type]
+    module = Told([([0.0, 0.0, 1.0, 1.0], 7, 0.9)])
     handler = Detector(module, name="t", version="v", labels=LABELS, decode="cpu")
     (answer,) = serve(handler, [png(4, 4)], [{}])
     assert answer["detections"][0]["label"] == "7"
@@ -302,7 +302,7 @@ def test_embeddings_are_normalized_and_cast_as_asked() -> None:
     assert unit.normalized
     assert not raw.normalized
     assert np.linalg.norm(unit.values()) == pytest.approx(1.0, abs=1e-6)
-    direct = raw.values() / np.linalg.norm(raw.values())
+    direct = np.asarray(raw.values()) / np.linalg.norm(raw.values())
     assert np.allclose(unit.values(), direct, atol=1e-6)
     assert half.dtype == "float16"
     assert np.allclose(half.values(), unit.values(), atol=1e-3)

@@ -202,11 +202,12 @@ def test_freshest_sets_ce_supersede_on_every_frame(
 
 def test_a_superseded_frame_counts_as_answered_unless_every_frame_was_asked_for() -> None:
     def frame(status: Status, code: ErrorCode | None) -> FrameResult:
-        common = {"model": "m", "model_version": "1", "worker": "w"}
         if code is None:
-            result = ok_result("cam1:0", [], **common)
+            result = ok_result("cam1:0", [], model="m", model_version="1", worker="w")
         else:
-            result = error_result("cam1:0", code, "m", status=status, **common)
+            result = error_result(
+                "cam1:0", code, "m", status=status, model="m", model_version="1", worker="w"
+            )
         return FrameResult("cam1", 0, result)
 
     superseded = frame(Status.expired, ErrorCode.superseded)

@@ -132,7 +132,7 @@ def test_config_file_may_come_from_the_environment(
     clean_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     clean_env.setenv("CONVEYOR_CONFIG_FILE", str(_config(tmp_path, 'model = "m:Handler"\n')))
-    assert WorkerSettings().model == "m:Handler"  # type: ignore[call-arg]
+    assert WorkerSettings().model == "m:Handler"
 
 
 @pytest.mark.parametrize(
@@ -184,7 +184,7 @@ def test_the_documented_example_config_is_valid(
     clean_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, "\n".join(settings_doc.EXAMPLE_CONFIG))
-    settings = WorkerSettings(config_file=config)  # type: ignore[call-arg]
+    settings = WorkerSettings(config_file=config)
     assert settings.max_batch_size == 64
     assert settings.limits.max_payload_bytes == 4 * 1024 * 1024
 
