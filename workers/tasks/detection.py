@@ -24,19 +24,18 @@ whole pixels.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from schemas import DEFAULT_LIMITS, ContentType, Limits
+from schemas import DEFAULT_LIMITS, Limits
 from schemas.outputs import DETECTION_V1, INSTANCE_SEGMENTATION_V1, KEYPOINTS_V1
 from workers.decode_budget import DecodeBudget
-from workers.gpu_decode import DecodeOption, image_list_decoder
+from workers.gpu_decode import DecodeOption
 from workers.handlers import DeviceInput
-from workers.preprocess import decode_full
 from workers.tasks.groups import ShapeKey, group_indices
+from workers.tasks.images import FullSizeImageTask
 from workers.tasks.params import DetectionParams
 from workers.tasks.rle import encode_columns
 
@@ -50,10 +49,9 @@ DEFAULT_SCORE_THRESHOLD = 0.5
 """Detections scoring below this are left out unless a request asks for a lower
 ``score_threshold`` (torchvision models keep nothing below their own
 ``box_score_thresh``, 0.05 by default, whatever a request asks)."""
-EXAMPLE_SIZE = (320, 240)  # width, height of the warm-up image
 
 
-class Detector:
+class Detector(FullSizeImageTask):
     """A torchvision-style detection module served as a handler (see the module doc)."""
 
     def __init__(
@@ -86,35 +84,25 @@ class Detector:
             raise ValueError(f"task must be one of {', '.join(OUTPUT_TYPES)}, not {task!r}")
         if task == "keypoints" and not keypoint_names:
             raise ValueError("a keypoint model needs its keypoint names")
-        if decode not in ("auto", "cpu", "gpu", "gpu-hw"):
-            raise ValueError(f"decode must be auto, cpu, gpu or gpu-hw, not {decode!r}")
-        self.name = name
-        self.version = version
-        self.labels: tuple[str, ...] = tuple(labels)
+        super().__init__(
+            module,
+            name=name,
+            version=version,
+            labels=labels,
+            device=device,
+            dtype=dtype,
+            channels_last=channels_last,
+            limits=limits,
+            decode=decode,
+            decode_budget=decode_budget,
+            mode=mode,
+        )
         self.task: Task = task
         self.keypoint_names: tuple[str, ...] = tuple(keypoint_names)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.mode: Literal["RGB", "L"] = mode
         self.score_threshold = score_threshold
-        self._limits = limits
-        self.decode_budget = decode_budget
-        """Bounds the memory of CPU decodes running at once (shared by the threads)."""
-        module = module.to(self.device).eval()
-        if channels_last:
-            module = module.to(memory_format=torch.channels_last)
-        self.module = module
-        self.max_detections = _detections_per_image(module)
+        self.max_detections = _detections_per_image(self.module)
         """The most detections the module returns per image: the cap on ``max_detections``."""
-        self._shape_key = ShapeKey(module)
-        self.batch_decoder = image_list_decoder(decode, mode, self.device, limits)
-        """The device JPEG path, or ``None`` when every image is decoded on the CPU."""
-
-    def example_item(self) -> torch.Tensor:
-        width, height = EXAMPLE_SIZE
-        if self.batch_decoder is not None:
-            return self.batch_decoder.example(width, height)
-        return torch.full((3 if self.mode == "RGB" else 1, height, width), 128, dtype=torch.uint8)
+        self._shape_key = ShapeKey(self.module)
 
     def parse_params(self, params: Mapping[str, Any]) -> DetectionParams:
         """The request's parameters; ``ContractError(bad_request)`` for a bad one."""
@@ -126,26 +114,8 @@ class Detector:
             with_masks=self.task == "instance_segmentation",
         )
 
-    def preprocess(
-        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
-    ) -> torch.Tensor:
+    def check_params(self, params: Mapping[str, Any]) -> None:
         self.parse_params(params)
-        if self.batch_decoder is not None and content_type == ContentType.JPEG:
-            encoded = self.batch_decoder.encoded(payload)
-            if encoded is not None:
-                return encoded
-        return decode_full(
-            payload,
-            content_type,
-            self.mode,
-            max_pixels=self._limits.max_pixels,
-            budget=self.decode_budget,
-        )
-
-    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        if self.batch_decoder is not None:
-            return self.batch_decoder.collate(items, device)
-        return [item.to(device, non_blocking=True) for item in items]
 
     def forward(self, batch: DeviceInput) -> list[dict[str, Any]]:
         """One dict of the module's outputs per image, plus its ``size`` (height, width)."""
@@ -167,11 +137,6 @@ class Detector:
             self._document(output, self.parse_params(p))
             for output, p in zip(outputs, params, strict=True)
         ]
-
-    def _precision(self) -> AbstractContextManager[Any]:
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _document(self, output: Mapping[str, Any], params: DetectionParams) -> dict[str, Any]:
         height, width = output["size"]

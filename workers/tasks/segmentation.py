@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import numpy as np
@@ -24,21 +23,20 @@ import numpy.typing as npt
 import torch
 from PIL import Image
 
-from schemas import DEFAULT_LIMITS, ContentType, Limits
+from schemas import DEFAULT_LIMITS, Limits
 from schemas.outputs import SEMANTIC_SEGMENTATION_V1
 from workers.decode_budget import DecodeBudget
-from workers.gpu_decode import DecodeOption, image_list_decoder
+from workers.gpu_decode import DecodeOption
 from workers.handlers import DeviceInput
-from workers.preprocess import decode_full
 from workers.tasks.groups import group_indices
+from workers.tasks.images import FullSizeImageTask
 from workers.tasks.params import SegmentationParams
 from workers.tasks.rle import encode_columns
 
-EXAMPLE_SIZE = (320, 240)  # width, height of the warm-up image
 _PNG_LEVEL = 1  # label maps are runs of a few values: fast compression is nearly as small
 
 
-class SemanticSegmenter:
+class SemanticSegmenter(FullSizeImageTask):
     """A segmentation module served as a handler (see the module doc)."""
 
     def __init__(
@@ -69,53 +67,26 @@ class SemanticSegmenter:
         """
         if not labels:
             raise ValueError("a segmentation model needs at least one label")
-        if decode not in ("auto", "cpu", "gpu", "gpu-hw"):
-            raise ValueError(f"decode must be auto, cpu, gpu or gpu-hw, not {decode!r}")
-        self.name = name
-        self.version = version
-        self.labels: tuple[str, ...] = tuple(labels)
+        super().__init__(
+            module,
+            name=name,
+            version=version,
+            labels=labels,
+            device=device,
+            dtype=dtype,
+            channels_last=channels_last,
+            limits=limits,
+            decode=decode,
+            decode_budget=decode_budget,
+            mode=mode,
+        )
         self.resize_size = resize_size
         self.mean = list(mean)
         self.std = list(std)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.mode: Literal["RGB", "L"] = mode
-        self._limits = limits
-        self.decode_budget = decode_budget
-        """Bounds the memory of CPU decodes running at once (shared by the threads)."""
         self._channels_last = channels_last
-        module = module.to(self.device).eval()
-        if channels_last:
-            module = module.to(memory_format=torch.channels_last)
-        self.module = module
-        self.batch_decoder = image_list_decoder(decode, mode, self.device, limits)
 
-    def example_item(self) -> torch.Tensor:
-        width, height = EXAMPLE_SIZE
-        if self.batch_decoder is not None:
-            return self.batch_decoder.example(width, height)
-        return torch.full((3 if self.mode == "RGB" else 1, height, width), 128, dtype=torch.uint8)
-
-    def preprocess(
-        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
-    ) -> torch.Tensor:
+    def check_params(self, params: Mapping[str, Any]) -> None:
         SegmentationParams.parse(params, self.labels)
-        if self.batch_decoder is not None and content_type == ContentType.JPEG:
-            encoded = self.batch_decoder.encoded(payload)
-            if encoded is not None:
-                return encoded
-        return decode_full(
-            payload,
-            content_type,
-            self.mode,
-            max_pixels=self._limits.max_pixels,
-            budget=self.decode_budget,
-        )
-
-    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        if self.batch_decoder is not None:
-            return self.batch_decoder.collate(items, device)
-        return [item.to(device, non_blocking=True) for item in items]
 
     def prepare(self, image: torch.Tensor) -> torch.Tensor:
         """One uint8 (C, H, W) image as the module's float input: the weights' transform."""
@@ -157,11 +128,6 @@ class SemanticSegmenter:
             self._document(label_map, SegmentationParams.parse(p, self.labels))
             for label_map, p in zip(outputs, params, strict=True)
         ]
-
-    def _precision(self) -> AbstractContextManager[Any]:
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _document(self, label_map: torch.Tensor, params: SegmentationParams) -> dict[str, Any]:
         small = len(self.labels) <= 256
