@@ -45,7 +45,7 @@ from common.redis_cluster import ClusterRouter, Node, is_topology_error
 from common.security import redis_options
 from schemas import result_key
 from workers.settings import WorkerSettings
-from workers.store import RedisResultStore, ResultStore
+from workers.store import WRITE_FIRST_SCRIPT, RedisResultStore, ResultStore
 
 __all__ = [
     "CLUSTER_WRITE_FIRST_SCRIPT",
@@ -54,19 +54,7 @@ __all__ = [
     "open_result_store",
 ]
 
-CLUSTER_WRITE_FIRST_SCRIPT = """
-local ttl = ARGV[1]
-local stored = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ttl) then
-    redis.call('SPUBLISH', key, '')
-    stored[i] = false
-  else
-    stored[i] = redis.call('GET', key)
-  end
-end
-return stored
-"""
+CLUSTER_WRITE_FIRST_SCRIPT = WRITE_FIRST_SCRIPT.replace("'PUBLISH'", "'SPUBLISH'")
 """``workers.store.WRITE_FIRST_SCRIPT`` with the wake-up on the key's shard channel
 (``SPUBLISH``); KEYS must share one hash slot."""
 _SCRIPT_SHA = hashlib.sha1(CLUSTER_WRITE_FIRST_SCRIPT.encode(), usedforsecurity=False).hexdigest()
