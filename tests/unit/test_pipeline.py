@@ -556,27 +556,40 @@ def outcome_order(sink: FakeSink, stream: str) -> list[tuple[int, Status]]:
     ]
 
 
+async def serve_held(
+    pipeline: Pipeline,
+    source: FakeSource,
+    model: EchoModel,
+    sink: FakeSink,
+    fetched: dict[Key, int],
+) -> None:
+    """Run ``pipeline`` with ``model`` held after its first item until every partition in
+    ``fetched`` is read that far, then release it and wait for every fetched answer."""
+    assert model.gate is not None
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        async with asyncio.timeout(5):  # everything fetched while the model is held
+            while any(source.position.get(key, 0) < n for key, n in fetched.items()):
+                await asyncio.sleep(0.01)
+        model.gate.set()
+        async with asyncio.timeout(10):
+            while len(sink.stored) < sum(fetched.values()):
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_waiting_frames_are_superseded_by_newer_ones_and_order_is_kept() -> None:
     source = FakeSource({0: frames(0, "cam", 60), 1: frames(1, "other", 60)})
     model = EchoModel(hold_after=1)
     model.gate = threading.Event()
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics)
-    stop = asyncio.Event()
-    task = asyncio.create_task(pipeline.run(stop))
-    try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
-        async with asyncio.timeout(5):  # everything fetched while the model is held
-            while source.position.get(0, 0) < 60 or source.position.get(1, 0) < 60:
-                await asyncio.sleep(0.01)
-        model.gate.set()
-        async with asyncio.timeout(10):
-            while len(sink.stored) < 120:
-                await asyncio.sleep(0.01)
-    finally:
-        model.gate.set()
-        stop.set()
-        await asyncio.wait_for(task, 10)
+    await serve_held(pipeline, source, model, sink, {0: 60, 1: 60})
     for stream in ("cam", "other"):
         answers = outcome_order(sink, stream)
         assert sorted(seq for seq, _ in answers) == list(range(60))  # every frame, once
@@ -603,21 +616,7 @@ async def test_frames_are_all_answered_without_the_mode() -> None:
     model = EchoModel(hold_after=1)
     model.gate = threading.Event()
     pipeline, sink = make(source, model)
-    stop = asyncio.Event()
-    task = asyncio.create_task(pipeline.run(stop))
-    try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
-        async with asyncio.timeout(5):
-            while source.position.get(0, 0) < 40:
-                await asyncio.sleep(0.01)
-        model.gate.set()
-        async with asyncio.timeout(10):
-            while len(sink.stored) < 40:
-                await asyncio.sleep(0.01)
-    finally:
-        model.gate.set()
-        stop.set()
-        await asyncio.wait_for(task, 10)
+    await serve_held(pipeline, source, model, sink, {0: 40})
     assert all(sink.status(i) is Status.ok for i in sink.stored)
     assert model.seen == 40
 
@@ -629,21 +628,7 @@ async def test_the_worker_setting_turns_the_mode_on_for_frames_that_do_not_say()
     model = EchoModel(hold_after=1)
     model.gate = threading.Event()
     pipeline, sink = make(source, model, supersede_frames=True)
-    stop = asyncio.Event()
-    task = asyncio.create_task(pipeline.run(stop))
-    try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
-        async with asyncio.timeout(5):
-            while source.position.get(0, 0) < 40:
-                await asyncio.sleep(0.01)
-        model.gate.set()
-        async with asyncio.timeout(10):
-            while len(sink.stored) < 40:
-                await asyncio.sleep(0.01)
-    finally:
-        model.gate.set()
-        stop.set()
-        await asyncio.wait_for(task, 10)
+    await serve_held(pipeline, source, model, sink, {0: 40})
     statuses = {i: sink.status(i) for i in sink.stored}
     assert any(s is Status.expired for i, s in statuses.items() if i.startswith("cam:"))
     assert all(s is Status.ok for i, s in statuses.items() if i.startswith("keep:"))
