@@ -89,6 +89,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "rebalance_timeout_ms",
         "max_drain_ms",
         "group_instance_id",
+        "fetch_buffers",
         "permanent_error_grace_s",
         "delivery",
         "transaction_timeout_ms",

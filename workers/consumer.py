@@ -14,6 +14,7 @@ it: an offset another worker committed in a transaction that the handler's
 producers aborted or waited for is never missed. ``restart`` runs the same steps
 again for partitions whose work in flight was dropped.
 
+Fetch responses are read into memory with one copy per frame (``workers.fetch_buffers``).
 No record can stop it: fetch responses are read with ``workers.kafka_records``
 (a record aiokafka's parser refuses is read leniently and refused by the worker),
 and any other error of a fetch is logged, counted and retried, never raised.
@@ -36,7 +37,7 @@ from aiokafka.errors import (
 )
 
 from common.security import kafka_connect_failed, kafka_options
-from workers import kafka_records
+from workers import fetch_buffers, kafka_records
 from workers.metrics import Metrics
 from workers.settings import WorkerSettings
 from workers.types import Assigned, ConfigError, Record, Revoked
@@ -69,6 +70,9 @@ class Consumer:
         metrics: Metrics | None = None,
     ) -> None:
         kafka_records.install()
+        if settings.fetch_buffers:
+            fetch_buffers.install()
+        fetch_bytes = fetch_buffers.MAX_FETCH_BYTES if settings.fetch_buffers else 50 << 20
         self._metrics = metrics
         self._topics = [topics] if isinstance(topics, str) else list(topics)
         self._settings = settings
@@ -87,8 +91,9 @@ class Consumer:
             max_poll_interval_ms=settings.max_poll_interval_ms,
             rebalance_timeout_ms=settings.rebalance_timeout_ms,
             group_instance_id=settings.group_instance_id,
-            max_partition_fetch_bytes=max(1 << 20, settings.limits.max_payload_bytes + 65536),
-            fetch_max_bytes=max(50 << 20, settings.limits.max_payload_bytes + 65536),
+            # Soft limits: Kafka returns a larger first batch whole, so any record fits.
+            max_partition_fetch_bytes=fetch_bytes,
+            fetch_max_bytes=fetch_bytes,
             **kafka_options(settings),
         )
         self._paused_topics: frozenset[str] = frozenset()  # backpressure

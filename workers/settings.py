@@ -236,6 +236,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
         description="static group membership (e.g. the pod name): a restart within the "
         "session timeout takes its partitions back without a rebalance",
     )
+    fetch_buffers: bool = True
+    """read fetch responses with one copy per frame, into memory kept (workers.fetch_buffers)"""
 
     # Payloads by reference (ce_dataref), cancellation and status (docs/contract.md).
     dataref_redis_prefix: str = Field(
