@@ -26,8 +26,8 @@ from bench.cpu import (
     REPO,
     SMALL_PAYLOAD,
     Bench,
-    _default_kafka_libs,
     _requests,
+    default_kafka_libs,
 )
 from bench.services import Services
 from schemas import ContentType
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         services=Services(args.kafka_bootstrap, args.redis_url),
         plan=FULL,
         log_dir=args.log_dir,
-        kafka_libs=_default_kafka_libs(),
+        kafka_libs=default_kafka_libs(),
         run_id=uuid.uuid4().hex[:8],
         quick=False,
     )

@@ -220,10 +220,16 @@ async def transport(bench: Bench) -> dict[str, Any]:
         for repeat in range(bench.plan.transport_repeats):
             group = f"{consumer_group(model)}.run{repeat}"
             kafka_runs.append(
-                await _kafka_consumer_perf(bench, topics.requests, n, group + ".kperf")
+                await kafka_consumer_perf(
+                    bench.kafka_libs,
+                    bench.services.kafka_bootstrap,
+                    topics.requests,
+                    n,
+                    group + ".kperf",
+                )
             )
             with start_up_objects_frozen():  # as the worker serves
-                worker_runs.append(await _consumer_fetch_loop(settings, topics.requests, n, group))
+                worker_runs.append(await consumer_fetch_loop(settings, topics.requests, n, group))
     kafka_best = max(run["records_per_s"] for run in kafka_runs)
     worker_best = max(run["records_per_s"] for run in worker_runs)
     return {
@@ -242,18 +248,19 @@ async def transport(bench: Bench) -> dict[str, Any]:
     }
 
 
-async def _consumer_fetch_loop(
+async def consumer_fetch_loop(
     settings: WorkerSettings, topic: str, n: int, group: str
 ) -> dict[str, float]:
     """Read ``n`` records the way the pipeline's fetch loop does; time from the first record.
 
-    The first fetch's records are not counted: the clock starts when they arrive
+    The first fetch's records are not counted: the clocks (wall and the process's CPU
+    time) start when they arrive
     (group join and the first fetch's round trip stay out, as they do in
     ``ConsumerPerformance``'s fetch time).
     """
     max_records = settings.max_batch_size * 4  # what workers.pipeline asks for per fetch
     got = uncommitted = uncounted = 0
-    first_at = last_at = 0.0
+    first_at = last_at = cpu_at = 0.0
     tracker: OffsetTracker[tuple[str, int]] = OffsetTracker()
     async with Consumer(settings, topic, group) as consumer, asyncio.timeout(_WAIT_S):
         while got < n:
@@ -263,7 +270,7 @@ async def _consumer_fetch_loop(
             last_at = time.perf_counter()
             fetched = sum(len(records) for records in chunks.values())
             if not got:
-                first_at, uncounted = last_at, fetched
+                first_at, uncounted, cpu_at = last_at, fetched, time.process_time()
             got += fetched
             for tp, records in chunks.items():
                 span = tracker.open(tp, records[0].offset, records[-1].offset, len(records))
@@ -274,19 +281,28 @@ async def _consumer_fetch_loop(
                 if await consumer.commit(positions):
                     tracker.mark_committed(positions)
                 uncommitted = 0
-    elapsed = last_at - first_at
-    return {"records": got, "seconds": elapsed, "records_per_s": (got - uncounted) / elapsed}
+    # A topic read in one fetch counts nothing (tiny smoke-test runs): rates of 0.
+    elapsed, cpu = max(last_at - first_at, 1e-9), time.process_time() - cpu_at
+    counted = got - uncounted
+    return {
+        "records": got,
+        "seconds": elapsed,
+        "records_per_s": counted / elapsed,
+        "cpu_us_per_record": cpu / max(counted, 1) * 1e6,  # the process's, every thread
+    }
 
 
-async def _kafka_consumer_perf(bench: Bench, topic: str, n: int, group: str) -> dict[str, float]:
+async def kafka_consumer_perf(
+    kafka_libs: Path, bootstrap: str, topic: str, n: int, group: str
+) -> dict[str, float]:
     """Kafka's ``kafka-consumer-perf-test`` on ``topic``; its fetch-phase rate (join excluded)."""
     argv = [
         "java",
         "-cp",
-        f"{bench.kafka_libs}/*",
+        f"{kafka_libs}/*",
         "org.apache.kafka.tools.ConsumerPerformance",
         "--bootstrap-server",
-        bench.services.kafka_bootstrap,
+        bootstrap,
         "--topic",
         topic,
         "--messages",
@@ -722,7 +738,7 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", flush=True)
 
 
-def _default_kafka_libs() -> Path:
+def default_kafka_libs() -> Path:
     """The jars ``compose/local`` runs the broker from (the version its pom names, in its
     cache directory: ``CONVEYOR_CACHE_DIR``, else ``.cache``)."""
     pom = (REPO / "compose/local/kafka-pom.xml").read_text()
@@ -777,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         services=Services(args.kafka_bootstrap, args.redis_url),
         plan=QUICK if args.quick else FULL,
         log_dir=args.log_dir,
-        kafka_libs=args.kafka_libs or _default_kafka_libs(),
+        kafka_libs=args.kafka_libs or default_kafka_libs(),
         run_id=uuid.uuid4().hex[:8],
         quick=args.quick,
         baseline_tree=args.baseline_tree.resolve() if args.baseline_tree else None,

@@ -1,4 +1,5 @@
-"""``bench/cpu.py --quick`` runs end to end, so the benchmark cannot rot. Never checks speed."""
+"""``bench/cpu.py --quick`` and ``bench/fetch.py`` run end to end, so the benchmarks cannot rot.
+Never checks speed."""
 
 from __future__ import annotations
 
@@ -34,3 +35,16 @@ def test_quick_cpu_bench_writes_every_section(
     assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
     assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
+
+
+@pytest.mark.timeout(120)
+def test_fetch_bench_reads_every_record_each_way(kafka_bootstrap: str, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "bench.fetch", "--records", "64", "--repeats", "1"]
+    argv += ["--payload-bytes", "300000", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=110)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "fetch-bench.json").read_text())
+    for name in ("kafka_perf", "fetch_buffers", "stock"):
+        assert [run["records"] for run in report["runs"][name]] == [64]
