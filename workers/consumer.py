@@ -86,6 +86,8 @@ class Consumer:
             client_id=settings.worker_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",  # requests sent before any worker started still count
+            # Requests written in a transaction count once it commits, never if it aborts.
+            isolation_level="read_committed",
             session_timeout_ms=settings.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.session_timeout_ms // 3),
             max_poll_interval_ms=settings.max_poll_interval_ms,
