@@ -25,10 +25,13 @@ Stages (each a few minutes at most on an H100 or H200):
 - ``e2e`` (d): the real workers as subprocesses, in each layout of
   ``--e2e-configs`` (worker processes x GPUs). Every worker must be ready and the
   group settled before anything is produced; then each repeat produces a backlog
-  from ``--producers`` processes at once and times the steady state (the middle
-  80% of results by their durable time), median/min/max over ``--repeats``; then
-  p50/p99 latency to durability at about half that rate, open loop. ``--pin``
-  gives the broker and Redis, the producers and the workers cores of their own.
+  from ``--producers`` processes at once, in Kafka transactions committed together
+  once all of it is written (the workers read ``read_committed``, so they see the
+  whole backlog at once and the producers' rate does not bound theirs), and times
+  the steady state (the middle 80% of results by their durable time),
+  median/min/max over ``--repeats``; then p50/p99 latency to durability at about
+  half that rate, open loop. ``--pin`` gives the broker and Redis, the producers
+  and the workers cores of their own.
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
   lost and duplicate-visible counted from Redis and the reply topic.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
@@ -929,7 +932,10 @@ async def _produce_parallel(
     a GPU worker fed with 150 KB images); returns the records/s they achieved together.
 
     Each process builds its records first and says so; all start sending together, so
-    the rate counts sending only.
+    the rate counts sending only. Each writes its share in a Kafka transaction and
+    commits when told, once every process has written all of its share: the workers
+    (which read ``read_committed``) see the whole backlog at once, so what is timed
+    is their rate, not the producers'.
     """
     share = [count // args.producers + (k < count % args.producers) for k in range(args.producers)]
     first, procs = 0, []
@@ -946,28 +952,40 @@ async def _produce_parallel(
         procs.append(proc)
         if args.pin:
             _pin_all_threads(proc.pid, _producer_cores())
-    for proc in procs:  # each says "ready" once its records are built
-        assert proc.stdout is not None
-        line = await proc.stdout.readline()
-        if line.strip() != b"ready":
-            raise RuntimeError(f"a producer did not get ready: {line!r}")
+    await _all_say(procs, b"ready")  # each once its records are built
     if on_go is not None:
         on_go()
     started = time.perf_counter()
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write(b"go\n")
-        await proc.stdin.drain()
+    await _tell_all(procs, b"go")
+    await _all_say(procs, b"sent")  # each once its share is written, not yet committed
+    rate = _rate(count, time.perf_counter() - started)
+    await _tell_all(procs, b"commit")
     codes = [await proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"a producer failed: exit statuses {codes}")
-    return _rate(count, time.perf_counter() - started)
+    return rate
+
+
+async def _all_say(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> None:
+    for proc in procs:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if line.strip() != word:
+            raise RuntimeError(f"a producer did not say {word!r}: {line!r}")
+
+
+async def _tell_all(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(word + b"\n")
+        await proc.stdin.drain()
 
 
 def produce_share(spec: str, args: argparse.Namespace) -> int:
     """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
     (the corpus is rebuilt from the same seeds, so every process sends the same images).
-    Prints "ready" once its records are built, and sends them when a line comes in."""
+    Prints "ready" once its records are built and sends them in a transaction when a line
+    comes in; prints "sent" when all are written, and commits when the next line comes."""
     topic, width, height, prefix, first, count = spec.split(",")
     corpus = Corpus(
         f"{width}x{height}",
@@ -979,7 +997,22 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
     records = _records(corpus, ids)
     print("ready", flush=True)
     sys.stdin.readline()
-    asyncio.run(produce(args.kafka_bootstrap, topic, records, round_robin=True))
+
+    async def sent() -> None:
+        print("sent", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+
+    transaction = f"gpubench-{prefix}-{first}"
+    asyncio.run(
+        produce(
+            args.kafka_bootstrap,
+            topic,
+            records,
+            round_robin=True,
+            transactional_id=transaction,
+            before_commit=sent,
+        )
+    )
     return 0
 
 

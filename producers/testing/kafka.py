@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal, TypeAlias
 
@@ -55,7 +55,13 @@ def requests(
 
 
 async def produce(
-    bootstrap: str, topic: str, records: Sequence[OutgoingRecord], *, round_robin: bool = False
+    bootstrap: str,
+    topic: str,
+    records: Sequence[OutgoingRecord],
+    *,
+    round_robin: bool = False,
+    transactional_id: str | None = None,
+    before_commit: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Write ``records`` to ``topic`` as fast as the client can, acknowledged by every replica.
 
@@ -65,12 +71,21 @@ async def produce(
     explicit batches, one per partition, sent when full: several times faster
     than one ``send`` each, so a backlog is in place before a worker starts and
     the producer does not compete with it for the CPU.
+
+    With ``transactional_id`` they are written in one Kafka transaction, committed
+    once all are written and ``before_commit`` (if given) has returned: workers,
+    which read requests ``read_committed``, then see all of them at once.
     """
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", max_request_size=_MAX_REQUEST_BYTES
+        bootstrap_servers=bootstrap,
+        acks="all",
+        max_request_size=_MAX_REQUEST_BYTES,
+        transactional_id=transactional_id,
     )
     await producer.start()
     try:
+        if transactional_id is not None:
+            await producer.begin_transaction()
         partitions = sorted(await producer.partitions_for(topic))
         by_key = DefaultPartitioner()
         batches = {p: producer.create_batch() for p in partitions}
@@ -89,6 +104,10 @@ async def produce(
             if batch.record_count():
                 sent.append(await producer.send_batch(batch, topic, partition=part))
         await asyncio.gather(*sent)
+        if transactional_id is not None:
+            if before_commit is not None:
+                await before_commit()
+            await producer.commit_transaction()
     finally:
         await producer.stop()
 
