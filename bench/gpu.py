@@ -843,13 +843,13 @@ async def _e2e_one(
             samplers: list[subprocess.Popen[bytes]] = []
 
             def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
-                if args.profile_s and repeat == 1:  # once the producers start sending
+                if args.profile_s and repeat == 1:  # as the backlog becomes visible
                     path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
                     samplers.append(_sample(procs[0].pid, path, args.profile_s))
 
             with UtilizationSampler(gpus) as gpu:
                 produced = await _produce_parallel(
-                    args, model, corpus, prefix, cfg.e2e_count, on_go=sample
+                    args, model, corpus, prefix, cfg.e2e_count, on_visible=sample
                 )
                 results = await _await_results(prefix, cfg.e2e_count, args, procs)
             for sampler in samplers:
@@ -926,7 +926,7 @@ async def _produce_parallel(
     corpus: Corpus,
     prefix: str,
     count: int,
-    on_go: Callable[[], None] | None = None,
+    on_visible: Callable[[], None] | None = None,
 ) -> float:
     """The backlog from ``--producers`` processes at once (one Python producer cannot keep
     a GPU worker fed with 150 KB images); returns the records/s they achieved together.
@@ -953,12 +953,12 @@ async def _produce_parallel(
         if args.pin:
             _pin_all_threads(proc.pid, _producer_cores())
     await _all_say(procs, b"ready")  # each once its records are built
-    if on_go is not None:
-        on_go()
     started = time.perf_counter()
     await _tell_all(procs, b"go")
     await _all_say(procs, b"sent")  # each once its share is written, not yet committed
     rate = _rate(count, time.perf_counter() - started)
+    if on_visible is not None:  # the workers are about to see the backlog
+        on_visible()
     await _tell_all(procs, b"commit")
     codes = [await proc.wait() for proc in procs]
     if any(codes):
