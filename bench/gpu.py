@@ -870,10 +870,7 @@ async def _e2e_one(
         # Latency at about half the peak, open loop (each record stamped when due).
         paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
         count = max(int(paced_rate * args.paced_s), 1)
-        ids = [f"{run}-p-{n}" for n in range(count)]
-        achieved = await produce_at_rate(
-            args.kafka_bootstrap, topics_for(model).requests, _records(corpus, ids), paced_rate
-        )
+        achieved = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
         paced = await _await_results(f"{run}-p", count, args, procs)
         latencies = [_durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
         computes = [r.timings.inference_ms for r in paced if r.timings]
@@ -970,6 +967,59 @@ async def _produce_parallel(
     return rate
 
 
+_PACED_BYTES_PER_S = 150e6  # what one Python producer sends open loop with room to spare
+
+
+async def _paced_parallel(
+    args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int, rate: float
+) -> float:
+    """``count`` requests open loop at ``rate`` in all, from as many producer processes as
+    the corpus's bytes per second need (one Python producer sends about 2,000 records of
+    150 KB a second); each stamps a record with the time it was due. Returns the rate
+    achieved together (the slowest process's share times their number)."""
+    mean_bytes = statistics.fmean(len(image) for image in corpus.images)
+    processes = max(1, min(count, math.ceil(rate * mean_bytes / _PACED_BYTES_PER_S)))
+    share = [count // processes + (k < count % processes) for k in range(processes)]
+    first, procs = 0, []
+    for n in share:
+        spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
+        command = [
+            sys.executable, "-m", "bench.gpu", "--produce-paced", f"{spec},{rate / processes}",
+            "--kafka-bootstrap", args.kafka_bootstrap,
+        ]  # fmt: skip
+        first += n
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        procs.append(proc)
+        if args.pin:
+            _pin_all_threads(proc.pid, _producer_cores())
+    await _all_say(procs, b"ready")
+    await _tell_all(procs, b"go")
+    rates = []
+    for proc in procs:
+        assert proc.stdout is not None
+        rates.append(float((await proc.stdout.readline()).decode()))
+    codes = [await proc.wait() for proc in procs]
+    if any(codes):
+        raise RuntimeError(f"a paced producer failed: exit statuses {codes}")
+    return min(rates) * processes
+
+
+def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
+    """``--produce-paced TOPIC,W,H,PREFIX,FIRST,COUNT,RATE``: one process's share of a paced
+    load; prints "ready", sends when a line comes in, then prints the rate it achieved."""
+    topic, width, height, prefix, first, count, rate = spec.split(",")
+    corpus = _corpus(int(width), int(height))
+    ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
+    records = _records(corpus, ids)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    achieved = asyncio.run(produce_at_rate(args.kafka_bootstrap, topic, records, float(rate)))
+    print(achieved, flush=True)
+    return 0
+
+
 async def _all_say(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> None:
     for proc in procs:
         assert proc.stdout is not None
@@ -985,18 +1035,23 @@ async def _tell_all(procs: Sequence[asyncio.subprocess.Process], word: bytes) ->
         await proc.stdin.drain()
 
 
+def _corpus(width: int, height: int) -> Corpus:
+    """The corpus every producer process rebuilds from the same seeds."""
+    return Corpus(
+        f"{width}x{height}",
+        width,
+        height,
+        tuple(synthetic_jpeg(width, height, seed) for seed in range(64)),
+    )
+
+
 def produce_share(spec: str, args: argparse.Namespace) -> int:
     """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
     (the corpus is rebuilt from the same seeds, so every process sends the same images).
     Prints "ready" once its records are built and sends them in a transaction when a line
     comes in; prints "sent" when all are written, and commits when the next line comes."""
     topic, width, height, prefix, first, count = spec.split(",")
-    corpus = Corpus(
-        f"{width}x{height}",
-        int(width),
-        int(height),
-        tuple(synthetic_jpeg(int(width), int(height), seed) for seed in range(64)),
-    )
+    corpus = _corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids)
     print("ready", flush=True)
@@ -1338,6 +1393,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
+    parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
     parser.add_argument(
         "--detectors",
@@ -1404,6 +1460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.produce:
         return produce_share(args.produce, args)
+    if args.produce_paced:
+        return produce_paced_share(args.produce_paced, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
         for key, value in json.loads(previous.read_text()).items():
