@@ -938,21 +938,7 @@ async def _produce_parallel(
     (which read ``read_committed``) see the whole backlog at once, so what is timed
     is their rate, not the producers'.
     """
-    share = [count // args.producers + (k < count % args.producers) for k in range(args.producers)]
-    first, procs = 0, []
-    for n in share:
-        command = [
-            sys.executable, "-m", "bench.gpu", "--produce",
-            f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}",
-            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(args.partitions),
-        ]  # fmt: skip
-        first += n
-        proc = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-        )
-        procs.append(proc)
-        if args.pin:
-            _pin_all_threads(proc.pid, _producer_cores())
+    procs = await _producers(args, "--produce", model, corpus, prefix, count, args.producers)
     await _all_say(procs, b"ready")  # each once its records are built
     started = time.perf_counter()
     await _tell_all(procs, b"go")
@@ -979,21 +965,9 @@ async def _paced_parallel(
     achieved together (the slowest process's share times their number)."""
     mean_bytes = statistics.fmean(len(image) for image in corpus.images)
     processes = max(1, min(count, math.ceil(rate * mean_bytes / _PACED_BYTES_PER_S)))
-    share = [count // processes + (k < count % processes) for k in range(processes)]
-    first, procs = 0, []
-    for n in share:
-        spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
-        command = [
-            sys.executable, "-m", "bench.gpu", "--produce-paced", f"{spec},{rate / processes}",
-            "--kafka-bootstrap", args.kafka_bootstrap,
-        ]  # fmt: skip
-        first += n
-        proc = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-        )
-        procs.append(proc)
-        if args.pin:
-            _pin_all_threads(proc.pid, _producer_cores())
+    procs = await _producers(
+        args, "--produce-paced", model, corpus, prefix, count, processes, f",{rate / processes}"
+    )
     await _all_say(procs, b"ready")
     await _tell_all(procs, b"go")
     rates = []
@@ -1018,6 +992,36 @@ def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
     achieved = asyncio.run(produce_at_rate(args.kafka_bootstrap, topic, records, float(rate)))
     print(achieved, flush=True)
     return 0
+
+
+async def _producers(
+    args: argparse.Namespace,
+    mode: str,
+    model: str,
+    corpus: Corpus,
+    prefix: str,
+    count: int,
+    processes: int,
+    more: str = "",
+) -> list[asyncio.subprocess.Process]:
+    """``processes`` producer processes (``python -m bench.gpu MODE SPEC``), each with its
+    share of requests ``<prefix>-0`` to ``<prefix>-<count - 1>``, pinned with ``--pin``."""
+    share = [count // processes + (k < count % processes) for k in range(processes)]
+    first, procs = 0, []
+    for n in share:
+        spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
+        command = [
+            sys.executable, "-m", "bench.gpu", mode, spec + more,
+            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(args.partitions),
+        ]  # fmt: skip
+        first += n
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        procs.append(proc)
+        if args.pin:
+            _pin_all_threads(proc.pid, _producer_cores())
+    return procs
 
 
 async def _all_say(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> None:
