@@ -72,7 +72,13 @@ class Consumer:
         kafka_records.install()
         if settings.fetch_buffers:
             fetch_buffers.install()
-        fetch_bytes = fetch_buffers.MAX_FETCH_BYTES if settings.fetch_buffers else 50 << 20
+        # Soft limits: Kafka returns a larger first batch whole, so any record fits.
+        largest = settings.limits.max_payload_bytes + 65536
+        partition_bytes, fetch_bytes = (
+            (fetch_buffers.MAX_FETCH_BYTES, fetch_buffers.MAX_FETCH_BYTES)
+            if settings.fetch_buffers
+            else (max(1 << 20, largest), max(50 << 20, largest))  # as before fetch buffers
+        )
         self._metrics = metrics
         self._topics = [topics] if isinstance(topics, str) else list(topics)
         self._settings = settings
@@ -93,8 +99,7 @@ class Consumer:
             max_poll_interval_ms=settings.max_poll_interval_ms,
             rebalance_timeout_ms=settings.rebalance_timeout_ms,
             group_instance_id=settings.group_instance_id,
-            # Soft limits: Kafka returns a larger first batch whole, so any record fits.
-            max_partition_fetch_bytes=fetch_bytes,
+            max_partition_fetch_bytes=partition_bytes,
             fetch_max_bytes=fetch_bytes,
             **kafka_options(settings),
         )
