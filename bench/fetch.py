@@ -5,10 +5,9 @@ writes a backlog of requests of that size to a fresh 8-partition topic, then rea
 all of it, repeatedly, three ways taking turns: Kafka's ``kafka-consumer-perf-test``
 (unless ``--no-kafka-perf``), and the worker's consumer fetch loop
 (``bench.cpu.consumer_fetch_loop``: fetch, track, commit) with ``fetch_buffers``
-on and off. Each worker-side reading is a
-process of its own on the worker's event loop (uvloop when installed), because the
-frame reader is installed process-wide. It prints the medians and writes
-``fetch-bench.json`` into ``--out``.
+on and off. Each worker-side reading is a process of its own on the worker's
+event loop (uvloop when installed), because the frame reader is installed
+process-wide. It prints the medians and writes ``fetch-bench.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import produce, requests
 from schemas import ContentType, consumer_group, topics_for
-from workers.cli import _loop_factory
+from workers.cli import event_loop_factory
 from workers.settings import WorkerSettings
 
 PARTITIONS = 8
@@ -108,7 +107,7 @@ def read(spec: str, args: argparse.Namespace) -> int:
         kafka_bootstrap=args.kafka_bootstrap,
         fetch_buffers=VARIANTS[variant],
     )
-    with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
         result = runner.run(consumer_fetch_loop(settings, topic, args.records, group))
     print(json.dumps(result), flush=True)
     return 0

@@ -298,7 +298,7 @@ def describe_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's loop when asked for, or for ``auto`` when installed; None: asyncio's."""
     if choice == "asyncio":
         return None
@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             EXIT_NOT_INSTALLED,
         )
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
             runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
