@@ -57,7 +57,8 @@ async def run_worker(settings: WorkerSettings) -> None:
     (Kafka or Redis unreachable) for the CLI to report in one line.
     """
     topics = topics_for(settings.served_name, settings.topic_prefix)
-    _give_large_frees_back()
+    if not settings.fetch_buffers:  # with them, workers.fetch_buffers sets the allocator
+        _give_large_frees_back()
     stop = _stop_on_signals()  # first, so a stop during start-up is a clean one too
     metrics = Metrics(settings.served_name)
     parts = _Parts(stop)
@@ -250,6 +251,8 @@ def _give_large_frees_back() -> None:
     that keep the memory after it is freed: with 8 decode threads the process would
     hold 8 images' worth however the decode budget spaces them. With the fixed
     threshold, resident memory follows the budget (tests/faults/test_faults.py).
+    Fetch buffers (the default) set a threshold of their own, also below Pillow's
+    blocks (``workers.fetch_buffers.MMAP_THRESHOLD``).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -11,9 +11,9 @@ megabytes. Read the stock way it cost the worker's event loop most of its time
 - Frame-sized buffers above glibc's ``mmap`` threshold are mapped fresh for each
   frame and every page faults in again; buffers below it are handed back to the
   kernel when the top of the heap passes the trim threshold. ``keep_large_buffers``
-  raises both, so frames reuse memory the process already has, and the consumer
-  asks for fetch responses below the highest ``mmap`` threshold glibc accepts
-  (``MAX_FETCH_BYTES``).
+  sets both so that a fetch response (``MAX_FETCH_BYTES``) and its copies reuse
+  memory the process already has, while decoded images, which Pillow allocates in
+  16 MiB blocks, stay above the threshold and go back to the system when freed.
 
 ``install()`` puts both in place for every aiokafka connection of the process.
 """
@@ -32,19 +32,34 @@ from typing import Any, Final, SupportsIndex
 
 import aiokafka.conn as _conn
 
-__all__ = ["MAX_FETCH_BYTES", "FrameReader", "install", "keep_large_buffers"]
+__all__ = [
+    "MAX_FETCH_BYTES",
+    "MMAP_THRESHOLD",
+    "TRIM_THRESHOLD",
+    "FrameReader",
+    "install",
+    "keep_large_buffers",
+]
 
 log = logging.getLogger(__name__)
 
-MAX_FETCH_BYTES: Final = 16 << 20
-"""The consumer's ``fetch_max_bytes``. Kafka returns a larger first batch anyway, so a
-record of any allowed size still arrives; below 32 MiB a response fits under glibc's
-highest ``mmap`` threshold and reuses heap memory (``keep_large_buffers``)."""
+MAX_FETCH_BYTES: Final = 4 << 20
+"""The consumer's ``fetch_max_bytes`` and ``max_partition_fetch_bytes``. Kafka returns a
+larger first batch anyway, so a record of any allowed size still arrives. Responses of
+this size come from the heap (``keep_large_buffers``); 4 MiB reads 143 KB and 1 MB
+records as fast as 16 MiB did (``docs/benchmarks.md``)."""
+
+MMAP_THRESHOLD: Final = 5 << 20
+"""Allocations from this size up are mapped, and unmapped when freed: above a fetch
+response, below Pillow's 16 MiB image blocks. Decode threads allocate from heaps of their
+own (glibc arenas); were image blocks served from them, each thread would keep the
+largest image it ever decoded (``docs/reliability.md``)."""
+
+TRIM_THRESHOLD: Final = 16 << 20
+"""Free memory each heap keeps at its top: a fetch response, its records and copies."""
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
-_MMAP_THRESHOLD: Final = 32 << 20  # the largest glibc accepts on 64-bit machines
-_TRIM_THRESHOLD: Final = 128 << 20  # free heap kept: a few frames, their records and copies
 
 
 class FrameReader(asyncio.StreamReader):
@@ -193,7 +208,8 @@ class _AsyncioWithFrameReader(types.ModuleType):
 
 
 def keep_large_buffers() -> bool:
-    """Ask glibc's allocator to serve frame-sized buffers from memory it keeps.
+    """Ask glibc's allocator to serve fetch responses from memory it keeps, and decoded
+    images from mappings it gives back (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``).
 
     Returns False where that cannot be done (not Linux, or not glibc); the worker
     then works as before, with more page faults.
@@ -207,8 +223,8 @@ def keep_large_buffers() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    kept = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1)
-    kept = bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1) and kept
+    kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
+    kept = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1) and kept
     if not kept:
         log.info("the C library refused the allocator settings for fetch buffers")
     return kept

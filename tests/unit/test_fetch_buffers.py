@@ -9,8 +9,16 @@ import aiokafka.conn
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import _imaging
 
-from workers.fetch_buffers import FrameReader, install, keep_large_buffers
+from workers.fetch_buffers import (
+    MAX_FETCH_BYTES,
+    MMAP_THRESHOLD,
+    TRIM_THRESHOLD,
+    FrameReader,
+    install,
+    keep_large_buffers,
+)
 
 LIMIT = 64
 
@@ -146,3 +154,12 @@ def test_install_is_idempotent_and_makes_aiokafka_read_frames() -> None:
 
 def test_keep_large_buffers_works_on_linux_glibc() -> None:
     assert keep_large_buffers() is True  # the suite runs on Linux with glibc
+
+
+def test_fetch_responses_come_from_the_heap_and_decoded_images_are_mapped() -> None:
+    """A full fetch response (records plus protocol headers) is below the mmap
+    threshold, so it reuses heap memory; Pillow's image blocks are above it, so a
+    decoded image goes back to the system when freed (tests/faults: decode bombs)."""
+    assert MAX_FETCH_BYTES + (64 << 10) < MMAP_THRESHOLD
+    assert _imaging.get_block_size() > MMAP_THRESHOLD
+    assert TRIM_THRESHOLD >= 3 * MAX_FETCH_BYTES  # the response, its records' copy, values
