@@ -57,6 +57,7 @@ from bench.stats import (
     batch_summary,
     check_all_ok,
     latency_summary,
+    parts_line,
     pyspy_summary,
 )
 from demo.models.digits import build_digits_model, heldout_digits
@@ -503,6 +504,7 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
                     }
                     | latency_summary(results)
                 )
+                print(f"[bench] latency at {fraction:.0%}: {parts_line(levels[-1])}", flush=True)
     at_half = next(level for level in levels if level["load"] == 0.5)
     bound = DIGITS_DELAY_MS + 2 * at_half["compute_p99_ms"]
     return {

@@ -74,7 +74,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.plot import Line, Panel, draw_panels
-from bench.stats import percentile
+from bench.stats import durable_ms, latency_parts, parts_line, percentile
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import (
@@ -872,7 +872,7 @@ async def _e2e_one(
         count = max(int(paced_rate * args.paced_s), 1)
         achieved = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
         paced = await _await_results(f"{run}-p", count, args, procs)
-        latencies = [_durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
+        latencies = [durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
         computes = [r.timings.inference_ms for r in paced if r.timings]
         row.update(
             {
@@ -885,7 +885,9 @@ async def _e2e_one(
                 "p99_ms": percentile(latencies, 99),
                 "paced_compute_p99_ms": percentile(computes, 99),
             }
+            | latency_parts(paced)
         )
+        print(f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)}", flush=True)
     finally:
         await fleet.aclose()
         await delete_model_topics(settings, model)
@@ -914,11 +916,6 @@ def _records(corpus: Corpus, ids: Sequence[str]) -> list[Any]:
         encode_request(p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu")
         for p, i in zip(corpus.take(len(ids)), ids, strict=True)
     ]
-
-
-def _durable_ms(result: Any) -> float:
-    timings = result.timings
-    return float(timings.finished_ms if timings.published_ms is None else timings.published_ms)
 
 
 async def _produce_parallel(
@@ -1099,7 +1096,7 @@ async def _await_results(
 def _steady_state(results: Sequence[Any], gpu: UtilizationSampler) -> dict[str, Any]:
     """The rate between the 10th and 90th percentile of the results' durable times: the
     first and last tenth (the backlog arriving, the last batches draining) left out."""
-    durable = sorted(_durable_ms(r) for r in results)
+    durable = sorted(durable_ms(r) for r in results)
     low, high = durable[len(durable) // 10], durable[(len(durable) * 9) // 10]
     inside = sum(1 for t in durable if low <= t <= high)
     return {

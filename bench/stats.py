@@ -62,7 +62,7 @@ def latency_summary(results: Sequence[Result]) -> dict[str, float]:
     (``published_ms``; durable one Redis round trip later); results of workers
     that predate that field fall back to ``finished_ms`` (model done).
     """
-    latencies = [_durable_ms(r) - _timings(r).produced_ms for r in results]
+    latencies = [durable_ms(r) - _timings(r).produced_ms for r in results]
     batches = {(r.worker, _timings(r).batch_start_ms): r for r in results}
     compute = [_timings(r).inference_ms for r in batches.values()]
     return {
@@ -74,7 +74,39 @@ def latency_summary(results: Sequence[Result]) -> dict[str, float]:
         "mean_batch_size": len(results) / len(batches),
         "compute_p50_ms": percentile(compute, 50),
         "compute_p99_ms": percentile(compute, 99),
-    }
+    } | latency_parts(results)
+
+
+LATENCY_PARTS = ("to_worker", "to_batch", "in_model", "to_redis")
+"""The parts of the end-to-end time, in order (``latency_parts``)."""
+
+
+def latency_parts(results: Sequence[Result]) -> dict[str, float]:
+    """Where the end-to-end time went: p50 and p99 of each part, in ms, keyed
+    ``<part>_p50_ms`` and ``<part>_p99_ms``. For each result, from its timings:
+
+    - ``to_worker``: record timestamp to the worker's fetch (producer, broker, fetch);
+    - ``to_batch``: fetch to its batch's start (parse, decode, waiting for a batch);
+    - ``in_model``: batch start to the result being ready (the batch's trip through the
+      model's stages, the waits between them included);
+    - ``to_redis``: ready to sent to Redis (the publish queue).
+
+    The parts of one result add up to its end-to-end time; their percentiles need not.
+    Results that never reached a model count in the first and last part only.
+    """
+    parts: dict[str, list[float]] = {name: [] for name in LATENCY_PARTS}
+    for result in results:
+        t = _timings(result)
+        parts["to_worker"].append(t.received_ms - t.produced_ms)
+        if t.batch_start_ms is not None:
+            parts["to_batch"].append(t.batch_start_ms - t.received_ms)
+            parts["in_model"].append(t.finished_ms - t.batch_start_ms)
+        parts["to_redis"].append(durable_ms(result) - t.finished_ms)
+    summary: dict[str, float] = {}
+    for name, values in parts.items():
+        summary[f"{name}_p50_ms"] = percentile(values, 50)
+        summary[f"{name}_p99_ms"] = percentile(values, 99)
+    return summary
 
 
 def batch_summary(results: Sequence[Result]) -> dict[str, float]:
@@ -128,7 +160,16 @@ def pyspy_summary(samples_path: Path, requests: int, top: int = 12) -> dict[str,
     }
 
 
-def _durable_ms(result: Result) -> float:
+def parts_line(summary: dict[str, float]) -> str:
+    """``latency_parts`` in one line: each part's p50/p99."""
+    shown = (
+        f"{n} {summary[f'{n}_p50_ms']:.1f}/{summary[f'{n}_p99_ms']:.1f}" for n in LATENCY_PARTS
+    )
+    return ", ".join(shown) + " ms (p50/p99)"
+
+
+def durable_ms(result: Result) -> float:
+    """When the result was sent to Redis (``finished_ms`` for workers older than that field)."""
     timings = _timings(result)
     return timings.finished_ms if timings.published_ms is None else timings.published_ms
 

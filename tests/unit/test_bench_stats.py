@@ -1,0 +1,74 @@
+"""bench.stats: where the end-to-end time of results went."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.stats import LATENCY_PARTS, latency_parts, latency_summary, parts_line
+from schemas import Result, Status, Timings
+
+
+def result(n: int, *, fetched: float, started: float | None, ready: float, sent: float) -> Result:
+    """A result whose request was produced at t=1000 ms, with its other instants after it."""
+    timings = Timings(
+        produced_ms=1000,
+        received_ms=1000 + fetched,
+        batch_start_ms=None if started is None else 1000 + started,
+        finished_ms=1000 + ready,
+        queue_ms=(started if started is not None else ready) - fetched,
+        inference_ms=3.0,
+        batch_size=0 if started is None else 1,
+        published_ms=1000 + sent,
+    )
+    return Result(
+        id=f"r-{n}",
+        status=Status.ok,
+        model="m",
+        model_version="1",
+        outputs=[],
+        timings=timings,
+        worker=f"w{n}",
+    )
+
+
+def test_the_parts_of_one_result_add_up_to_its_latency() -> None:
+    one = [result(0, fetched=2.0, started=7.0, ready=15.0, sent=16.5)]
+    parts = latency_parts(one)
+    assert [parts[f"{name}_p50_ms"] for name in LATENCY_PARTS] == [2.0, 5.0, 8.0, 1.5]
+    assert sum(parts[f"{name}_p99_ms"] for name in LATENCY_PARTS) == latency_summary(one)["p99_ms"]
+
+
+def test_each_part_has_its_own_percentiles() -> None:
+    # 99 quick results and one slow to reach the worker: the slow part shows at p99 only.
+    results = [result(n, fetched=1.0, started=2.0, ready=3.0, sent=4.0) for n in range(99)]
+    results.append(result(99, fetched=50.0, started=51.0, ready=52.0, sent=53.0))
+    parts = latency_parts(results)
+    assert parts["to_worker_p50_ms"] == 1.0
+    assert parts["to_worker_p99_ms"] == 1.0  # nearest rank: the 99th of 100 values
+    results.append(result(100, fetched=60.0, started=61.0, ready=62.0, sent=63.0))
+    assert latency_parts(results)["to_worker_p99_ms"] == 50.0
+    assert latency_parts(results)["in_model_p99_ms"] == 1.0
+
+
+def test_results_that_never_reached_a_model_count_outside_the_model_parts() -> None:
+    parts = latency_parts([result(0, fetched=2.0, started=None, ready=4.0, sent=5.0)])
+    assert parts["to_worker_p50_ms"] == 2.0
+    assert parts["to_redis_p50_ms"] == 1.0
+    assert math.isnan(parts["to_batch_p50_ms"])
+    assert math.isnan(parts["in_model_p50_ms"])
+
+
+def test_a_result_without_timings_is_refused() -> None:
+    bare = Result(id="r-0", status=Status.ok, model="m", model_version="1", worker="w")
+    with pytest.raises(RuntimeError, match="no timings"):
+        latency_parts([bare])
+
+
+def test_the_line_names_every_part_in_order() -> None:
+    line = parts_line(latency_parts([result(0, fetched=2.0, started=7.0, ready=15.0, sent=16.5)]))
+    assert (
+        line
+        == "to_worker 2.0/2.0, to_batch 5.0/5.0, in_model 8.0/8.0, to_redis 1.5/1.5 ms (p50/p99)"
+    )
