@@ -870,7 +870,8 @@ async def _e2e_one(
         # Latency at about half the peak, open loop (each record stamped when due).
         paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
         count = max(int(paced_rate * args.paced_s), 1)
-        achieved = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
+        sent = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
+        achieved = sent["rate"]
         paced = await _await_results(f"{run}-p", count, args, procs)
         latencies = [durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
         computes = [r.timings.inference_ms for r in paced if r.timings]
@@ -884,10 +885,17 @@ async def _e2e_one(
                 "p50_ms": percentile(latencies, 50),
                 "p99_ms": percentile(latencies, 99),
                 "paced_compute_p99_ms": percentile(computes, 99),
+                "acked_p50_ms": sent["acked_p50_ms"],
+                "acked_p99_ms": sent["acked_p99_ms"],
             }
             | latency_parts(paced)
         )
-        print(f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)}", flush=True)
+        acked = f"{sent['acked_p50_ms']:.1f}/{sent['acked_p99_ms']:.1f}"
+        print(
+            f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)}; "
+            f"acked by the broker {acked} ms after due (worst producer)",
+            flush=True,
+        )
     finally:
         await fleet.aclose()
         await delete_model_topics(settings, model)
@@ -955,11 +963,12 @@ _PACED_BYTES_PER_S = 150e6  # what one Python producer sends open loop with room
 
 async def _paced_parallel(
     args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int, rate: float
-) -> float:
+) -> dict[str, float]:
     """``count`` requests open loop at ``rate`` in all, from as many producer processes as
     the corpus's bytes per second need (one Python producer sends about 2,000 records of
     150 KB a second); each stamps a record with the time it was due. Returns the rate
-    achieved together (the slowest process's share times their number)."""
+    achieved together (the slowest process's share times their number) and the worst
+    process's acknowledgement after due time (``produce_at_rate``), p50 and p99."""
     mean_bytes = statistics.fmean(len(image) for image in corpus.images)
     processes = max(1, min(count, math.ceil(rate * mean_bytes / _PACED_BYTES_PER_S)))
     procs = await _producers(
@@ -967,27 +976,41 @@ async def _paced_parallel(
     )
     await _all_say(procs, b"ready")
     await _tell_all(procs, b"go")
-    rates = []
+    shares = []
     for proc in procs:
         assert proc.stdout is not None
-        rates.append(float((await proc.stdout.readline()).decode()))
+        shares.append(json.loads(await proc.stdout.readline()))
     codes = [await proc.wait() for proc in procs]
     if any(codes):
         raise RuntimeError(f"a paced producer failed: exit statuses {codes}")
-    return min(rates) * processes
+    return {
+        "rate": min(share["rate"] for share in shares) * processes,
+        # The worst process's: percentiles of separate processes do not merge.
+        "acked_p50_ms": max(share["acked_p50_ms"] for share in shares),
+        "acked_p99_ms": max(share["acked_p99_ms"] for share in shares),
+    }
 
 
 def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
     """``--produce-paced TOPIC,W,H,PREFIX,FIRST,COUNT,RATE``: one process's share of a paced
-    load; prints "ready", sends when a line comes in, then prints the rate it achieved."""
+    load; prints "ready", sends when a line comes in, then prints (JSON) the rate it
+    achieved and its records' acknowledgement after their due time (p50, p99)."""
     topic, width, height, prefix, first, count, rate = spec.split(",")
     corpus = _corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids)
     print("ready", flush=True)
     sys.stdin.readline()
-    achieved = asyncio.run(produce_at_rate(args.kafka_bootstrap, topic, records, float(rate)))
-    print(achieved, flush=True)
+    acked: list[float] = []
+    achieved = asyncio.run(
+        produce_at_rate(args.kafka_bootstrap, topic, records, float(rate), acked)
+    )
+    share = {
+        "rate": achieved,
+        "acked_p50_ms": percentile(acked, 50),
+        "acked_p99_ms": percentile(acked, 99),
+    }
+    print(json.dumps(share), flush=True)
     return 0
 
 

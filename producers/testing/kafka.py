@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Literal, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
@@ -118,13 +119,19 @@ def _append(batch: BatchBuilder, record: OutgoingRecord) -> object:
 
 
 async def produce_at_rate(
-    bootstrap: str, topic: str, records: Sequence[OutgoingRecord], rate: float
+    bootstrap: str,
+    topic: str,
+    records: Sequence[OutgoingRecord],
+    rate: float,
+    acked_ms: list[float] | None = None,
 ) -> float:
     """Send ``records`` open loop at ``rate`` per second; returns the rate achieved.
 
     Each record's timestamp is the time it was *due*, not when the client got
     round to it, so a producer that falls behind shows up as latency instead of
-    hiding it (no coordinated omission).
+    hiding it (no coordinated omission). ``acked_ms``, when given, receives for each
+    record the milliseconds from its due time to the broker's acknowledgement as this
+    client saw it: the producer's and the broker's share of a request's latency.
     """
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
     await producer.start()
@@ -134,20 +141,25 @@ async def produce_at_rate(
         for n, record in enumerate(records):
             due = start + n / rate
             await asyncio.sleep(max(0.0, due - time.time()))  # the pace: not a readiness wait
-            sent.append(
-                await producer.send(
-                    topic,
-                    record.value,
-                    key=record.key,
-                    headers=record.headers,
-                    timestamp_ms=int(due * 1000),
-                )
+            ack = await producer.send(
+                topic,
+                record.value,
+                key=record.key,
+                headers=record.headers,
+                timestamp_ms=int(due * 1000),
             )
+            if acked_ms is not None:
+                ack.add_done_callback(partial(_acked, acked_ms, int(due * 1000)))
+            sent.append(ack)
         await asyncio.gather(*sent)
         elapsed = time.time() - start
     finally:
         await producer.stop()
     return len(records) / elapsed if elapsed > 0 else float("nan")
+
+
+def _acked(acked_ms: list[float], due_ms: int, _: object) -> None:
+    acked_ms.append(time.time() * 1000 - due_ms)  # from the record's timestamp, as the worker
 
 
 async def read_topic(

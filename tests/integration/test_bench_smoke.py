@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.stats import LATENCY_PARTS
+
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("meta", "transport", "overhead", "latency", "batching")
 
@@ -32,6 +34,10 @@ def test_quick_cpu_bench_writes_every_section(
     assert report["overhead"]["rates"][0] > 0
     assert report["overhead"]["profile"] is None  # quick mode samples no profile
     assert [level["load"] for level in report["latency"]["levels"]] == [0.25, 0.5, 0.75]
+    for level in report["latency"]["levels"]:
+        assert 0 <= level["acked_p50_ms"] <= level["acked_p99_ms"]
+        for part in LATENCY_PARTS:  # every request reached the model: no part is empty
+            assert 0 <= level[f"{part}_p50_ms"] <= level[f"{part}_p99_ms"] <= level["max_ms"]
     assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
     assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
