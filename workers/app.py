@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
+from workers import fetch_buffers
 from workers.admission import Admission
 from workers.answers import Answers
 from workers.claims import Claims
@@ -57,7 +58,10 @@ async def run_worker(settings: WorkerSettings) -> None:
     (Kafka or Redis unreachable) for the CLI to report in one line.
     """
     topics = topics_for(settings.served_name, settings.topic_prefix)
-    if not settings.fetch_buffers:  # with them, workers.fetch_buffers sets the allocator
+    # Before anything large is allocated: glibc stops adapting its threshold once one is set.
+    if settings.fetch_buffers:
+        fetch_buffers.keep_large_buffers()
+    else:
         _give_large_frees_back()
     stop = _stop_on_signals()  # first, so a stop during start-up is a clean one too
     metrics = Metrics(settings.served_name)
