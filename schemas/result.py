@@ -89,7 +89,8 @@ class Timings(BaseModel, frozen=True):
     """From received to batch start (or to finished, without a batch): time waiting in
     the worker."""
     inference_ms: float
-    """Time in the model for the whole batch."""
+    """Time in the model for the whole batch, from ``batch_start_ms``: collating it (on a
+    GPU, decoding and uploading its images), the forward and its postprocessing."""
     batch_size: Annotated[int, Field(ge=0)]
     """Requests in the batch; 0 when it never reached the model."""
     published_ms: float | None = None

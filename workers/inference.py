@@ -114,26 +114,30 @@ class Inference:
     # -- the pipeline (GPU): prepare ─▶ launch ─▶ finish ------------------------------------
 
     def _prepare(self, items: list[Item], deliver: Callable[[Outcome], None]) -> None:
-        """Prepare thread: drop what expired, then decode and upload on the staging stream."""
+        """Prepare thread: drop what expired, then decode and upload on the staging stream.
+
+        The batch's time in the model starts here, as the serial path's does: its decode
+        and upload are part of its compute (``BatchTiming``, the results' timings)."""
         items, refused = _live(items)
         if not items:
             deliver(Outcome(refused=refused))
             return
+        start_ms = time.time() * 1000.0
         try:
             batch: DeviceBatch | None = self._runner.prepare([i.tensor for i in items])
         except Exception:  # the launch thread runs this batch the simple way, halves and all
             batch = None
-        self._thread.submit(self._launch, items, batch, refused, deliver)
+        self._thread.submit(self._launch, items, batch, refused, start_ms, deliver)
 
     def _launch(
         self,
         items: list[Item],
         batch: DeviceBatch | None,
         refused: list[Refusal],
+        start_ms: float,
         deliver: Callable[[Outcome], None],
     ) -> None:
         """Launch thread: start the forward and hand the batch to the finish thread."""
-        start_ms = time.time() * 1000.0
         launched = None
         if batch is not None:
             try:

@@ -106,3 +106,32 @@ async def test_the_pipeline_splits_postprocess_and_gives_the_serial_results() ->
         results[pipelined] = outcome.outputs
     assert results[True] == results[False]
     assert len(results[True]) == 12
+
+
+class SlowCollate(EchoModel):
+    """Echo, with a collate (the GPU handlers decode there) that takes COLLATE_S."""
+
+    def collate(self, tensors: Any, device: Any) -> None:
+        time.sleep(COLLATE_S)
+        return None  # the runner then stacks the tensors itself
+
+
+COLLATE_S = 0.05
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_batch_time_in_the_model_counts_its_collate(pipelined: bool) -> None:
+    """Both paths time a batch from its collate on (on a GPU: decode and upload), so
+    ``inference_ms`` means the same on either and ``queue_ms`` is only the wait."""
+    inference = Inference(
+        ModelRunner(SlowCollate(), device="cpu"), lambda _: None, pipelined=pipelined
+    )
+    batch = items([1, 2])
+    submitted_ms = time.time() * 1000.0
+    try:
+        (outcome,) = await run_batches(inference, [batch])
+    finally:
+        inference.close()
+    assert outcome.timing is not None
+    assert outcome.timing.inference_ms >= COLLATE_S * 1000.0
+    assert outcome.timing.start_ms - submitted_ms < COLLATE_S * 1000.0
