@@ -74,7 +74,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.plot import Line, Panel, draw_panels
-from bench.stats import durable_ms, latency_parts, parts_line, percentile
+from bench.stats import LATENCY_PARTS, durable_ms, latency_summary, parts_line, percentile
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import (
@@ -873,8 +873,7 @@ async def _e2e_one(
         sent = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
         achieved = sent["rate"]
         paced = await _await_results(f"{run}-p", count, args, procs)
-        latencies = [durable_ms(r) - r.timings.produced_ms for r in paced if r.timings]
-        computes = [r.timings.inference_ms for r in paced if r.timings]
+        summary = latency_summary(paced)
         row.update(
             {
                 "paced_rate": achieved,
@@ -882,13 +881,13 @@ async def _e2e_one(
                 # One Python producer sends 150 KB records at about 2,000/s: above that it
                 # falls behind and its own lag would count as the workers' latency.
                 "paced_kept_up": achieved >= 0.95 * paced_rate,
-                "p50_ms": percentile(latencies, 50),
-                "p99_ms": percentile(latencies, 99),
-                "paced_compute_p99_ms": percentile(computes, 99),
+                "p50_ms": summary["p50_ms"],
+                "p99_ms": summary["p99_ms"],
+                "paced_compute_p99_ms": summary["compute_p99_ms"],  # per batch
                 "acked_p50_ms": sent["acked_p50_ms"],
                 "acked_p99_ms": sent["acked_p99_ms"],
             }
-            | latency_parts(paced)
+            | {key: value for key, value in summary.items() if key.startswith(LATENCY_PARTS)}
         )
         acked = f"{sent['acked_p50_ms']:.1f}/{sent['acked_p99_ms']:.1f}"
         print(
