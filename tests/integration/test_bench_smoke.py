@@ -1,5 +1,5 @@
-"""``bench/cpu.py --quick`` and ``bench/fetch.py`` run end to end, so the benchmarks cannot rot.
-Never checks speed."""
+"""``bench/cpu.py --quick``, ``bench/fetch.py`` and ``bench/gpu.py``'s e2e stage (on the
+CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -54,3 +54,26 @@ def test_fetch_bench_reads_every_record_each_way(kafka_bootstrap: str, tmp_path:
     report = json.loads((tmp_path / "fetch-bench.json").read_text())
     for name in ("kafka_perf", "fetch_buffers", "stock"):
         assert [run["records"] for run in report["runs"][name]] == [64]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_bench_end_to_end_runs_on_the_cpu(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """bench.gpu's e2e stage (transactional backlogs, paced producer processes, latency
+    parts) with a tiny model on the CPU, so it works when a GPU call comes."""
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "e2e"]
+    argv += ["--model", "tests.unit.test_gpu_bench_smoke:TinyClassifier"]
+    argv += ["--corpora", "224x224", "--e2e-configs", "1x1", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "gpu-bench.json").read_text())["e2e"].values()
+    assert len(row["runs"]) == 3
+    assert all(run["img_s"] > 0 for run in row["runs"])
+    assert 0 <= row["acked_p50_ms"] <= row["acked_p99_ms"]
+    for part in LATENCY_PARTS:
+        assert 0 <= row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"]
+    assert "latency parts" in done.stdout
