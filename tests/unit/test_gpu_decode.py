@@ -415,13 +415,16 @@ def test_image_lists_leave_the_cpus_share_to_the_decode_threads() -> None:
     assert decoder.encoded(photo(64, 48, 1)) is not None
 
 
-def test_the_worker_sets_the_share_or_says_it_has_no_effect(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    from workers.app import _share_decoding_with_cpu
+def test_the_worker_loads_its_model_with_the_cpus_share(caplog: pytest.LogCaptureFixture) -> None:
+    from workers.app import _load_model
+    from workers.settings import WorkerSettings
 
-    gpu = classifier("gpu")
-    _share_decoding_with_cpu(gpu, 1.0)
-    assert gpu.preprocess(photo(64, 48, 1), ContentType.JPEG, {}).ndim == 3
-    _share_decoding_with_cpu(classifier("cpu"), 0.5)
+    model = "tests.unit.test_gpu_bench_smoke:TinyClassifier"
+    jpeg = photo(64, 48, 1)
+    for share, decoded_on in ((0.0, 1), (1.0, 3)):  # ndim: 1 still encoded, 3 decoded
+        settings = WorkerSettings(model=model, device="cpu", decode="gpu", cpu_decode_share=share)
+        handler = _load_model(settings).handler
+        assert handler.preprocess(jpeg, ContentType.JPEG, {}).ndim == decoded_on
+    assert "no effect" not in caplog.text
+    _load_model(WorkerSettings(model=model, device="cpu", decode="cpu", cpu_decode_share=0.5))
     assert "--cpu-decode-share has no effect" in caplog.text
