@@ -29,14 +29,13 @@ from common.redis_cluster import check_cluster_url
 from common.s3 import S3Settings
 from common.security import ConnectionSecurity
 from schemas import (
-    DEFAULT_DATA_PREFIX,
     DEFAULT_LANE,
     DEFAULT_LIMITS,
     Limits,
-    parse_dataref,
     topics_for,
 )
 from workers.config_file import ConfigFileSource
+from workers.dataref_settings import DatarefSettings
 from workers.lanes import LaneSpec, checked_lanes, parse_lanes
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
@@ -67,7 +66,7 @@ def _no_lanes() -> tuple[LaneSpec, ...]:
     return ()
 
 
-class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
+class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettings):
     """Everything a worker process needs to know, validated once at start."""
 
     model_config = SettingsConfigDict(
@@ -246,17 +245,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     fetch_buffers: bool = True
     """read fetch responses with one copy per frame, into memory kept (workers.fetch_buffers)"""
 
-    # Payloads by reference (ce_dataref), cancellation and status (docs/contract.md).
-    dataref_redis_prefix: str = Field(
-        default=DEFAULT_DATA_PREFIX,
-        min_length=1,
-        description="a ce_dataref may name Redis keys (redis:KEY) with this prefix only",
-    )
-    dataref_s3_buckets: str = Field(
-        default="",
-        description="comma-separated S3 buckets a ce_dataref may name (s3://BUCKET/KEY); "
-        "empty: none (the store is set with the s3_* settings)",
-    )
+    # Cancellation and status (docs/contract.md); payloads by reference: DatarefSettings.
     cancellation: bool = Field(
         default=False,
         description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
@@ -380,18 +369,6 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
         tail = re.split(r"[:/]", self.model)[-1]
         return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
 
-    @field_validator("dataref_s3_buckets")
-    @classmethod
-    def _check_buckets(cls, value: str) -> str:
-        for bucket in _split(value):
-            parse_dataref(f"s3://{bucket}/k")  # raises ValueError naming the rule
-        return value
-
-    @property
-    def s3_buckets(self) -> frozenset[str]:
-        """The buckets of ``dataref_s3_buckets``."""
-        return frozenset(_split(self.dataref_s3_buckets))
-
     @property
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
@@ -400,7 +377,3 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings):
     def request_lanes(self) -> tuple[LaneSpec, ...]:
         """Every lane served, highest first; without ``lanes``, the default lane alone."""
         return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)
-
-
-def _split(names: str) -> list[str]:
-    return [name.strip() for name in names.split(",") if name.strip()]
