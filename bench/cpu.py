@@ -53,12 +53,12 @@ from typing import Any
 from bench.plot import Line, Panel, draw_panels
 from bench.services import Services, all_results_in
 from bench.stats import (
+    acked_summary,
     backlog_rate,
     batch_summary,
     check_all_ok,
     latency_summary,
     parts_line,
-    percentile,
     pyspy_summary,
 )
 from demo.models.digits import build_digits_model, heldout_digits
@@ -503,12 +503,11 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
                         "target_rate": rate,
                         "sent_rate": sent_rate,
                         "requests": count,
-                        "acked_p50_ms": percentile(acked, 50),
-                        "acked_p99_ms": percentile(acked, 99),
                     }
+                    | acked_summary(acked)
                     | latency_summary(results)
                 )
-                print(f"[bench] latency at {fraction:.0%}: {_parts(levels[-1])}", flush=True)
+                print(f"[bench] latency at {fraction:.0%}: {parts_line(levels[-1])}", flush=True)
     at_half = next(level for level in levels if level["load"] == 0.5)
     bound = DIGITS_DELAY_MS + 2 * at_half["compute_p99_ms"]
     return {
@@ -521,11 +520,6 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
         "goal_p99_ms_at_half_load": bound,
         "met": at_half["p99_ms"] <= bound,
     }
-
-
-def _parts(level: dict[str, Any]) -> str:
-    acked = f"{level['acked_p50_ms']:.1f}/{level['acked_p99_ms']:.1f}"
-    return f"{parts_line(level)}; acked by the broker {acked} ms after due"
 
 
 # -- requests ---------------------------------------------------------------------------------

@@ -160,12 +160,21 @@ def pyspy_summary(samples_path: Path, requests: int, top: int = 12) -> dict[str,
     }
 
 
+def acked_summary(acked_ms: Sequence[float]) -> dict[str, float]:
+    """p50 and p99 of the acknowledgements after due time ``produce_at_rate`` collects."""
+    return {"acked_p50_ms": percentile(acked_ms, 50), "acked_p99_ms": percentile(acked_ms, 99)}
+
+
 def parts_line(summary: dict[str, float]) -> str:
-    """``latency_parts`` in one line: each part's p50/p99."""
+    """``latency_parts`` in one line: each part's p50/p99, then ``acked_summary``'s if there."""
     shown = (
         f"{n} {summary[f'{n}_p50_ms']:.1f}/{summary[f'{n}_p99_ms']:.1f}" for n in LATENCY_PARTS
     )
-    return ", ".join(shown) + " ms (p50/p99)"
+    line = ", ".join(shown) + " ms (p50/p99)"
+    if "acked_p50_ms" in summary:
+        acked = f"{summary['acked_p50_ms']:.1f}/{summary['acked_p99_ms']:.1f}"
+        line += f"; acked by the broker {acked} ms after due"
+    return line
 
 
 def durable_ms(result: Result) -> float:

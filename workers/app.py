@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
@@ -37,8 +37,6 @@ from workers.topics import TopicFacts, check_topics
 from workers.transactions import Transactions
 
 log = logging.getLogger("conveyor.worker")
-
-_M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 
 
 @dataclass
@@ -270,11 +268,7 @@ def _give_large_frees_back() -> None:
     Fetch buffers (the default) set a threshold of their own, also below Pillow's
     blocks (``workers.fetch_buffers.MMAP_THRESHOLD``).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator has its own policy
-    if not libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20):
+    if not fetch_buffers.set_allocator(1 << 20) and sys.platform.startswith("linux"):
         log.warning("could not set glibc's mmap threshold; decode memory may stay resident")
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "FrameReader",
     "install",
     "keep_large_buffers",
+    "set_allocator",
 ]
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,15 @@ def keep_large_buffers() -> bool:
     Returns False where that cannot be done (not Linux, or not glibc); the worker
     then works as before, with more page faults.
     """
+    kept = set_allocator(MMAP_THRESHOLD, TRIM_THRESHOLD)
+    if not kept:
+        log.info("the C library refused the allocator settings for fetch buffers")
+    return kept
+
+
+def set_allocator(mmap_threshold: int, trim_threshold: int | None = None) -> bool:
+    """Set glibc's ``mmap`` threshold (fixed: glibc stops adapting it) and, when given, its
+    trim threshold. False where that cannot be done (not Linux, not glibc, refused)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -223,11 +233,10 @@ def keep_large_buffers() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
-    kept = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1) and kept
-    if not kept:
-        log.info("the C library refused the allocator settings for fetch buffers")
-    return kept
+    done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1)
+    if trim_threshold is not None:
+        done = bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1) and done
+    return done
 
 
 def install() -> None:

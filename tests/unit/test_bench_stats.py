@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.stats import LATENCY_PARTS, latency_parts, latency_summary, parts_line
+from bench.stats import LATENCY_PARTS, acked_summary, latency_parts, latency_summary, parts_line
 from schemas import Result, Status, Timings
 
 
@@ -72,3 +72,9 @@ def test_the_line_names_every_part_in_order() -> None:
         line
         == "to_worker 2.0/2.0, to_batch 5.0/5.0, in_model 8.0/8.0, to_redis 1.5/1.5 ms (p50/p99)"
     )
+
+
+def test_the_line_ends_with_the_acknowledgements_when_they_were_collected() -> None:
+    parts = latency_parts([result(0, fetched=2.0, started=7.0, ready=15.0, sent=16.5)])
+    line = parts_line(parts | acked_summary([1.0, 3.0]))
+    assert line.endswith("ms (p50/p99); acked by the broker 1.0/3.0 ms after due")

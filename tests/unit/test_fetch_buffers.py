@@ -18,6 +18,7 @@ from workers.fetch_buffers import (
     FrameReader,
     install,
     keep_large_buffers,
+    set_allocator,
 )
 
 LIMIT = 64
@@ -154,6 +155,13 @@ def test_install_is_idempotent_and_makes_aiokafka_read_frames() -> None:
 
 def test_keep_large_buffers_works_on_linux_glibc() -> None:
     assert keep_large_buffers() is True  # the suite runs on Linux with glibc
+
+
+def test_glibc_takes_the_decode_threshold_alone() -> None:
+    try:
+        assert set_allocator(1 << 20) is True  # the worker's setting without fetch buffers
+    finally:
+        keep_large_buffers()  # as the rest of the suite's process expects
 
 
 def test_fetch_responses_come_from_the_heap_and_decoded_images_are_mapped() -> None:
