@@ -188,7 +188,6 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
-    _share_decoding_with_cpu(handler, settings.cpu_decode_share)
     cuda = resolve_device(settings.device).type == "cuda"
     graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
     graphs = graphs and not settings.compile
@@ -243,17 +242,6 @@ def start_up_objects_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def _share_decoding_with_cpu(handler: object, share: float) -> None:
-    """Leave ``share`` of the JPEGs to the decode threads where the device decodes them."""
-    if not share:
-        return
-    decoder = getattr(handler, "batch_decoder", None)
-    if decoder is None:
-        log.warning("--cpu-decode-share has no effect: this model decodes its images on the CPU")
-        return
-    decoder.share_with_cpu(share)
 
 
 def _give_large_frees_back() -> None:

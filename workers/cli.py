@@ -65,7 +65,6 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "dtype",
         "channels_last",
         "decode",
-        "cpu_decode_share",
         "compile",
         "cuda_graphs",
         "allow_pickle_models",

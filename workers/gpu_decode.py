@@ -9,9 +9,7 @@ The split of work:
   header (``workers.jpeg.read_jpeg_header``), enforces ``max_pixels`` on the declared size, and
   returns the payload bytes as a 1-D uint8 tensor. Anything it will not take (not a
   JPEG, arithmetic-coded, CMYK, 12-bit, a header it cannot parse) returns ``None``,
-  and the caller decodes that item on the CPU as before. So does every item of a
-  configured share (``share_with_cpu``): the decode threads then take that part of
-  the decoding off the device, whose decode and forward share its SMs.
+  and the caller decodes that item on the CPU as before.
 - ``BatchDecoder.collate`` runs where the batch is built: it decodes every encoded
   item of a batch in one ``workers.jpeg.decode_jpegs`` call on the device, center-crops and
   resizes each group of same-sized images with one pair of batched matrix products
@@ -37,8 +35,6 @@ same batched nvJPEG decode, each image kept at its own size, handed on as a list
 from __future__ import annotations
 
 import io
-import itertools
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
@@ -87,31 +83,10 @@ def device_decode_supported(spec: ImageSpec) -> str | None:
     return None
 
 
-class CpuShare:
-    """Picks which JPEGs the decode threads decode on the CPU instead of the device: of
-    every run of items, ``share`` of them, spread evenly (0.25: every fourth). Safe to
-    call from several threads (one atomic counter)."""
-
-    def __init__(self, share: float = 0.0) -> None:
-        """Raises ``ValueError`` unless ``share`` is between 0 and 1."""
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"the CPU's share of JPEG decoding must be 0 to 1, not {share}")
-        self.share = share
-        self._count = itertools.count()
-
-    def on_cpu(self) -> bool:
-        """Whether the next item goes to the CPU."""
-        if self.share == 0.0:
-            return False
-        n = next(self._count)
-        return math.floor((n + 1) * self.share) > math.floor(n * self.share)
-
-
 class BatchDecoder:
     """Decodes a batch's JPEGs on a device and fits them to ``spec`` (see the module doc).
 
-    Thread-safety: ``encoded`` keeps only ``CpuShare``'s counter; ``collate`` is called by
-    one thread at a time.
+    Thread-safety: ``encoded`` holds no state; ``collate`` is called by one thread at a time.
     """
 
     def __init__(
@@ -125,22 +100,16 @@ class BatchDecoder:
         self.spec = spec
         self._max_pixels = max_pixels
         self._hardware = HardwareJpeg(spec.mode) if backend == "nvimgcodec" else None
-        self._cpu = CpuShare()
         self._mode = READ_MODES[spec.mode]
         self._filter = _FILTERS[spec.resample]
         self._matrices: dict[
             tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor] | None
         ] = {}
 
-    def share_with_cpu(self, share: float) -> None:
-        """Leave ``share`` (0 to 1) of the JPEGs to the CPU (``CpuShare``); 0 by default."""
-        self._cpu = CpuShare(share)
-
     def encoded(self, payload: bytes) -> torch.Tensor | None:
-        """The payload as a 1-D uint8 tensor for ``collate``, or ``None`` when it is to be
-        decoded on the CPU (one the device path will not take, or the CPU's share).
-        Raises ``ContractError(image_too_large)`` from the header alone."""
-        return None if self._cpu.on_cpu() else encoded_jpeg(payload, self._max_pixels)
+        """The payload as a 1-D uint8 tensor for ``collate``, or ``None`` when it must be
+        decoded on the CPU. Raises ``ContractError(image_too_large)`` from the header alone."""
+        return encoded_jpeg(payload, self._max_pixels)
 
     def example(self) -> torch.Tensor:
         """An encoded JPEG larger than the target, so warm-up runs decode and resize."""
@@ -290,15 +259,10 @@ class ImageListDecoder:
         self._read_mode = READ_MODES[mode]
         self._max_pixels = max_pixels
         self._hardware = HardwareJpeg(mode) if backend == "nvimgcodec" else None
-        self._cpu = CpuShare()
-
-    def share_with_cpu(self, share: float) -> None:
-        """As ``BatchDecoder.share_with_cpu``."""
-        self._cpu = CpuShare(share)
 
     def encoded(self, payload: bytes) -> torch.Tensor | None:
         """As ``BatchDecoder.encoded``."""
-        return None if self._cpu.on_cpu() else encoded_jpeg(payload, self._max_pixels)
+        return encoded_jpeg(payload, self._max_pixels)
 
     def example(self, width: int, height: int) -> torch.Tensor:
         """An encoded grey JPEG of this size, for warm-up."""

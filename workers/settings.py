@@ -107,13 +107,6 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
         "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
     )
-    cpu_decode_share: float = Field(
-        default=0.0,
-        ge=0.0,
-        le=1.0,
-        description="with JPEGs decoded on the GPU, the share (0 to 1) the decode threads "
-        "decode on the CPU instead, taking that work off the GPU's SMs",
-    )
     compile: bool = Field(default=False, description="torch.compile the model")
     cuda_graphs: bool | None = Field(
         default=None,

@@ -21,7 +21,7 @@ from PIL import Image
 
 from schemas import ContentType, ContractError, ErrorCode, Limits
 from workers import jpeg as device_jpeg
-from workers.gpu_decode import BatchDecoder, CpuShare, ImageListDecoder
+from workers.gpu_decode import BatchDecoder
 from workers.handlers import Collating, ImageClassifier
 from workers.jpeg import read_jpeg_header
 from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD, load_handler
@@ -360,71 +360,3 @@ def test_image_lists_are_decoded_at_their_own_size_in_order() -> None:
         images, payloads, [ContentType.JPEG, ContentType.PNG, ContentType.JPEG], strict=True
     ):
         assert torch.equal(image, decode_full(payload, content_type, "RGB", max_pixels=10**6))
-
-
-# -- the CPU's share of the decoding ----------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("share", "pattern"),
-    [(0.0, "...."), (0.25, "...C"), (0.5, ".C.C"), (0.75, ".CCC"), (1.0, "CCCC")],
-)
-def test_the_cpus_share_is_spread_evenly(share: float, pattern: str) -> None:
-    picks = CpuShare(share)
-    taken = "".join("C" if picks.on_cpu() else "." for _ in range(4 * len(pattern)))
-    assert taken == pattern * 4
-
-
-def test_the_cpus_share_is_exact_across_threads() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    picks = CpuShare(0.3)
-    with ThreadPoolExecutor(8) as pool:
-        taken = sum(pool.map(lambda _: picks.on_cpu(), range(10_000)))
-    assert taken == 3_000
-
-
-@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
-def test_a_share_outside_0_to_1_is_refused(share: float) -> None:
-    with pytest.raises(ValueError, match="0 to 1"):
-        CpuShare(share)
-
-
-def test_the_cpus_share_is_decoded_by_pillow_in_the_decode_threads_and_keeps_its_place() -> None:
-    gpu, cpu = classifier("gpu"), classifier("cpu")
-    assert gpu.batch_decoder is not None
-    gpu.batch_decoder.share_with_cpu(0.5)
-    payloads = [photo(640, 480, n) for n in range(4)]
-
-    items = [gpu.preprocess(p, ContentType.JPEG, {}) for p in payloads]
-    assert [item.ndim for item in items] == [1, 3, 1, 3]  # every second one decoded already
-    batch = gpu.collate(items, CPU)
-
-    assert batch is not None
-    for n in (1, 3):
-        assert torch.equal(batch[n], cpu.preprocess(payloads[n], ContentType.JPEG, {}))
-    for n in (0, 2):
-        assert torch.equal(batch[n], gpu.collate([items[n]], CPU)[0])  # type: ignore[index]
-
-
-def test_image_lists_leave_the_cpus_share_to_the_decode_threads() -> None:
-    decoder = ImageListDecoder("RGB", max_pixels=10**7)
-    decoder.share_with_cpu(1.0)
-    assert decoder.encoded(photo(64, 48, 1)) is None
-    decoder.share_with_cpu(0.0)
-    assert decoder.encoded(photo(64, 48, 1)) is not None
-
-
-def test_the_worker_loads_its_model_with_the_cpus_share(caplog: pytest.LogCaptureFixture) -> None:
-    from workers.app import _load_model
-    from workers.settings import WorkerSettings
-
-    model = "tests.unit.test_gpu_bench_smoke:TinyClassifier"
-    jpeg = photo(64, 48, 1)
-    for share, decoded_on in ((0.0, 1), (1.0, 3)):  # ndim: 1 still encoded, 3 decoded
-        settings = WorkerSettings(model=model, device="cpu", decode="gpu", cpu_decode_share=share)
-        handler = _load_model(settings).handler
-        assert handler.preprocess(jpeg, ContentType.JPEG, {}).ndim == decoded_on
-    assert "no effect" not in caplog.text
-    _load_model(WorkerSettings(model=model, device="cpu", decode="cpu", cpu_decode_share=0.5))
-    assert "--cpu-decode-share has no effect" in caplog.text
