@@ -13,7 +13,8 @@ megabytes. Read the stock way it cost the worker's event loop most of its time
   kernel when the top of the heap passes the trim threshold. ``keep_large_buffers``
   sets both so that a fetch response (``MAX_FETCH_BYTES``) and its copies reuse
   memory the process already has, while decoded images, which Pillow allocates in
-  16 MiB blocks, stay above the threshold and go back to the system when freed.
+  blocks of ``IMAGE_BLOCK_BYTES``, stay above the threshold and go back to the
+  system when freed.
 
 ``install()`` puts both in place for every aiokafka connection of the process.
 """
@@ -31,11 +32,13 @@ from collections.abc import Iterable
 from typing import Any, Final, SupportsIndex
 
 import aiokafka.conn as _conn
+from PIL import Image
 
 __all__ = [
     "MAX_FETCH_BYTES",
     "MMAP_THRESHOLD",
     "TRIM_THRESHOLD",
+    "IMAGE_BLOCK_BYTES",
     "FrameReader",
     "install",
     "keep_large_buffers",
@@ -44,20 +47,25 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_FETCH_BYTES: Final = 4 << 20
+MAX_FETCH_BYTES: Final = 16 << 20
 """The consumer's ``fetch_max_bytes`` and ``max_partition_fetch_bytes``. Kafka returns a
 larger first batch anyway, so a record of any allowed size still arrives. Responses of
-this size come from the heap (``keep_large_buffers``); 4 MiB reads 143 KB and 1 MB
-records as fast as 16 MiB did (``docs/benchmarks.md``)."""
+this size come from the heap (``keep_large_buffers``). A response is what one round trip
+to the broker brings: on an H100 host 4 MiB ones (28 camera frames) held a GPU worker to
+0.73x of its rate with 16 MiB ones (``docs/benchmarks.md``)."""
 
-MMAP_THRESHOLD: Final = 5 << 20
+MMAP_THRESHOLD: Final = 17 << 20
 """Allocations from this size up are mapped, and unmapped when freed: above a fetch
-response, below Pillow's 16 MiB image blocks. Decode threads allocate from heaps of their
-own (glibc arenas); were image blocks served from them, each thread would keep the
-largest image it ever decoded (``docs/reliability.md``)."""
+response, below Pillow's image blocks (``IMAGE_BLOCK_BYTES``). Decode threads allocate
+from heaps of their own (glibc arenas); were image blocks served from them, each thread
+would keep the largest image it ever decoded (``docs/reliability.md``)."""
 
-TRIM_THRESHOLD: Final = 16 << 20
+TRIM_THRESHOLD: Final = 48 << 20
 """Free memory each heap keeps at its top: a fetch response, its records and copies."""
+
+IMAGE_BLOCK_BYTES: Final = 32 << 20
+"""Pillow's block size (its default is 16 MiB): a large image is allocated in blocks of
+this size, each above ``MMAP_THRESHOLD``."""
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
@@ -210,11 +218,13 @@ class _AsyncioWithFrameReader(types.ModuleType):
 
 def keep_large_buffers() -> bool:
     """Ask glibc's allocator to serve fetch responses from memory it keeps, and decoded
-    images from mappings it gives back (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``).
+    images from mappings it gives back (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``,
+    ``IMAGE_BLOCK_BYTES``).
 
     Returns False where that cannot be done (not Linux, or not glibc); the worker
     then works as before, with more page faults.
     """
+    Image.core.set_block_size(IMAGE_BLOCK_BYTES)
     kept = set_allocator(MMAP_THRESHOLD, TRIM_THRESHOLD)
     if not kept:
         log.info("the C library refused the allocator settings for fetch buffers")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from PIL import _imaging
 
 from workers.fetch_buffers import (
+    IMAGE_BLOCK_BYTES,
     MAX_FETCH_BYTES,
     MMAP_THRESHOLD,
     TRIM_THRESHOLD,
@@ -169,5 +170,6 @@ def test_fetch_responses_come_from_the_heap_and_decoded_images_are_mapped() -> N
     threshold, so it reuses heap memory; Pillow's image blocks are above it, so a
     decoded image goes back to the system when freed (tests/faults: decode bombs)."""
     assert MAX_FETCH_BYTES + (64 << 10) < MMAP_THRESHOLD
-    assert _imaging.get_block_size() > MMAP_THRESHOLD
+    keep_large_buffers()
+    assert _imaging.get_block_size() == IMAGE_BLOCK_BYTES > MMAP_THRESHOLD
     assert TRIM_THRESHOLD >= 3 * MAX_FETCH_BYTES  # the response, its records' copy, values
