@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.gpu import main, synthetic_jpeg
+from bench.gpu import main, summarize, synthetic_jpeg
 from schemas import DEFAULT_LIMITS, Limits
 from workers.handlers import ImageClassifier
 from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
@@ -105,3 +105,26 @@ def test_quick_cpu_run_of_the_detection_rows(
         assert row["naive_img_s"] > 0
         assert row["pipeline_img_s"] > 0
     assert "Detection on CPU" in capsys.readouterr().out
+
+
+def test_each_layout_is_held_to_the_forward_it_ran() -> None:
+    """A compiled layout against the compiled forward, an eager one against the eager,
+    whether or not a one-worker layout was measured; the ceiling is the lower of the
+    forward at the largest batch and the best decode."""
+    forward = {
+        "eager": {"32": {"img_s": 7_000.0}, "256": {"img_s": 13_000.0}},
+        "compiled": {"32": {"img_s": 9_000.0}, "256": {"img_s": 23_000.0}},
+    }
+    results = {
+        "forward": forward,
+        "decode": {"224x224": {"best": 18_000.0}},
+        "e2e": {
+            "4x1 224x224": {"compiled": True, "img_s": 12_600.0},
+            "2x1 224x224": {"compiled": False, "img_s": 9_100.0},
+        },
+    }
+    rows = {row["layout"]: row for row in summarize(results)}
+    assert rows["4x1"]["ceiling_img_s"] == 18_000.0  # the decode, below the compiled forward
+    assert rows["4x1"]["vs_ceiling"] == pytest.approx(0.7)
+    assert rows["2x1"]["ceiling_img_s"] == 13_000.0  # the eager forward, below the decode
+    assert rows["2x1"]["vs_ceiling"] == pytest.approx(0.7)
