@@ -32,13 +32,13 @@ from collections.abc import Iterable
 from typing import Any, Final, SupportsIndex
 
 import aiokafka.conn as _conn
-from PIL import Image
+from PIL import _imaging
 
 __all__ = [
+    "IMAGE_BLOCK_BYTES",
     "MAX_FETCH_BYTES",
     "MMAP_THRESHOLD",
     "TRIM_THRESHOLD",
-    "IMAGE_BLOCK_BYTES",
     "FrameReader",
     "install",
     "keep_large_buffers",
@@ -224,7 +224,7 @@ def keep_large_buffers() -> bool:
     Returns False where that cannot be done (not Linux, or not glibc); the worker
     then works as before, with more page faults.
     """
-    Image.core.set_block_size(IMAGE_BLOCK_BYTES)
+    _imaging.set_block_size(IMAGE_BLOCK_BYTES)
     kept = set_allocator(MMAP_THRESHOLD, TRIM_THRESHOLD)
     if not kept:
         log.info("the C library refused the allocator settings for fetch buffers")
