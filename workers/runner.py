@@ -288,7 +288,7 @@ class ModelRunner:
                 if not isinstance(example.tensor, torch.Tensor):
                     log.info("CUDA graphs are off: this handler's batches are lists of images")
                     return
-                static = example.tensor.clone()
+                static = static_input(example.tensor)
                 graph = torch.cuda.CUDAGraph()
                 with (
                     torch.inference_mode(),
@@ -342,6 +342,15 @@ def compile_forward(
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
     return torch.compile(forward, dynamic=False)
+
+
+def static_input(batch: torch.Tensor) -> torch.Tensor:
+    """The copy of a batch that a CUDA graph records its forward with: an inference
+    tensor, as every batch the forward has seen. A compiled forward guards on that, so a
+    plain copy (made outside inference mode) would compile it again for each bucket,
+    past dynamo's recompile limit, after which it runs (and is recorded) eagerly."""
+    with torch.inference_mode():
+        return batch.clone()
 
 
 @dataclass(frozen=True, slots=True)

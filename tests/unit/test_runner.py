@@ -11,7 +11,7 @@ import torch
 from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
 from workers.handlers import ImageClassifier
-from workers.runner import ModelRunner, resolve_device
+from workers.runner import ModelRunner, resolve_device, static_input
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 
@@ -172,3 +172,28 @@ def test_a_list_built_by_collate_reaches_forward_as_it_is_never_padded() -> None
 
     assert runner.run(items, [{}] * 3) == [3, 0, 6]
     assert handler.seen == [[3, 1, 4]]  # three items, not padded to the bucket of 8
+
+
+def test_a_graphs_static_input_does_not_recompile_a_compiled_forward() -> None:
+    """The copy a CUDA graph records with is an inference tensor like the warm-up's
+    batches: a compiled forward takes it without compiling again (a plain clone made
+    outside inference mode compiled every bucket again, past dynamo's limit)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(lambda x: torch.relu(x) * 2, dynamic=False, backend="eager")
+    with torch.inference_mode():
+        batch = torch.randn(4, 3)
+        forward(batch)
+    static = static_input(batch)
+    assert static.is_inference()
+    assert torch.equal(static, batch)
+    assert static.data_ptr() != batch.data_ptr()  # a copy: replays overwrite it
+    with torch.inference_mode():
+        forward(static)
+    assert counters["stats"]["unique_graphs"] == 1
+    plain = batch.clone()  # what the capture used to record with
+    with torch.inference_mode():
+        forward(plain)
+    assert counters["stats"]["unique_graphs"] == 2  # the guard this test is about still exists
