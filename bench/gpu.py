@@ -29,7 +29,9 @@ Stages (each a few minutes at most on an H100 or H200):
   once all of it is written (the workers read ``read_committed``, so they see the
   whole backlog at once and the producers' rate does not bound theirs), and times
   the steady state (the middle 80% of results by their durable time),
-  median/min/max over ``--repeats``; then p50/p99 latency to durability at about
+  median/min/max over ``--repeats``, with the GPU's busy share and each worker's
+  model stage from its results' timings (busy share, idle gaps between batches,
+  ``bench.stats.model_stage``); then p50/p99 latency to durability at about
   half that rate, open loop. ``--pin`` gives the broker and Redis, the producers
   and the workers cores of their own.
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
@@ -76,9 +78,11 @@ from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.plot import Line, Panel, draw_panels
 from bench.stats import (
     LATENCY_PARTS,
+    MODEL_STAGE_KEYS,
     acked_summary,
     durable_ms,
     latency_summary,
+    model_stage,
     parts_line,
     percentile,
 )
@@ -879,6 +883,7 @@ async def _e2e_one(
                 "gpu_util_pct": statistics.median(r["gpu_util_pct"] for r in runs),
                 "mean_batch": statistics.median(r["mean_batch"] for r in runs),
             }
+            | {key: statistics.median(r[key] for r in runs) for key in MODEL_STAGE_KEYS}
         )
         # Latency at about half the peak, open loop (each record stamped when due).
         paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
@@ -1132,7 +1137,7 @@ def _steady_state(results: Sequence[Any], gpu: UtilizationSampler) -> dict[str, 
         "first_to_last_img_s": _rate(len(durable) - 1, (durable[-1] - durable[0]) / 1000.0),
         "gpu_util_pct": gpu.mean_between(low / 1000.0, high / 1000.0),
         "mean_batch": _mean_batch(results),
-    }
+    } | model_stage(results, low, high)
 
 
 def _mean_batch(results: Sequence[Any]) -> float:

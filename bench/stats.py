@@ -117,6 +117,40 @@ def batch_summary(results: Sequence[Result]) -> dict[str, float]:
     }
 
 
+MODEL_STAGE_KEYS = ("model_busy_pct", "idle_gap_p50_ms", "idle_gap_p99_ms")
+
+
+def model_stage(results: Sequence[Result], low_ms: float, high_ms: float) -> dict[str, float]:
+    """Each worker's model stage between ``low_ms`` and ``high_ms``, from its batches'
+    timings (``batch_start_ms`` to ``+ inference_ms``, cut to the window; pipelined
+    batches overlap): the share of the time some batch was in it (mean over workers), and
+    the idle gaps between one batch leaving it and the next entering (p50/p99 over all
+    workers, ms)."""
+    spans: dict[str, set[tuple[float, float]]] = defaultdict(set)
+    for result in results:
+        timings = result.timings
+        start = None if timings is None else timings.batch_start_ms
+        if timings is None or start is None:
+            continue
+        end = start + timings.inference_ms
+        if start <= high_ms and end >= low_ms:
+            spans[result.worker].add((max(start, low_ms), min(end, high_ms)))
+    busy, gaps = [], []
+    for worker_spans in spans.values():
+        merged: list[list[float]] = []
+        for start, end in sorted(worker_spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                if merged:
+                    gaps.append(start - merged[-1][1])
+                merged.append([start, end])
+        busy.append(sum(end - start for start, end in merged) / (high_ms - low_ms))
+    mean_busy = 100.0 * sum(busy) / len(busy) if busy else math.nan
+    values = (mean_busy, percentile(gaps, 50), percentile(gaps, 99))
+    return dict(zip(MODEL_STAGE_KEYS, values, strict=True))
+
+
 def pyspy_summary(samples_path: Path, requests: int, top: int = 12) -> dict[str, Any]:
     """Where a worker spent its busy time, per request, from py-spy's collapsed stacks.
 

@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from bench.stats import LATENCY_PARTS, acked_summary, latency_parts, latency_summary, parts_line
+from bench.stats import (
+    LATENCY_PARTS,
+    MODEL_STAGE_KEYS,
+    acked_summary,
+    latency_parts,
+    latency_summary,
+    model_stage,
+    parts_line,
+)
 from schemas import Result, Status, Timings
 
 
@@ -78,3 +86,36 @@ def test_the_line_ends_with_the_acknowledgements_when_they_were_collected() -> N
     parts = latency_parts([result(0, fetched=2.0, started=7.0, ready=15.0, sent=16.5)])
     line = parts_line(parts | acked_summary([1.0, 3.0]))
     assert line.endswith("ms (p50/p99); acked by the broker 1.0/3.0 ms after due")
+
+
+def batch(worker: str, start: float, took: float, n: int) -> Result:
+    """One request of a batch that entered the model at ``start`` ms and took ``took``."""
+    timings = Timings(
+        produced_ms=0, received_ms=0.0, batch_start_ms=start, finished_ms=start + took,
+        queue_ms=start, inference_ms=took, batch_size=2, published_ms=start + took + 1,
+    )  # fmt: skip
+    return Result(
+        id=f"{worker}-{n}", status=Status.ok, model="m", model_version="1", outputs=[],
+        timings=timings, worker=worker,
+    )  # fmt: skip
+
+
+def test_the_model_stage_counts_overlapping_batches_once_and_the_gaps_between() -> None:
+    results = [
+        # w1: [0, 10] and [5, 20] overlap (pipelined), then [30, 40]: busy 30 of 100, gap 10
+        batch("w1", 0, 10, 0), batch("w1", 0, 10, 1), batch("w1", 5, 15, 2),
+        batch("w1", 30, 10, 3),
+        # w2: [0, 50] then [60, 100]: busy 90 of 100, gap 10; [150, ...] is outside
+        batch("w2", 0, 50, 4), batch("w2", 60, 40, 5), batch("w2", 150, 5, 6),
+    ]  # fmt: skip
+    stage = model_stage(results, 0.0, 100.0)
+    assert stage["model_busy_pct"] == pytest.approx((30 + 90) / 2)
+    assert stage["idle_gap_p50_ms"] == 10.0
+    assert stage["idle_gap_p99_ms"] == 10.0
+    assert list(stage) == list(MODEL_STAGE_KEYS)
+
+
+def test_batches_across_the_window_edges_count_inside_it() -> None:
+    stage = model_stage([batch("w", -20, 30, 0), batch("w", 80, 50, 1)], 0.0, 100.0)
+    assert stage["model_busy_pct"] == pytest.approx(10.0 + 20.0)
+    assert stage["idle_gap_p50_ms"] == 70.0  # from 10 to 80
