@@ -129,10 +129,9 @@ def model_stage(results: Sequence[Result], low_ms: float, high_ms: float) -> dic
     spans: dict[str, set[tuple[float, float]]] = defaultdict(set)
     for result in results:
         timings = result.timings
-        start = None if timings is None else timings.batch_start_ms
-        if timings is None or start is None:
-            continue
-        end = start + timings.inference_ms
+        if timings is None or timings.batch_start_ms is None:
+            continue  # never reached a model
+        start, end = timings.batch_start_ms, timings.batch_start_ms + timings.inference_ms
         if start <= high_ms and end >= low_ms:
             spans[result.worker].add((max(start, low_ms), min(end, high_ms)))
     busy, gaps = [], []
