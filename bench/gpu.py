@@ -849,7 +849,10 @@ async def _e2e_one(
     model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
     await create_model_topics(settings, model, args.partitions)
     fleet = _fleet(cfg, model, args)
-    row: dict[str, Any] = {"workers": workers, "gpus": gpus, "compiled": cfg.compile}
+    mix = [args.worker_decode[k % len(args.worker_decode)] for k in range(workers)]
+    row: dict[str, Any] = {
+        "workers": workers, "gpus": gpus, "compiled": cfg.compile, "decode": ",".join(mix),
+    }  # fmt: skip
     try:
         procs = [_start_worker(fleet, cfg, args, k, workers, gpus) for k in range(workers)]
         # Ready means it owns partitions; ready again a second later: the group has settled.
@@ -896,8 +899,8 @@ async def _e2e_one(
             {
                 "paced_rate": achieved,
                 "paced_target": paced_rate,
-                # One Python producer sends 150 KB records at about 2,000/s: above that it
-                # falls behind and its own lag would count as the workers' latency.
+                # Producers that fell behind their rate (``paced_processes``): their own
+                # lag would count as the workers' latency, so the row reports none.
                 "paced_kept_up": achieved >= 0.95 * paced_rate,
                 "p50_ms": summary["p50_ms"],
                 "p99_ms": summary["p99_ms"],
@@ -973,19 +976,22 @@ async def _produce_parallel(
     return rate
 
 
-_PACED_BYTES_PER_S = 150e6  # what one Python producer sends open loop with room to spare
+# What one Python producer sends open loop with room to spare, in bytes and in records a
+# second: on an H100 host one fell behind at 1,000 records of 143 KB and at 3,400 of 25 KB.
+_PACED_BYTES_PER_S = 100e6
+_PACED_RECORDS_PER_S = 1500.0
 
 
 async def _paced_parallel(
     args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int, rate: float
 ) -> dict[str, float]:
     """``count`` requests open loop at ``rate`` in all, from as many producer processes as
-    the corpus's bytes per second need (one Python producer sends about 2,000 records of
-    150 KB a second); each stamps a record with the time it was due. Returns the rate
-    achieved together (the slowest process's share times their number) and the worst
-    process's acknowledgement after due time (``produce_at_rate``), p50 and p99."""
-    mean_bytes = statistics.fmean(len(image) for image in corpus.images)
-    processes = max(1, min(count, math.ceil(rate * mean_bytes / _PACED_BYTES_PER_S)))
+    the corpus's bytes and records per second need; each stamps a record with the time it
+    was due. Returns the rate achieved together (the slowest process's share times their
+    number) and the worst process's acknowledgement after due time (``produce_at_rate``),
+    p50 and p99."""
+    processes = paced_processes(rate, statistics.fmean(len(image) for image in corpus.images))
+    processes = max(1, min(count, processes))
     procs = await _producers(
         args, "--produce-paced", model, corpus, prefix, count, processes, f",{rate / processes}"
     )
@@ -1004,6 +1010,15 @@ async def _paced_parallel(
         "acked_p50_ms": max(share["acked_p50_ms"] for share in shares),
         "acked_p99_ms": max(share["acked_p99_ms"] for share in shares),
     }
+
+
+def paced_processes(rate: float, mean_bytes: float) -> int:
+    """Producer processes a paced load of ``rate`` records of ``mean_bytes`` a second needs."""
+    return max(
+        1,
+        math.ceil(rate * mean_bytes / _PACED_BYTES_PER_S),
+        math.ceil(rate / _PACED_RECORDS_PER_S),
+    )
 
 
 def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
@@ -1150,7 +1165,7 @@ def _fleet(cfg: Config, model: str, args: argparse.Namespace) -> Fleet:
     options = (
         "--weights", "random", "--max-batch-size", str(cfg.max_batch),
         "--max-in-flight", str(cfg.max_batch * 16),
-        "--dtype", "float16", "--channels-last", "--decode", args.worker_decode,
+        "--dtype", "float16", "--channels-last",
         "--metrics-host", "127.0.0.1", "--result-ttl-s", "3600",
         *(["--compile"] if cfg.compile else []),
     )  # fmt: skip
@@ -1168,7 +1183,11 @@ def _start_worker(
     if device.type == "cuda":
         device = torch.device("cuda", index % gpus)
     threads = max(1, len(_worker_cores()) // workers) if args.pin else cfg.threads // workers
-    flags = ("--decode-threads", str(max(1, threads)), *shlex.split(args.worker_options))
+    decode = args.worker_decode[index % len(args.worker_decode)]
+    flags = (
+        "--decode", decode, "--decode-threads", str(max(1, threads)),
+        *shlex.split(args.worker_options),
+    )  # fmt: skip
     worker = fleet.start(*flags, device=str(device), metrics_port=args.metrics_port + index)
     if args.pin:
         os.sched_setaffinity(worker.pid, _worker_cores())  # its threads inherit it
@@ -1403,7 +1422,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workers", type=int, default=1, help="e2e: worker processes in one consumer group"
     )
     parser.add_argument("--gpus", type=int, default=1, help="e2e: cards the workers spread over")
-    parser.add_argument("--worker-decode", default="auto", choices=("auto", "cpu", "gpu", "gpu-hw"))
+    parser.add_argument(
+        "--worker-decode",
+        default="auto",
+        type=_decode_mix,
+        help="auto, cpu, gpu or gpu-hw; a comma-separated list is cycled over the workers "
+        "(gpu,gpu-hw: every other worker on the hardware JPEG engine)",
+    )
     parser.add_argument(
         "--e2e-configs",
         default="1x1",
@@ -1460,6 +1485,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=Path(".run/gpu-bench"))
     return parser.parse_args(argv)  # fmt: skip
+
+
+def _decode_mix(text: str) -> tuple[str, ...]:
+    """``--worker-decode``: the decode backends to cycle over the workers."""
+    mix = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in mix if part not in ("auto", "cpu", "gpu", "gpu-hw")]
+    if not mix or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: each of auto, cpu, gpu, gpu-hw")
+    return mix
 
 
 def make_config(args: argparse.Namespace) -> Config:

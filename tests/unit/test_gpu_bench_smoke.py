@@ -128,3 +128,20 @@ def test_each_layout_is_held_to_the_forward_it_ran() -> None:
     assert rows["4x1"]["vs_ceiling"] == pytest.approx(0.7)
     assert rows["2x1"]["ceiling_img_s"] == 13_000.0  # the eager forward, below the decode
     assert rows["2x1"]["vs_ceiling"] == pytest.approx(0.7)
+
+
+def test_worker_decode_mix_is_cycled_over_the_workers() -> None:
+    from bench.gpu import parse_args
+
+    assert parse_args([]).worker_decode == ("auto",)
+    assert parse_args(["--worker-decode", "gpu,gpu-hw"]).worker_decode == ("gpu", "gpu-hw")
+    with pytest.raises(SystemExit):
+        parse_args(["--worker-decode", "gpu,nvjpeg"])
+
+
+def test_paced_load_is_spread_by_bytes_and_by_records() -> None:
+    from bench.gpu import paced_processes
+
+    assert paced_processes(4000, 143_000) == 6  # bytes: 572 MB/s at 100 MB/s a process
+    assert paced_processes(4000, 25_000) == 3  # records: 1,500 a second a process
+    assert paced_processes(10, 25_000) == 1
