@@ -189,10 +189,10 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         options=settings.model_options,
     )
     cuda = resolve_device(settings.device).type == "cuda"
-    # With --compile, graphs only when asked for: recording the compiled forward is not
-    # yet measured end to end (docs/benchmarks.md).
-    default_graphs = cuda and not settings.compile
-    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else default_graphs
+    # On by default, compiled or not: a compiled forward launched kernel by kernel from
+    # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
+    # recorded; docs/benchmarks.md).
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
     if settings.compile:
         buckets = batch_buckets(settings.max_batch_size)
     elif graphs:

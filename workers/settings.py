@@ -111,8 +111,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     cuda_graphs: bool | None = Field(
         default=None,
         description="replay the forward as CUDA graphs, one per batch-size bucket, recorded "
-        "at start (default: on for CUDA devices unless --compile; with --compile they "
-        "record the compiled forward)",
+        "at start (default: on for CUDA devices; with --compile they record the compiled "
+        "forward)",
     )
     allow_pickle_models: bool = Field(
         default=False,
