@@ -786,8 +786,14 @@ class UtilizationSampler:
         return statistics.fmean(inside) if inside else math.nan
 
 
-def stage_e2e(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) -> dict[str, Any]:
-    """Each layout of ``--e2e-configs`` (workers x GPUs) on each corpus; repeats per run."""
+def stage_e2e(
+    cfg: Config,
+    corpora: Sequence[Corpus],
+    args: argparse.Namespace,
+    checkpoint: Callable[[dict[str, Any]], None] = lambda rows: None,
+) -> dict[str, Any]:
+    """Each layout of ``--e2e-configs`` (workers x GPUs) on each corpus; repeats per run.
+    ``checkpoint`` gets the rows so far after each (a run cut short keeps them)."""
     _pin_services(args)
     out: dict[str, Any] = {}
     for layout in args.e2e_configs.split(","):
@@ -796,6 +802,7 @@ def stage_e2e(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) 
             key = f"{layout} {corpus.name}"
             out[key] = asyncio.run(_e2e_one(cfg, corpus, args, workers, gpus))
             print(f"  e2e {key}: {json.dumps(_rounded(out[key]))}", flush=True)
+            checkpoint(out)
     return out
 
 
@@ -1561,22 +1568,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stage in stages:
             print(f"stage {stage}", flush=True)
             started = time.perf_counter()
-            results[stage] = _run_stage(stage, cfg, corpora, spec, args)
+            save = partial(_save_partial, results, stage, args.out)
+            results[stage] = _run_stage(stage, cfg, corpora, spec, args, save)
             results.setdefault("stage_s", {})[stage] = time.perf_counter() - started
+            _save_partial(results, stage, args.out, results[stage])
     card = results.get("meta", {}).get("card", "?")
     model = results.get("meta", {}).get("model", "?")
     rows = summarize(results)
     results["summary"] = rows
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
+    _write_results(results, args.out)
     plot(results, rows, args.out / PLOT_FILE, card)
     print_detect_table(results, card)
     print_table(rows, card, model)
     return 0
 
 
+def _write_results(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
+
+
+def _save_partial(results: dict[str, Any], stage: str, out: Path, rows: dict[str, Any]) -> None:
+    """The results so far, ``stage`` with ``rows``: a run stopped by a time limit keeps
+    every stage and layout it finished (``--previous`` merges them into a later run)."""
+    _write_results(results | {stage: rows}, out)
+
+
 def _run_stage(
-    stage: str, cfg: Config, corpora: Sequence[Corpus], spec: ImageSpec, args: argparse.Namespace
+    stage: str,
+    cfg: Config,
+    corpora: Sequence[Corpus],
+    spec: ImageSpec,
+    args: argparse.Namespace,
+    save: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     if stage == "forward":
         return stage_forward(cfg)
@@ -1604,7 +1628,7 @@ def _run_stage(
             quick=args.quick,
             run_pipeline=functools.partial(_detect_pipeline, cfg),
         )
-    return stage_e2e(cfg, corpora, args)
+    return stage_e2e(cfg, corpora, args, save)
 
 
 if __name__ == "__main__":

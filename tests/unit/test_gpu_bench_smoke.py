@@ -145,3 +145,29 @@ def test_paced_load_is_spread_by_bytes_and_by_records() -> None:
     assert paced_processes(4000, 143_000) == 6  # bytes: 572 MB/s at 100 MB/s a process
     assert paced_processes(4000, 25_000) == 3  # records: 1,500 a second a process
     assert paced_processes(10, 25_000) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_run_cut_short_keeps_the_layouts_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each finished layout is written at once: a run stopped by a time limit (here, the
+    second layout failing) leaves the first in gpu-bench.json for --previous."""
+    import bench.gpu
+
+    async def one_layout(*args: Any) -> dict[str, Any]:
+        workers = args[3]
+        if workers == 2:
+            raise RuntimeError("cut short")
+        return {"workers": workers, "gpus": 1, "img_s": 123.0}
+
+    monkeypatch.setattr(bench.gpu, "_e2e_one", one_layout)
+    argv = ["--device", "cpu", "--quick", "--model", f"{__name__}:TinyClassifier",
+            "--stages", "e2e", "--kafka-bootstrap", "127.0.0.1:1", "--redis-url",
+            "redis://127.0.0.1:1", "--corpora", "224x224", "--e2e-configs", "1x1,2x1",
+            "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(RuntimeError, match="cut short"):
+        main(argv)
+    results = json.loads((tmp_path / "gpu-bench.json").read_text())
+    assert results["e2e"] == {"1x1 224x224": {"workers": 1, "gpus": 1, "img_s": 123.0}}
+    assert results["meta"]["model"].endswith("TinyClassifier")
