@@ -790,7 +790,7 @@ def stage_e2e(
     cfg: Config,
     corpora: Sequence[Corpus],
     args: argparse.Namespace,
-    checkpoint: Callable[[dict[str, Any]], None] = lambda rows: None,
+    checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Each layout of ``--e2e-configs`` (workers x GPUs) on each corpus; repeats per run.
     ``checkpoint`` gets the rows so far after each (a run cut short keeps them)."""
@@ -856,10 +856,8 @@ async def _e2e_one(
     model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
     await create_model_topics(settings, model, args.partitions)
     fleet = _fleet(cfg, model, args)
-    mix = [args.worker_decode[k % len(args.worker_decode)] for k in range(workers)]
-    row: dict[str, Any] = {
-        "workers": workers, "gpus": gpus, "compiled": cfg.compile, "decode": ",".join(mix),
-    }  # fmt: skip
+    mix = ",".join(_worker_decode(args, k) for k in range(workers))
+    row: dict[str, Any] = {"workers": workers, "gpus": gpus, "compiled": cfg.compile, "decode": mix}
     try:
         procs = [_start_worker(fleet, cfg, args, k, workers, gpus) for k in range(workers)]
         # Ready means it owns partitions; ready again a second later: the group has settled.
@@ -997,8 +995,8 @@ async def _paced_parallel(
     was due. Returns the rate achieved together (the slowest process's share times their
     number) and the worst process's acknowledgement after due time (``produce_at_rate``),
     p50 and p99."""
-    processes = paced_processes(rate, statistics.fmean(len(image) for image in corpus.images))
-    processes = max(1, min(count, processes))
+    mean_bytes = statistics.fmean(len(image) for image in corpus.images)
+    processes = min(count, paced_processes(rate, mean_bytes))
     procs = await _producers(
         args, "--produce-paced", model, corpus, prefix, count, processes, f",{rate / processes}"
     )
@@ -1190,15 +1188,19 @@ def _start_worker(
     if device.type == "cuda":
         device = torch.device("cuda", index % gpus)
     threads = max(1, len(_worker_cores()) // workers) if args.pin else cfg.threads // workers
-    decode = args.worker_decode[index % len(args.worker_decode)]
     flags = (
-        "--decode", decode, "--decode-threads", str(max(1, threads)),
+        "--decode", _worker_decode(args, index), "--decode-threads", str(max(1, threads)),
         *shlex.split(args.worker_options),
     )  # fmt: skip
     worker = fleet.start(*flags, device=str(device), metrics_port=args.metrics_port + index)
     if args.pin:
         os.sched_setaffinity(worker.pid, _worker_cores())  # its threads inherit it
     return worker
+
+
+def _worker_decode(args: argparse.Namespace, index: int) -> str:
+    """Worker ``index``'s decoder: ``--worker-decode``'s list, cycled."""
+    return str(args.worker_decode[index % len(args.worker_decode)])
 
 
 # -- the kill test: a GPU worker SIGKILLed mid-run loses nothing ----------------------------
