@@ -868,9 +868,8 @@ async def _e2e_one(
             samplers: list[subprocess.Popen[bytes]] = []
 
             def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
-                if args.profile_s and repeat == 1:  # as the backlog becomes visible
-                    path = args.out / f"pyspy-{layout_name(workers, gpus)}-{corpus.name}.txt"
-                    samplers.append(_sample(procs[0].pid, path, args.profile_s))
+                if args.profile_s and args.profile_phase == "backlog" and repeat == 1:
+                    samplers.append(_profile(args, procs[0].pid, workers, gpus, corpus))
 
             with UtilizationSampler(gpus) as gpu:
                 produced = await _produce_parallel(
@@ -896,9 +895,19 @@ async def _e2e_one(
         # Latency at about half the peak, open loop (each record stamped when due).
         paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
         count = max(int(paced_rate * args.paced_s), 1)
-        sent = await _paced_parallel(args, model, corpus, f"{run}-p", count, paced_rate)
+        paced_samplers: list[subprocess.Popen[bytes]] = []
+
+        def sample_paced() -> None:
+            if args.profile_s and args.profile_phase == "paced":
+                paced_samplers.append(_profile(args, procs[0].pid, workers, gpus, corpus))
+
+        sent = await _paced_parallel(
+            args, model, corpus, f"{run}-p", count, paced_rate, on_go=sample_paced
+        )
         achieved = sent["rate"]
         paced = await _await_results(f"{run}-p", count, args, procs)
+        for sampler in paced_samplers:
+            sampler.wait(timeout=args.profile_s + 30)
         summary = latency_summary(paced)
         row.update(
             {
@@ -927,6 +936,15 @@ async def _e2e_one(
 
 def layout_name(workers: int, gpus: int) -> str:
     return f"{workers}x{gpus}"
+
+
+def _profile(
+    args: argparse.Namespace, pid: int, workers: int, gpus: int, corpus: Corpus
+) -> subprocess.Popen[bytes]:
+    """``--profile-s`` seconds of py-spy samples of worker ``pid``, named by layout, corpus
+    and ``--profile-phase``."""
+    name = f"pyspy-{layout_name(workers, gpus)}-{corpus.name}-{args.profile_phase}.txt"
+    return _sample(pid, args.out / name, args.profile_s)
 
 
 def _sample(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes]:
@@ -988,19 +1006,26 @@ _PACED_RECORDS_PER_S = 1500.0
 
 
 async def _paced_parallel(
-    args: argparse.Namespace, model: str, corpus: Corpus, prefix: str, count: int, rate: float
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    prefix: str,
+    count: int,
+    rate: float,
+    on_go: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """``count`` requests open loop at ``rate`` in all, from as many producer processes as
     the corpus's bytes and records per second need; each stamps a record with the time it
     was due. Returns the rate achieved together (the slowest process's share times their
     number) and the worst process's acknowledgement after due time (``produce_at_rate``),
-    p50 and p99."""
+    p50 and p99. ``on_go`` runs as the producers are told to start."""
     mean_bytes = statistics.fmean(len(image) for image in corpus.images)
     processes = min(count, paced_processes(rate, mean_bytes))
     procs = await _producers(
         args, "--produce-paced", model, corpus, prefix, count, processes, f",{rate / processes}"
     )
     await _all_say(procs, b"ready")
+    on_go()
     await _tell_all(procs, b"go")
     shares = []
     for proc in procs:
@@ -1461,7 +1486,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile-s",
         type=float,
         default=0.0,
-        help="e2e: sample the first worker with py-spy for this long during the second repeat",
+        help="e2e: sample the first worker with py-spy for this long (see --profile-phase)",
+    )
+    parser.add_argument(
+        "--profile-phase",
+        default="backlog",
+        choices=("backlog", "paced"),
+        help="--profile-s samples the second backlog (throughput) or the paced load (latency)",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share

@@ -24,6 +24,7 @@ def test_quick_cpu_bench_writes_every_section(
     argv = [sys.executable, "-m", "bench.cpu", "--quick", "--out", str(tmp_path)]
     argv += ["--log-dir", str(tmp_path / "logs")]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--profile-s", "1", "--profile-phase", "paced"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
 
     assert done.returncode == 0, done.stdout + done.stderr
@@ -67,6 +68,7 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     argv += ["--model", "tests.unit.test_gpu_bench_smoke:TinyClassifier"]
     argv += ["--corpora", "224x224", "--e2e-configs", "1x1", "--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--profile-s", "1", "--profile-phase", "paced"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
 
     assert done.returncode == 0, done.stdout + done.stderr
@@ -77,3 +79,5 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     for part in LATENCY_PARTS:
         assert 0 <= row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"]
     assert "latency parts" in done.stdout
+    # py-spy sampled the worker while the paced load ran (the latency's profile).
+    assert "conveyor-" in (tmp_path / "pyspy-1x1-224x224-paced.txt").read_text()
