@@ -24,7 +24,6 @@ def test_quick_cpu_bench_writes_every_section(
     argv = [sys.executable, "-m", "bench.cpu", "--quick", "--out", str(tmp_path)]
     argv += ["--log-dir", str(tmp_path / "logs")]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
-    argv += ["--profile-s", "1", "--profile-phase", "paced"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
 
     assert done.returncode == 0, done.stdout + done.stderr
