@@ -1509,7 +1509,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--paced-max-rate",
         type=float,
         default=4000.0,
-        help="cap on the paced rate (what one Python producer can send)",
+        help="cap on the paced rate, whatever half the peak is (rows whose producers "
+        "fall behind report no latency)",
     )
     parser.add_argument(
         "--previous",
