@@ -129,8 +129,29 @@ class BatchDecoder:
         encoded = [n for n, item in enumerate(items) if item.ndim == 1]
         if not encoded:
             return None
+        data = [items[n] for n in encoded]
+        if self._hardware is None or device.type != "cuda":
+            return self._assemble(items, encoded, decode_each(data, self._mode, device), device)
+        with self._hardware.decode_batch(data, device) as pixels:
+            if not isinstance(pixels, torch.Tensor):
+                return self._assemble(items, encoded, pixels, device)
+            if len(pixels) != len(items) or pixels.numel() > _FLOATS_PER_CHUNK:
+                return self._assemble(items, encoded, list(pixels), device)
+            fitted = self._fit(pixels, pixels.shape[3], pixels.shape[2])
+            # Already the target size: the buffer itself, which the next batch overwrites.
+            shared = fitted.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr()
+            return fitted.clone(memory_format=torch.contiguous_format) if shared else fitted
+
+    def _assemble(
+        self,
+        items: Sequence[torch.Tensor],
+        encoded: list[int],
+        pixels: list[torch.Tensor | None],
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The batch from the decoded images (``None`` where the device refused one: Pillow
+        decides) and the items decoded on the CPU, in item order."""
         spec = self.spec
-        pixels = self._decode([items[n] for n in encoded], device)
         whole = self._fit_whole(pixels, len(items))
         if whole is not None:
             return whole
@@ -158,12 +179,6 @@ class BatchDecoder:
             host = torch.stack([item for _, item in on_host])
             out.index_copy_(0, _indices(on_host, device), host.to(device))
         return out
-
-    def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-        """Decoded (C, H, W) images on ``device``; ``None`` where the decoder refused one."""
-        if self._hardware is not None and device.type == "cuda":
-            return self._hardware.decode(data, device)
-        return decode_each(data, self._mode, device)
 
     def _fit_whole(self, pixels: list[torch.Tensor | None], count: int) -> torch.Tensor | None:
         """The common case in one piece: every item a JPEG the device decoded, all of one
@@ -196,7 +211,8 @@ class BatchDecoder:
             return batch
         rows, cols = weights
         # Columns first: the product with the wider source axis then runs on fewer rows.
-        resized = rows @ (batch.float() @ cols.T)
+        # Contiguous first: the hardware engine's images come as (N, H, W, C) permuted.
+        resized = rows @ (batch.contiguous().float() @ cols.T)
         return resized.round_().clamp_(0, 255).to(torch.uint8)
 
     def _weights(

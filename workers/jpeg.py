@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any, Literal
 
 import torch
@@ -168,9 +171,21 @@ def image_ops_available() -> bool:
 
 class HardwareJpeg:
     """The GPU's hardware JPEG engine through nvImageCodec, CUDA nvJPEG behind it for the
-    images the engine declines (progressive ones, say). Images come back in device
-    memory owned by nvImageCodec and are taken over through DLPack on the current
-    stream, so later work on it is ordered after the decode."""
+    images the engine declines (progressive ones, say).
+
+    ``decode_batch`` is the fast path: a batch of one image size is decoded straight into
+    one (N, H, W, C) buffer kept for that size, which costs the host a few microseconds an
+    image; ``decode`` hands each image over through DLPack (on an H100 that cut the
+    engine's rate on 224x224 images by 40%) and serves batches of mixed sizes. The decoder
+    orders its work on the current stream (its ``cuda_stream``), so later work on it sees
+    the images. Batches reach the engine padded to a power of two (``engine_count``).
+
+    EXIF orientation is ignored, as Pillow's and nvJPEG's paths ignore it.
+    """
+
+    _SIZES = 2  # image sizes whose buffers are kept
+    _RING = 2  # buffers a size: the next batch is decoded while the last one is read
+    _BUFFER_BYTES = 1 << 28  # larger batches take the per-image path
 
     def __init__(self, mode: str) -> None:
         try:
@@ -181,12 +196,66 @@ class HardwareJpeg:
             ) from exc
         self._nvimgcodec = nvimgcodec
         self._decoders: dict[int, Any] = {}
+        self._channels = 3 if mode == "RGB" else 1
         color = nvimgcodec.ColorSpec.SRGB if mode == "RGB" else nvimgcodec.ColorSpec.GRAY
-        self._params = nvimgcodec.DecodeParams(color_spec=color, allow_any_depth=False)
+        self._params = nvimgcodec.DecodeParams(
+            color_spec=color, allow_any_depth=False, apply_exif_orientation=False
+        )
+        self._rings: OrderedDict[tuple[int, int, int, int], _Ring] = OrderedDict()
 
     def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        """Decoded (C, H, W) images, each its own tensor; ``None`` where the engine and
+        nvJPEG both refused one."""
+        return self._each(self._sources(data), device)
+
+    @contextmanager
+    def decode_batch(
+        self, data: list[torch.Tensor], device: torch.device
+    ) -> Iterator[torch.Tensor | list[torch.Tensor | None]]:
+        """The batch decoded, valid inside the ``with`` block: a uint8 (N, C, H, W) view of a
+        reused buffer when all are of one size (and fit in 256 MiB) and all decoded, else a
+        list of (C, H, W) images with ``None`` where one was refused. Work reading it must
+        be queued on the current stream before the block ends; the buffer is not written
+        again until that work has run."""
+        sources = self._sources(data)
+        size = (sources[0].height, sources[0].width)
+        count = engine_count(len(data))
+        too_big = count * size[0] * size[1] * self._channels > self._BUFFER_BYTES
+        if too_big or any((source.height, source.width) != size for source in sources):
+            yield self._each(sources, device)
+            return
+        stream = torch.cuda.current_stream(device)
+        buffer = self._ring(device, stream, size).take(count, self._channels)
+        decoded = self._decoder(device).decode(
+            _padded(sources, count),
+            images=buffer.images[:count],
+            params=self._params,
+            cuda_stream=stream.cuda_stream,
+        )[: len(data)]
+        batch = buffer.pixels[: len(data)].permute(0, 3, 1, 2)
+        try:
+            if all(image is not None for image in decoded):
+                yield batch
+            else:
+                yield [None if image is None else batch[n] for n, image in enumerate(decoded)]
+        finally:
+            buffer.read_by(stream)
+
+    def _each(self, sources: list[Any], device: torch.device) -> list[torch.Tensor | None]:
+        stream = torch.cuda.current_stream(device)
+        images = self._decoder(device).decode(
+            _padded(sources, engine_count(len(sources))),
+            params=self._params,
+            cuda_stream=stream.cuda_stream,
+        )[: len(sources)]
+        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]
+
+    def _sources(self, data: list[torch.Tensor]) -> list[Any]:
+        return [self._nvimgcodec.CodeStream(one.numpy()) for one in data]
+
+    def _decoder(self, device: torch.device) -> Any:
         nvimgcodec = self._nvimgcodec
-        index = device.index or 0
+        index = device.index if device.index is not None else torch.cuda.current_device()
         decoder = self._decoders.get(index)
         if decoder is None:
             backends = [
@@ -194,7 +263,93 @@ class HardwareJpeg:
                 nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
             ]
             decoder = self._decoders[index] = nvimgcodec.Decoder(device_id=index, backends=backends)
-        stream = torch.cuda.current_stream(device)
-        sources = [nvimgcodec.CodeStream(one.numpy()) for one in data]
-        images = decoder.decode(sources, params=self._params, cuda_stream=stream.cuda_stream)
-        return [None if image is None else from_dlpack(image).permute(2, 0, 1) for image in images]
+        return decoder
+
+    def _ring(
+        self, device: torch.device, stream: torch.cuda.Stream, size: tuple[int, int]
+    ) -> _Ring:
+        """The buffers for one image size on one stream, the least recently used size's
+        buffers dropped beyond ``_SIZES`` (the caching allocator orders their reuse after
+        the work queued on this stream)."""
+        key = (device.index or 0, stream.cuda_stream, *size)
+        ring = self._rings.pop(key, None) or _Ring(self._nvimgcodec, device, stream, size)
+        self._rings[key] = ring
+        while len(self._rings) > self._SIZES:
+            self._rings.popitem(last=False)[1].drain()
+        return ring
+
+
+def engine_count(count: int) -> int:
+    """How many images to hand the engine for a batch of ``count``: the next power of two.
+    nvImageCodec's engine path stalled for 0.4-0.5 s on some calls when the batch size
+    changed from call to call (one H100, sizes 1-64 at random; the worst call of nvJPEG's
+    path: 9 ms); padded so, its worst call took 15 ms. Under a full load batches are the
+    maximum batch size, a power of two by default (256), so nothing is padded."""
+    return 1 << (count - 1).bit_length() if count > 1 else 1
+
+
+def _padded(sources: list[Any], count: int) -> list[Any]:
+    """``sources`` made ``count`` long by repeating the last one (decoded, then dropped)."""
+    return sources + [sources[-1]] * (count - len(sources))
+
+
+class _Buffer:
+    """One (capacity, H, W, C) uint8 device buffer, the nvImageCodec image over each slot,
+    and an event recorded once the work reading it was queued."""
+
+    def __init__(
+        self,
+        nvimgcodec: Any,
+        device: torch.device,
+        stream: torch.cuda.Stream,
+        shape: tuple[int, int, int, int],
+    ) -> None:
+        self.pixels = torch.empty(shape, dtype=torch.uint8, device=device)
+        self.images = [
+            nvimgcodec.as_image(self.pixels[n], cuda_stream=stream.cuda_stream)
+            for n in range(shape[0])
+        ]
+        self._read: torch.cuda.Event | None = None
+
+    def wait_until_read(self) -> None:
+        if self._read is not None:
+            self._read.synchronize()
+
+    def read_by(self, stream: torch.cuda.Stream) -> None:
+        self._read = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._read.record(stream)
+
+
+class _Ring:
+    """``HardwareJpeg._RING`` buffers for one image size, taken in turn."""
+
+    def __init__(
+        self,
+        nvimgcodec: Any,
+        device: torch.device,
+        stream: torch.cuda.Stream,
+        size: tuple[int, int],
+    ) -> None:
+        self._make = partial(_Buffer, nvimgcodec, device, stream)
+        self._size = size
+        self._buffers: list[_Buffer | None] = [None] * HardwareJpeg._RING
+        self._next = 0
+
+    def take(self, count: int, channels: int) -> _Buffer:
+        """The next buffer, grown to ``count`` images, once the reads of its last batch ran."""
+        n = self._next
+        self._next = (n + 1) % len(self._buffers)
+        buffer = self._buffers[n]
+        if buffer is not None:
+            # Also before a smaller buffer is dropped: the decoder writes from streams of
+            # its own, which the caching allocator's stream order does not cover.
+            buffer.wait_until_read()
+        if buffer is None or len(buffer.images) < count:
+            buffer = self._buffers[n] = self._make((count, *self._size, channels))
+        return buffer
+
+    def drain(self) -> None:
+        """Wait until the last reads of every buffer ran, before they are dropped."""
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.wait_until_read()

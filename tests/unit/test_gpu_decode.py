@@ -360,3 +360,9 @@ def test_image_lists_are_decoded_at_their_own_size_in_order() -> None:
         images, payloads, [ContentType.JPEG, ContentType.PNG, ContentType.JPEG], strict=True
     ):
         assert torch.equal(image, decode_full(payload, content_type, "RGB", max_pixels=10**6))
+
+
+def test_the_engine_gets_batches_padded_to_a_power_of_two() -> None:
+    from workers.jpeg import engine_count
+
+    assert [engine_count(n) for n in (1, 2, 3, 5, 8, 9, 200, 256)] == [1, 2, 4, 8, 8, 16, 256, 256]
