@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import io
@@ -57,13 +58,15 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -474,14 +477,16 @@ def stage_decode(cfg: Config, corpora: Sequence[Corpus], spec: ImageSpec) -> dic
 def _hardware_decode(
     cfg: Config, spec: ImageSpec, batches: list[list[torch.Tensor]]
 ) -> dict[str, float]:
-    """The hardware JPEG engine (nvImageCodec), decode alone and decode + resize."""
+    """The hardware JPEG engine (nvImageCodec), decode alone (into the batch buffers the
+    worker's path decodes into) and decode + resize."""
     decoder = BatchDecoder(spec, max_pixels=DEFAULT_LIMITS.max_pixels, backend="nvimgcodec")
     hardware = decoder._hardware
     assert hardware is not None
 
     def decode_only() -> None:
         for batch in batches:
-            hardware.decode(batch, cfg.device)
+            with hardware.decode_batch(batch, cfg.device):
+                pass
 
     def decode_resize() -> None:
         for batch in batches:
@@ -557,8 +562,48 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
             "decode_max_abs_diff_normalized": float(normalized),
             "cuda_graph_max_abs_logit_diff": graph_diff,
         }
+        if cfg.device.type == "cuda" and _has_nvimgcodec():
+            out[corpus.name] |= _hardware_checks(cfg, full, encoded, cpu_items, reference)
         print(f"  checks {corpus.name}: {json.dumps(_rounded(out[corpus.name]))}", flush=True)
     return out
+
+
+def _hardware_checks(
+    cfg: Config,
+    full: ImageClassifier,
+    encoded: list[torch.Tensor],
+    cpu_items: torch.Tensor,
+    reference: torch.Tensor,
+) -> dict[str, Any]:
+    """The hardware engine against Pillow, and its reused batch buffers against its
+    per-image path: batches decoded one after another (halves, then the whole corpus,
+    then the halves again) must each equal the same images decoded one tensor each."""
+    hw = load_model(cfg, "float32", decode="gpu-hw")
+    decoder = hw.batch_decoder
+    assert decoder is not None
+    assert decoder._hardware is not None
+    half = len(encoded) // 2
+    parts = [encoded[:half], encoded[half:], encoded, encoded[half:], encoded[:half]]
+    batches = [decoder.collate(part, cfg.device) for part in parts]  # all kept alive
+    one_by_one = [
+        decoder._assemble(
+            part, list(range(len(part))), decoder._hardware.decode(part, cfg.device), cfg.device
+        )
+        for part in parts
+    ]
+    whole = batches[2]
+    assert whole is not None
+    with torch.inference_mode():
+        from_hw = full.forward(whole).float()
+    levels = (whole.cpu().int() - cpu_items.int()).abs()
+    return {
+        "top1_agreement_gpu_hw_vs_cpu_decode": _agreement(from_hw, reference),
+        "hw_decode_max_abs_diff_levels": int(levels.max()),
+        "hw_decode_mean_abs_diff_levels": float(levels.float().mean()),
+        "hw_batch_buffers_equal_per_image": all(
+            b is not None and torch.equal(b, o) for b, o in zip(batches, one_by_one, strict=True)
+        ),
+    }
 
 
 def _graph_vs_eager(cfg: Config, handler: ImageClassifier, items: torch.Tensor) -> float:
@@ -796,14 +841,51 @@ def stage_e2e(
     ``checkpoint`` gets the rows so far after each (a run cut short keeps them)."""
     _pin_services(args)
     out: dict[str, Any] = {}
-    for layout in args.e2e_configs.split(","):
-        workers, gpus = (int(n) for n in layout.lower().split("x"))
-        for corpus in corpora:
-            key = f"{layout} {corpus.name}"
-            out[key] = asyncio.run(_e2e_one(cfg, corpus, args, workers, gpus))
-            print(f"  e2e {key}: {json.dumps(_rounded(out[key]))}", flush=True)
-            checkpoint(out)
+    with mps_daemon(args.mps):
+        for layout in args.e2e_configs.split(","):
+            workers, gpus = (int(n) for n in layout.lower().split("x"))
+            for corpus in corpora:
+                key = f"{layout} {corpus.name}"
+                out[key] = asyncio.run(_e2e_one(cfg, corpus, args, workers, gpus))
+                out[key]["mps"] = args.mps
+                print(f"  e2e {key}: {json.dumps(_rounded(out[key]))}", flush=True)
+                checkpoint(out)
     return out
+
+
+@contextlib.contextmanager
+def mps_daemon(enabled: bool) -> Iterator[None]:
+    """An MPS control daemon of this run's own while the block runs (``--mps``): its pipe
+    and log directories are fresh, so only the processes started inside the block (they
+    inherit the environment) share its server, and other users of the card are left alone.
+    Without MPS the workers on one card take turns on it (time slices): one worker's
+    decode kernels never run beside another's forward."""
+    if not enabled:
+        yield
+        return
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH")
+    root = Path(tempfile.mkdtemp(prefix="conveyor-mps-"))
+    env = {
+        "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
+    }
+    for path in env.values():
+        Path(path).mkdir()
+    subprocess.run([control, "-d"], env=os.environ | env, stdin=subprocess.DEVNULL, check=True)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    print(f"  MPS control daemon started ({root})", flush=True)
+    try:
+        yield
+    finally:
+        subprocess.run([control], input=b"quit\n", env=os.environ | env, check=False)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _pin_services(args: argparse.Namespace) -> None:
@@ -1446,6 +1528,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny counts: checks that it runs")
     parser.add_argument("--iterations", type=int, default=30, help="timed forwards per size")
+    parser.add_argument(
+        "--forward-batches", default="1,32,128,256", help="forward stage: batch sizes timed"
+    )
+    parser.add_argument(
+        "--mps",
+        action="store_true",
+        help="e2e: run the workers under an MPS control daemon of the benchmark's own, so "
+        "that several workers on one card run their kernels at once (needs "
+        "nvidia-cuda-mps-control; docs/operations.md)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--e2e-count", type=int, default=24576, help="backlog per repeat")
@@ -1544,7 +1636,7 @@ def make_config(args: argparse.Namespace) -> Config:
     return Config(
         device=device,
         model=args.model,
-        batch_sizes=(1, 32, 128, 256),
+        batch_sizes=tuple(int(n) for n in args.forward_batches.split(",")),
         iterations=args.iterations,
         compile=args.compile,
         distinct_images=64,

@@ -169,5 +169,42 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
     with pytest.raises(RuntimeError, match="cut short"):
         main(argv)
     results = json.loads((tmp_path / "gpu-bench.json").read_text())
-    assert results["e2e"] == {"1x1 224x224": {"workers": 1, "gpus": 1, "img_s": 123.0}}
+    first = {"workers": 1, "gpus": 1, "img_s": 123.0, "mps": False}
+    assert results["e2e"] == {"1x1 224x224": first}
     assert results["meta"]["model"].endswith("TinyClassifier")
+
+
+def test_mps_daemon_is_the_runs_own_and_is_told_to_quit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mps: workers started inside the block see the daemon's own pipe directory (so
+    no other user's processes join its server), and it is told to quit afterwards, the
+    environment as it was."""
+    import os
+
+    from bench.gpu import mps_daemon
+
+    calls = tmp_path / "calls"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(
+        f'#!/bin/sh\necho "$* pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\ncat >> {calls}\n'
+    )
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    with mps_daemon(True):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert Path(pipe).is_dir()
+        assert Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert calls.read_text().splitlines() == [f"-d pipe={pipe}", f" pipe={pipe}", "quit"]
+    with mps_daemon(False):
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_mps_needs_its_control_program(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from bench.gpu import mps_daemon
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit, match="nvidia-cuda-mps-control"), mps_daemon(True):
+        pass
