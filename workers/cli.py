@@ -41,6 +41,7 @@ EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
 EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 EXIT_NOT_INSTALLED = 5
 EXIT_ENVIRONMENT = 6
+EXIT_DEVICE = 7  # the model's device failed while serving: restart the worker
 
 EXIT_STATUSES: dict[int, str] = {
     EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
@@ -52,6 +53,9 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
     EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
     "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
+    EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "
+    "of another worker under the same MPS server): restart it; the batches it held went "
+    "unanswered, to another worker",
 }
 
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
@@ -325,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         # torch is imported only when a worker really starts, so the client-only
         # install has the rest of the command (and this command's --help).
         from workers.app import run_worker
-        from workers.types import ConfigError
+        from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
             raise  # a module of Conveyor's own: a broken install, not a missing extra
@@ -341,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
     except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
         return _fail(str(exc), EXIT_CONFIG)
+    except DeviceLost as exc:  # its batches were left unanswered, for another worker
+        return _fail(str(exc), EXIT_DEVICE)
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
         return _fail(str(exc), EXIT_UNREACHABLE)
     except OSError as exc:  # PermissionError, a read-only or full file system, ...

@@ -169,3 +169,16 @@ class ExactlyOnce:
                 dropped,
             )
         await self._source.restart(partitions)
+
+
+def delivery_for(
+    answers: Answers,
+    sink: ResultSink,
+    tracker: OffsetTracker[TopicPartition],
+    source: RecordSource,
+    transactions: TransactionalSink | None,
+) -> Delivery:
+    """Exactly once through ``transactions`` when given, else at least once."""
+    if transactions is None:
+        return AtLeastOnce(answers, sink, tracker, source)
+    return ExactlyOnce(answers, transactions, tracker, source)

@@ -37,7 +37,7 @@ import torch
 
 from schemas import ContractError, ErrorCode
 from workers.runner import DeviceBatch, Launched, ModelRunner
-from workers.types import BatchTiming, Item, Outcome, Refusal
+from workers.types import BatchTiming, DeviceLost, Item, Outcome, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,9 @@ class Inference:
     def _guarded(self, items: list[Item], run: Callable[[], Outcome]) -> Outcome:
         try:
             return run()
+        except DeviceLost as exc:  # not the batch's fault: left for a healthy worker
+            log.error("%s; stopping without answering its batches", exc)
+            return Outcome(lost=exc)
         except Exception as exc:  # a bug in this stage must not lose the batch
             log.exception("inference stage failed on a batch of %d", len(items))
             return Outcome(
@@ -232,6 +235,12 @@ class Inference:
             if len(items) == 1:
                 return [_Failure(exc.code, str(exc))]
         except Exception as exc:
+            broken = device_error(self._runner.device)
+            if broken is not None:
+                raise DeviceLost(
+                    f"the model's device {self._runner.device} failed ({broken!r}) "
+                    f"on a batch of {len(items)}"
+                ) from exc
             if len(items) == 1:
                 request_id = items[0].meta.id
                 log.warning(
@@ -243,6 +252,20 @@ class Inference:
                 return [_Failure(ErrorCode.model_error, f"model failed on this input: {exc!r}")]
         half = len(items) // 2
         return self._isolated(items[:half]) + self._isolated(items[half:])
+
+
+def device_error(device: torch.device) -> BaseException | None:
+    """Why ``device`` no longer runs work, or ``None`` while it does. After a batch fails:
+    an input the model refuses leaves the device working, a sticky CUDA error does not
+    (the synchronisation raises it again, and so would every later batch)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).cpu()
+    except Exception as exc:
+        return exc
+    return None
 
 
 class _Failure:

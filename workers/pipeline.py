@@ -6,12 +6,13 @@
 
 Every record fetched ends in exactly one answer (an item the model answered, or a
 refusal: bad input, expired, superseded, model failure), and its span is finished
-only after that answer is durable (``workers.offsets``); the delivery policy
-(``workers.delivery``: at least once, or exactly once with Kafka transactions)
-writes answers and decides when positions are committed. Work crosses stages as typed messages
-(``workers.types``), and per-record Python is kept to a minimum: a strict header
-parse, the handler's preprocess, one encoded document per result, one decrement
-per finished record. Everything else (Redis, the producer, metrics, commits)
+only after that answer is durable (``workers.offsets``); a failed device
+(``DeviceLost``) stops the worker instead, its batches left to another member. The
+delivery policy (``workers.delivery``: at least once, or exactly once with Kafka
+transactions) writes answers and decides when positions are committed. Work
+crosses stages as typed messages (``workers.types``); per-record Python is a strict
+header parse, the handler's preprocess, one encoded document per result and one
+decrement per finished record; the rest (Redis, the producer, metrics, commits)
 happens once per batch or per publish.
 
 The pipeline depends on ports, not on aiokafka and redis-py: ``RecordSource``
@@ -43,7 +44,7 @@ from workers.admission import Admission
 from workers.answers import Answers
 from workers.batcher import Batch
 from workers.claims import Claims
-from workers.delivery import AtLeastOnce, Delivery, ExactlyOnce
+from workers.delivery import delivery_for
 from workers.freshest import LatestFrames
 from workers.handlers import Handler
 from workers.inference import Inference, expired_refusal, superseded_refusal
@@ -55,6 +56,7 @@ from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
 from workers.types import (
     ConfigError,
+    DeviceLost,
     Item,
     Outcome,
     Record,
@@ -105,11 +107,7 @@ class Pipeline:
         self._metrics = metrics
         handler: Handler = runner.handler
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._delivery: Delivery = (
-            AtLeastOnce(answers, sink, self._tracker, source)
-            if transactions is None
-            else ExactlyOnce(answers, transactions, self._tracker, source)
-        )
+        self._delivery = delivery_for(answers, sink, self._tracker, source, transactions)
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._admission = admission
@@ -141,10 +139,10 @@ class Pipeline:
                 tasks.create_task(self._publish_loop(), name="publish")
             await self._delivery.flush()
         except BaseExceptionGroup as group:
-            # A configuration error ends the worker with its own message (exit status 3).
-            config = [exc for exc in group.exceptions if isinstance(exc, ConfigError)]
-            if config:
-                raise config[0] from None
+            # A configuration error or a failed device ends the worker (exit status 3, 7).
+            own = [e for e in group.exceptions if isinstance(e, (ConfigError, DeviceLost))]
+            if own:
+                raise own[0] from None
             raise
         finally:
             await self._delivery.close()
@@ -347,7 +345,10 @@ class Pipeline:
                     last = True
                     break
                 outcomes.append(more)
-            await self._publish(outcomes)
+            await self._publish([o for o in outcomes if o.lost is None])
+            for outcome in outcomes:
+                if outcome.lost is not None:  # the device failed: stop, these unanswered
+                    raise outcome.lost
             if last:
                 return
 

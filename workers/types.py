@@ -31,6 +31,14 @@ class ConfigError(Exception):
     with status 3 and this message, rather than stall or retry forever."""
 
 
+class DeviceLost(Exception):
+    """The model's device stopped running work: a sticky CUDA error (an illegal memory
+    access, a fatal fault of another client of the same MPS server, a GPU fallen off the
+    bus) fails every later call of the process. The worker stops without answering the
+    batches it holds, their offsets uncommitted, so another member serves them; it
+    exits with status 7 for its supervisor to restart it."""
+
+
 TopicPartition = tuple[str, int]
 """A partition of a topic; aiokafka's ``TopicPartition`` is such a named tuple."""
 
@@ -124,6 +132,8 @@ class Outcome:
     outputs: list[Any] = field(default_factory=list)
     timing: BatchTiming | None = None
     refused: list[Refusal] = field(default_factory=list)
+    lost: DeviceLost | None = None
+    """Set, and nothing else, when the device failed: the batch must not be answered."""
 
 
 @dataclass(slots=True)

@@ -135,3 +135,38 @@ async def test_a_batch_time_in_the_model_counts_its_collate(pipelined: bool) -> 
     assert outcome.timing is not None
     assert outcome.timing.inference_ms >= COLLATE_S * 1000.0
     assert outcome.timing.start_ms - submitted_ms < COLLATE_S * 1000.0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_batch_that_broke_the_device_is_not_answered(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure that leaves the device broken (a sticky CUDA error) is nobody's input's
+    fault: the batch gets no answers and no refusals, only ``lost``; others are served."""
+    import workers.inference
+
+    def broken(device: Any) -> BaseException:
+        return RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(workers.inference, "device_error", broken)
+    inference = Inference(
+        ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+    )
+    try:
+        outcomes = await run_batches(inference, [items([1, 2]), items([3, POISON]), items([5])])
+    finally:
+        inference.close()
+    lost = [o for o in outcomes if o.lost is not None]
+    assert len(lost) == 1
+    assert lost[0].answered == []
+    assert lost[0].refused == []
+    assert "illegal memory access" in str(lost[0].lost)
+    assert sorted(x for o in outcomes for x in o.outputs) == [1, 2, 5]
+
+
+def test_a_working_device_is_not_reported_broken() -> None:
+    import torch
+
+    from workers.inference import device_error
+
+    assert device_error(torch.device("cpu")) is None

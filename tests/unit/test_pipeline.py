@@ -853,3 +853,24 @@ async def test_a_state_store_that_fails_lets_the_batch_run() -> None:
     await run_until(pipeline, lambda: len(sink.stored) == 5)
     assert {decode_result(v).status for v in sink.stored.values()} == {Status.ok}
     assert b"conveyor_admission_failures_total" in metrics.render()
+
+
+async def test_a_failed_device_stops_the_worker_with_its_batch_unanswered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poison's failure left the device broken: the worker stops (DeviceLost, exit
+    status 7) instead of answering the batch, or any later one, with errors; the poison's
+    offset is not committed, so another member serves it."""
+    import workers.inference
+    from workers.types import DeviceLost
+
+    monkeypatch.setattr(
+        workers.inference, "device_error", lambda device: RuntimeError("CUDA error: lost")
+    )
+    source = FakeSource({0: records(0, 40)})
+    pipeline, sink = make(source, EchoModel())
+    with pytest.raises(DeviceLost, match="CUDA error: lost"):
+        await asyncio.wait_for(pipeline.run(asyncio.Event()), 10)
+    assert "p0-13" not in sink.stored
+    assert all(sink.status(i) is Status.ok for i in sink.stored)
+    assert source.committed.get(0, 0) <= 13
