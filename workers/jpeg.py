@@ -255,7 +255,7 @@ class HardwareJpeg:
 
     def _decoder(self, device: torch.device) -> Any:
         nvimgcodec = self._nvimgcodec
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _index(device)
         decoder = self._decoders.get(index)
         if decoder is None:
             backends = [
@@ -271,12 +271,16 @@ class HardwareJpeg:
         """The buffers for one image size on one stream, the least recently used size's
         buffers dropped beyond ``_SIZES`` (the caching allocator orders their reuse after
         the work queued on this stream)."""
-        key = (device.index or 0, stream.cuda_stream, *size)
+        key = (_index(device), stream.cuda_stream, *size)
         ring = self._rings.pop(key, None) or _Ring(self._nvimgcodec, device, stream, size)
         self._rings[key] = ring
         while len(self._rings) > self._SIZES:
             self._rings.popitem(last=False)[1].drain()
         return ring
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def engine_count(count: int) -> int:
