@@ -32,8 +32,10 @@ Stages (each a few minutes at most on an H100 or H200):
   median/min/max over ``--repeats``, with the GPU's busy share and each worker's
   model stage from its results' timings (busy share, idle gaps between batches,
   ``bench.stats.model_stage``); then p50/p99 latency to durability at about
-  half that rate, open loop. ``--pin`` gives the broker and Redis, the producers
-  and the workers cores of their own.
+  half that rate, open loop, from each request's append in Kafka
+  (``--latency-from``), with the producers' acknowledgement after due beside it.
+  ``--pin`` gives the broker and Redis (``--service-cores``), the producers and the
+  workers cores of their own.
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
   lost and duplicate-visible counted from Redis and the reply topic.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
@@ -892,7 +894,7 @@ def _pin_services(args: argparse.Namespace) -> None:
     """Broker and Redis on the last cores, so workers and producers do not share them."""
     if not args.pin:
         return
-    cores = _service_cores()
+    cores = _service_cores(args)
     for pidfile in (Path(".run").glob("kafka-*/kafka.pid"), Path(".run").glob("redis-*/redis.pid")):
         for path in pidfile:
             _pin_all_threads(int(path.read_text()), cores)
@@ -903,21 +905,26 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def _service_cores() -> set[int]:
+def _service_cores(args: argparse.Namespace) -> set[int]:
+    """``--service-cores`` of the last cores; by default a quarter of them, at least two
+    (with two of 16, one broker's fetch and produce latency at 10,000 requests a second
+    doubled the workers' p99: docs/benchmarks.md)."""
     cores = _cores()
-    return set(cores[-max(2, len(cores) // 8) :])
+    return set(cores[-(args.service_cores or max(2, len(cores) // 4)) :])
 
 
-def _producer_cores() -> set[int]:
-    """Three eighths of the cores, before the services' eighth: sending 150 KB records
-    fast enough to keep a GPU fed takes several processes."""
+def _producer_cores(args: argparse.Namespace) -> set[int]:
+    """``--producer-cores`` before the services'; by default a quarter of the cores, at
+    least two: sending 150 KB records fast enough to keep a GPU fed takes several
+    processes."""
     cores = _cores()
-    services = len(_service_cores())
-    return set(cores[-services - max(2, (3 * len(cores)) // 8) : -services])
+    services = len(_service_cores(args))
+    count = args.producer_cores or max(2, len(cores) // 4)
+    return set(cores[-services - count : -services])
 
 
-def _worker_cores() -> set[int]:
-    return set(_cores()) - _service_cores() - _producer_cores()
+def _worker_cores(args: argparse.Namespace) -> set[int]:
+    return set(_cores()) - _service_cores(args) - _producer_cores(args)
 
 
 def _pin_all_threads(pid: int, cores: set[int]) -> None:
@@ -936,10 +943,22 @@ async def _e2e_one(
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
-    await create_model_topics(settings, model, args.partitions)
+    # "append": the broker stamps each request when it appends it, so the paced load's
+    # latency runs from the request being in Kafka; the producers' own lag is
+    # reported beside it (acknowledged after due).
+    stamp = {"append": "LogAppendTime", "due": "CreateTime"}[args.latency_from]
+    await create_model_topics(
+        settings, model, args.partitions, configs={"requests": {"message.timestamp.type": stamp}}
+    )
     fleet = _fleet(cfg, model, args)
     mix = ",".join(_worker_decode(args, k) for k in range(workers))
-    row: dict[str, Any] = {"workers": workers, "gpus": gpus, "compiled": cfg.compile, "decode": mix}
+    row: dict[str, Any] = {
+        "workers": workers,
+        "gpus": gpus,
+        "compiled": cfg.compile,
+        "decode": mix,
+        "latency_from": args.latency_from,
+    }
     try:
         procs = [_start_worker(fleet, cfg, args, k, workers, gpus) for k in range(workers)]
         # Ready means it owns partitions; ready again a second later: the group has settled.
@@ -1179,7 +1198,7 @@ async def _producers(
         )
         procs.append(proc)
         if args.pin:
-            _pin_all_threads(proc.pid, _producer_cores())
+            _pin_all_threads(proc.pid, _producer_cores(args))
     return procs
 
 
@@ -1296,14 +1315,14 @@ def _start_worker(
     device = cfg.device
     if device.type == "cuda":
         device = torch.device("cuda", index % gpus)
-    threads = max(1, len(_worker_cores()) // workers) if args.pin else cfg.threads // workers
+    threads = max(1, len(_worker_cores(args)) // workers) if args.pin else cfg.threads // workers
     flags = (
         "--decode", _worker_decode(args, index), "--decode-threads", str(max(1, threads)),
         *shlex.split(args.worker_options),
     )  # fmt: skip
     worker = fleet.start(*flags, device=str(device), metrics_port=args.metrics_port + index)
     if args.pin:
-        os.sched_setaffinity(worker.pid, _worker_cores())  # its threads inherit it
+        os.sched_setaffinity(worker.pid, _worker_cores(args))  # its threads inherit it
     return worker
 
 
@@ -1602,9 +1621,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--paced-max-rate",
         type=float,
-        default=4000.0,
+        default=math.inf,
         help="cap on the paced rate, whatever half the peak is (rows whose producers "
-        "fall behind report no latency)",
+        "fall behind report no latency); none by default",
+    )
+    parser.add_argument(
+        "--service-cores",
+        type=int,
+        default=0,
+        help="with --pin: cores for the broker and Redis (the last ones; default a "
+        "quarter of them, at least two)",
+    )
+    parser.add_argument(
+        "--producer-cores",
+        type=int,
+        default=0,
+        help="with --pin: cores for the producers (before the services'; default a "
+        "quarter of them, at least two); the workers get the rest",
+    )
+    parser.add_argument(
+        "--latency-from",
+        choices=("append", "due"),
+        default="append",
+        help="paced latency from the broker's append of each request (its request topic "
+        "stamps LogAppendTime) or from the time the producer was due to send it (which "
+        "counts the producers' own lag too)",
     )
     parser.add_argument(
         "--previous",

@@ -24,6 +24,7 @@ from schemas import ContentType, OutgoingRecord, encode_request
 Isolation = Literal["read_uncommitted", "read_committed"]
 Reply: TypeAlias = ConsumerRecord[bytes, bytes]
 _MAX_REQUEST_BYTES = 64 << 20  # records as large as a test sends (the broker has the last word)
+_PACED_BATCH_BYTES = 1 << 20
 
 
 @asynccontextmanager
@@ -129,11 +130,22 @@ async def produce_at_rate(
 
     Each record's timestamp is the time it was *due*, not when the client got
     round to it, so a producer that falls behind shows up as latency instead of
-    hiding it (no coordinated omission). ``acked_ms``, when given, receives for each
-    record the milliseconds from its due time to the broker's acknowledgement as this
-    client saw it: the producer's and the broker's share of a request's latency.
+    hiding it (no coordinated omission); a topic with ``message.timestamp.type``
+    ``LogAppendTime`` replaces it with the broker's append time. ``acked_ms``, when
+    given, receives for each record the milliseconds from its due time to the broker's
+    acknowledgement as this client saw it: the producer's and the broker's share of a
+    request's latency.
     """
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=0,
+        # aiokafka's 16 KB default puts every image in a batch of its own, and the client
+        # has one request in flight to a broker: its rate would be at most one record per
+        # partition per round trip, so a loaded broker would slow the pace itself.
+        max_batch_size=_PACED_BATCH_BYTES,
+        max_request_size=_MAX_REQUEST_BYTES,
+    )
     await producer.start()
     try:
         sent = []

@@ -75,6 +75,7 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     assert len(row["runs"]) == 3
     assert all(run["img_s"] > 0 for run in row["runs"])
     assert 0 <= row["acked_p50_ms"] <= row["acked_p99_ms"]
+    assert row["latency_from"] == "append"  # the broker's append time stamps the requests
     for part in LATENCY_PARTS:
         assert 0 <= row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"]
     assert "latency parts" in done.stdout

@@ -56,6 +56,22 @@ def test_synthetic_jpegs_have_photo_like_sizes() -> None:
     assert 20_000 < len(synthetic_jpeg(224, 224, seed=1)) < 31_000
 
 
+def test_pinned_cores_split_services_producers_and_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import bench.gpu as gpu
+
+    monkeypatch.setattr(gpu, "_cores", lambda: list(range(16)))
+    default = gpu.parse_args([])
+    assert gpu._service_cores(default) == set(range(12, 16))  # a quarter, the last ones
+    assert gpu._producer_cores(default) == set(range(8, 12))
+    assert gpu._worker_cores(default) == set(range(8))
+    chosen = gpu.parse_args(["--service-cores", "2", "--producer-cores", "3"])
+    assert gpu._service_cores(chosen) == {14, 15}
+    assert gpu._producer_cores(chosen) == {11, 12, 13}
+    assert gpu._worker_cores(chosen) == set(range(11))
+
+
 @pytest.mark.timeout(60)
 def test_quick_cpu_run_writes_results_a_plot_and_a_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
