@@ -73,6 +73,7 @@ class RequestSender:
                     acks="all",
                     enable_idempotence=True,
                     linger_ms=_LINGER_MS,
+                    max_batch_size=self._settings.send_batch_bytes,
                     max_request_size=self._settings.limits.max_payload_bytes + 1024 * 1024,
                     request_timeout_ms=int(self._settings.send_timeout_s * 1000),
                     **kafka_options(self._settings),

@@ -21,6 +21,7 @@ from common.security import ConnectionSecurity, redis_location
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 
 KiB = 1024
+MiB = 1024 * KiB
 
 
 class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
@@ -45,6 +46,10 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """How long to try to reach Kafka or Redis before giving up with ``ServiceUnavailable``."""
     send_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     """How long the broker may take to acknowledge sent requests."""
+    send_batch_bytes: int = Field(default=MiB, ge=1024, le=64 * MiB)
+    """Most bytes of requests in one Kafka batch of a partition (the producer's
+    ``max_batch_size``): images above aiokafka's 16 KB default would each go alone,
+    one a partition per round trip to the broker."""
     redis_client_name: str | None = None
     """Redis ``CLIENT SETNAME`` of the client's connections, to find them in ``CLIENT LIST``."""
     limits: Limits = DEFAULT_LIMITS

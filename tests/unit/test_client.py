@@ -277,3 +277,40 @@ async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
             await sending
         await sender.close()
     assert [producer._closed for producer in made] == [True]
+
+
+async def test_the_sdk_producer_puts_many_images_in_one_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from aiokafka import AIOKafkaProducer
+
+    import producers.sender as sender_module
+    from producers.errors import ServiceUnavailable
+    from producers.sender import RequestSender
+    from schemas import encode_request
+
+    batch_sizes: list[object] = []
+
+    class Recorded(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka is untyped: Any
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            batch_sizes.append(kwargs.get("max_batch_size"))
+
+    monkeypatch.setattr(sender_module, "AIOKafkaProducer", Recorded)
+    record = encode_request(PNG, request_id="r1", content_type=ContentType.PNG, source="t")
+    with socket.socket() as silent:  # never answers: the send fails once the producer exists
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+        for settings in (
+            ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=0.2),
+            ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=0.2, send_batch_bytes=4096),
+        ):
+            sender = RequestSender(settings)
+            with pytest.raises(ServiceUnavailable):
+                await sender.send("digits", "conveyor.digits.requests", [record])
+            await sender.close()
+    # 1 MiB by default: 143 KB frames share a batch (aiokafka's 16 KB would not).
+    assert batch_sizes == [1 << 20, 4096]
