@@ -1,5 +1,5 @@
-"""``bench/cpu.py --quick``, ``bench/fetch.py`` and ``bench/gpu.py``'s e2e stage (on the
-CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
+"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py`` and ``bench/gpu.py``'s
+e2e stage (on the CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -41,6 +41,20 @@ def test_quick_cpu_bench_writes_every_section(
     assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
     assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
+
+
+@pytest.mark.timeout(120)
+def test_sdk_send_bench_times_each_batch_size(kafka_bootstrap: str, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "bench.sdk_send", "--requests", "40", "--repeats", "1"]
+    argv += ["--sizes", "224x224", "--batch-bytes", "16384,1048576", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=110)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "sdk-send-bench.json").read_text())
+    rates = report["results"]["224x224"]["runs"]
+    assert set(rates) == {"16384", "1048576"}
+    assert all(len(runs) == 1 and runs[0] > 0 for runs in rates.values())
 
 
 @pytest.mark.timeout(120)

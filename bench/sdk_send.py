@@ -1,0 +1,92 @@
+"""The SDK's sending rate by image size and Kafka batch size (``send_batch_bytes``).
+
+``python -m bench.sdk_send [--sizes 224x224,640x480] [--requests 3000] [--repeats 3]``
+sends ``--requests`` synthetic JPEGs of each size with one ``AsyncClient.submit_many``
+call, to a fresh 16-partition topic, for each batch size of ``--batch-bytes`` (by
+default aiokafka's 16 KB and the SDK's 1 MiB), taking turns within each repeat. Each
+variant is a client of its own, warmed up with ten requests first. It prints the
+median requests/s of each and writes ``sdk-send-bench.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.gpu import synthetic_jpeg
+from producers.admin import create_model_topics, delete_model_topics
+from producers.client import AsyncClient
+from producers.settings import ClientSettings
+
+PARTITIONS = 16
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    base = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    model = f"sdksend{uuid.uuid4().hex[:8]}"
+    await create_model_topics(base, model, PARTITIONS)
+    results: dict[str, Any] = {}
+    try:
+        for size in args.sizes:
+            width, height = (int(n) for n in size.split("x"))
+            images = [synthetic_jpeg(width, height, seed) for seed in range(16)]
+            payloads = [images[n % len(images)] for n in range(args.requests)]
+            rates: dict[int, list[float]] = {batch: [] for batch in args.batch_bytes}
+            for _ in range(args.repeats):
+                for batch in args.batch_bytes:
+                    settings = base.model_copy(update={"send_batch_bytes": batch})
+                    rates[batch].append(await _rate(settings, model, payloads))
+            results[size] = {
+                "payload_bytes": statistics.fmean(len(image) for image in images),
+                "requests_s": {str(b): statistics.median(r) for b, r in rates.items()},
+                "runs": {str(b): r for b, r in rates.items()},
+            }
+            print(f"[bench] {size}: {json.dumps(results[size]['requests_s'])}", flush=True)
+    finally:
+        await delete_model_topics(base, model)
+    return results
+
+
+async def _rate(settings: ClientSettings, model: str, payloads: Sequence[bytes]) -> float:
+    async with AsyncClient(settings) as client:
+        await client.submit_many(payloads[:10], model=model)  # connected, topic known
+        start = time.perf_counter()
+        await client.submit_many(payloads, model=model)
+        return len(payloads) / (time.perf_counter() - start)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kafka-bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--sizes", type=lambda s: s.split(","), default=["224x224", "640x480"])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--batch-bytes",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=[16 * 1024, 1 << 20],
+        help="comma-separated send_batch_bytes to compare",
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/sdk-send"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = asyncio.run(run(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sdk-send-bench.json").write_text(
+        json.dumps(vars(args) | {"results": results}, default=str, indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
