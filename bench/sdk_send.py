@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[16 * 1024, 1 << 20],
         help="comma-separated send_batch_bytes to compare",
     )
-    parser.add_argument("--out", type=Path, default=Path("runs/sdk-send"))
+    parser.add_argument("--out", type=Path, default=Path(".run/sdk-send-bench"))
     return parser.parse_args(argv)
 
 
