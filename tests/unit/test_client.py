@@ -6,10 +6,15 @@ closed port, so a check that ran after connecting would fail differently.
 
 from __future__ import annotations
 
+import asyncio
 import io
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -239,34 +244,41 @@ def test_client_package_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
-async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import asyncio
-    import socket
-
+def _recorded_producers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, object]]]:
+    """Every producer the SDK's sender makes from now on, with the options it was given."""
     from aiokafka import AIOKafkaProducer
 
     import producers.sender as sender_module
-    from producers.sender import RequestSender
-    from schemas import encode_request
 
-    made: list[AIOKafkaProducer] = []
+    made: list[tuple[Any, dict[str, object]]] = []
 
     class Recorded(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka is untyped: Any
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
-            made.append(self)
+            made.append((self, kwargs))
 
     monkeypatch.setattr(sender_module, "AIOKafkaProducer", Recorded)
-    # A listener that never answers: the producer's start hangs in its first request.
+    return made
+
+
+@contextmanager
+def _silent_bootstrap() -> Iterator[str]:
+    """The address of a listener that never answers: a producer's start hangs there."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        settings = ClientSettings(
-            kafka_bootstrap=f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout_s=30
-        )
-        sender = RequestSender(settings)
+        yield f"127.0.0.1:{silent.getsockname()[1]}"
+
+
+async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from producers.sender import RequestSender
+    from schemas import encode_request
+
+    made = _recorded_producers(monkeypatch)
+    with _silent_bootstrap() as bootstrap:
+        sender = RequestSender(ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=30))
         record = encode_request(PNG, request_id="r1", content_type=ContentType.PNG, source="t")
         sending = asyncio.create_task(sender.send("digits", "conveyor.digits.requests", [record]))
         while not made:
@@ -276,34 +288,19 @@ async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
         with pytest.raises(asyncio.CancelledError):
             await sending
         await sender.close()
-    assert [producer._closed for producer in made] == [True]
+    assert [producer._closed for producer, _ in made] == [True]
 
 
 async def test_the_sdk_producer_puts_many_images_in_one_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import socket
-
-    from aiokafka import AIOKafkaProducer
-
-    import producers.sender as sender_module
     from producers.errors import ServiceUnavailable
     from producers.sender import RequestSender
     from schemas import encode_request
 
-    batch_sizes: list[object] = []
-
-    class Recorded(AIOKafkaProducer):  # type: ignore[misc]  # aiokafka is untyped: Any
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)
-            batch_sizes.append(kwargs.get("max_batch_size"))
-
-    monkeypatch.setattr(sender_module, "AIOKafkaProducer", Recorded)
+    made = _recorded_producers(monkeypatch)
     record = encode_request(PNG, request_id="r1", content_type=ContentType.PNG, source="t")
-    with socket.socket() as silent:  # never answers: the send fails once the producer exists
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+    with _silent_bootstrap() as bootstrap:  # the send fails once the producer exists
         for settings in (
             ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=0.2),
             ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=0.2, send_batch_bytes=4096),
@@ -313,4 +310,4 @@ async def test_the_sdk_producer_puts_many_images_in_one_batch(
                 await sender.send("digits", "conveyor.digits.requests", [record])
             await sender.close()
     # 1 MiB by default: 143 KB frames share a batch (aiokafka's 16 KB would not).
-    assert batch_sizes == [1 << 20, 4096]
+    assert [options["max_batch_size"] for _, options in made] == [1 << 20, 4096]
