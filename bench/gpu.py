@@ -34,8 +34,8 @@ Stages (each a few minutes at most on an H100 or H200):
   ``bench.stats.model_stage``); then p50/p99 latency to durability at about
   half that rate, open loop, from each request's append in Kafka
   (``--latency-from``), with the producers' acknowledgement after due beside it.
-  ``--pin`` gives the broker and Redis (``--service-cores``), the producers and the
-  workers cores of their own.
+  ``--pin`` gives the broker and Redis (``--service-cores``), the producers
+  (``--producer-cores``) and the workers cores of their own.
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
   lost and duplicate-visible counted from Redis and the reply topic.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
@@ -907,8 +907,8 @@ def _cores() -> list[int]:
 
 def _service_cores(args: argparse.Namespace) -> set[int]:
     """``--service-cores`` of the last cores; by default a quarter of them, at least two
-    (with two of 16, one broker's fetch and produce latency at 10,000 requests a second
-    doubled the workers' p99: docs/benchmarks.md)."""
+    (with two of 16, at 9,600 requests a second, the parts of the p99 that wait on the
+    broker and Redis were 2.5 and 3.5 times those with four: docs/benchmarks.md)."""
     cores = _cores()
     return set(cores[-(args.service_cores or max(2, len(cores) // 4)) :])
 

@@ -48,8 +48,8 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """How long the broker may take to acknowledge sent requests."""
     send_batch_bytes: int = Field(default=MiB, ge=1024, le=64 * MiB)
     """Most bytes of requests in one Kafka batch of a partition (the producer's
-    ``max_batch_size``): images above aiokafka's 16 KB default would each go alone,
-    one a partition per round trip to the broker."""
+    ``max_batch_size``): with aiokafka's 16 KB default each larger image went alone,
+    one per partition per round trip to the broker."""
     redis_client_name: str | None = None
     """Redis ``CLIENT SETNAME`` of the client's connections, to find them in ``CLIENT LIST``."""
     limits: Limits = DEFAULT_LIMITS
