@@ -1159,7 +1159,7 @@ def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
     load; prints "ready", sends when a line comes in, then prints (JSON) the rate it
     achieved and its records' acknowledgement after their due time (p50, p99)."""
     topic, width, height, prefix, first, count, rate = spec.split(",")
-    corpus = _corpus(int(width), int(height))
+    corpus = make_corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids)
     print("ready", flush=True)
@@ -1217,7 +1217,7 @@ async def _tell_all(procs: Sequence[asyncio.subprocess.Process], word: bytes) ->
         await proc.stdin.drain()
 
 
-def _corpus(width: int, height: int) -> Corpus:
+def make_corpus(width: int, height: int) -> Corpus:
     """The corpus every producer process rebuilds from the same seeds."""
     return Corpus(
         f"{width}x{height}",
@@ -1233,7 +1233,7 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
     Prints "ready" once its records are built and sends them in a transaction when a line
     comes in; prints "sent" when all are written, and commits when the next line comes."""
     topic, width, height, prefix, first, count = spec.split(",")
-    corpus = _corpus(int(width), int(height))
+    corpus = make_corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids)
     print("ready", flush=True)

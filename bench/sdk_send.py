@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.gpu import synthetic_jpeg
+from bench.gpu import make_corpus
 from producers.admin import create_model_topics, delete_model_topics
 from producers.client import AsyncClient
 from producers.settings import ClientSettings
@@ -36,15 +36,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for size in args.sizes:
             width, height = (int(n) for n in size.split("x"))
-            images = [synthetic_jpeg(width, height, seed) for seed in range(16)]
-            payloads = [images[n % len(images)] for n in range(args.requests)]
+            corpus = make_corpus(width, height)
+            payloads = corpus.take(args.requests)
             rates: dict[int, list[float]] = {batch: [] for batch in args.batch_bytes}
             for _ in range(args.repeats):
                 for batch in args.batch_bytes:
                     settings = base.model_copy(update={"send_batch_bytes": batch})
                     rates[batch].append(await _rate(settings, model, payloads))
             results[size] = {
-                "payload_bytes": statistics.fmean(len(image) for image in images),
+                "payload_bytes": corpus.mean_kb * 1000,
                 "requests_s": {str(b): statistics.median(r) for b, r in rates.items()},
                 "runs": {str(b): r for b, r in rates.items()},
             }
