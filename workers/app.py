@@ -25,6 +25,7 @@ from workers.admission import Admission
 from workers.answers import Answers
 from workers.claims import Claims
 from workers.consumer import Consumer
+from workers.cuda_sync import set_cuda_sync
 from workers.decode_budget import DecodeBudget
 from workers.health import Check, HealthServer
 from workers.loader import load_handler
@@ -175,6 +176,7 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
 
 def _load_model(settings: WorkerSettings) -> ModelRunner:
     started = time.monotonic()
+    set_cuda_sync(resolve_device(settings.device), settings.cuda_sync)
     handler = load_handler(
         settings.model,
         device=settings.device,

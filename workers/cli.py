@@ -71,6 +71,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "decode",
         "compile",
         "cuda_graphs",
+        "cuda_sync",
         "allow_pickle_models",
     ),
     "batching": (

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.dlpack import from_dlpack
 
+from workers.cuda_sync import event as cuda_event
 from workers.preprocess import check_pixels
 
 JpegBackend = Literal["nvjpeg", "nvimgcodec"]  # CUDA nvJPEG, or the hardware engine (HardwareJpeg)
@@ -320,7 +321,7 @@ class _Buffer:
             self._read.synchronize()
 
     def read_by(self, stream: torch.cuda.Stream) -> None:
-        self._read = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._read = cuda_event()
         self._read.record(stream)
 
 

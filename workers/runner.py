@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from workers.cuda_sync import event as cuda_event
 from workers.handlers import Collating, DeviceInput, Handler, SplitPostprocess
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class ModelRunner:
                 batch = self._pad(batch)
             ready = None
             if self._stream is not None:
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready = cuda_event()
                 ready.record(self._stream)
         return DeviceBatch(batch, len(tensors), ready)
 
@@ -379,6 +380,6 @@ def _event(cuda: bool) -> torch.cuda.Event | None:
     """A timing event recorded on the current stream (CUDA only)."""
     if not cuda:
         return None
-    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event = cuda_event(timing=True)
     event.record()
     return event

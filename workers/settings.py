@@ -114,6 +114,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "at start (default: on for CUDA devices; with --compile they record the compiled "
         "forward)",
     )
+    cuda_sync: Literal["auto", "spin", "yield", "block"] = Field(
+        default="block",
+        description="how threads wait for the GPU: block = sleep until it signals, spin = "
+        "hold a core, yield = spin but give the core up between checks, auto = CUDA's "
+        "choice (spin on machines with more cores than contexts)",
+    )
     allow_pickle_models: bool = Field(
         default=False,
         description="allow model files that are unpickled on load (torch.export archives)",
