@@ -97,6 +97,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "fetch_buffers",
         "permanent_error_grace_s",
         "delivery",
+        "publishes_in_flight",
         "transaction_timeout_ms",
     ),
     "Redis": ("redis_url", "redis_cluster", "redis_replica_acks", "result_ttl_s"),

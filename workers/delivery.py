@@ -53,6 +53,9 @@ class Delivered(NamedTuple):
 class Delivery(Protocol):
     """Makes answers durable and commits positions (`AtLeastOnce` or `ExactlyOnce`)."""
 
+    at_once: int
+    """How many ``deliver`` calls may be in progress at a time."""
+
     async def deliver(self, outcomes: Sequence[Outcome]) -> Delivered:
         """Write what ``outcomes`` answered (now, or once it may be written) and finish it."""
 
@@ -67,7 +70,11 @@ class Delivery(Protocol):
 
 
 class AtLeastOnce:
-    """Write each publish at once; commit positions after it, in the background."""
+    """Write each publish at once; commit positions after it, in the background.
+
+    Publishes overlap: one waits for the broker's acknowledgements while the next
+    writes to Redis and queues its records (in order: ``Publisher.publish``), so a
+    result is not held back by an earlier batch's acknowledgement."""
 
     def __init__(
         self,
@@ -75,7 +82,9 @@ class AtLeastOnce:
         sink: ResultSink,
         tracker: OffsetTracker[TopicPartition],
         source: RecordSource,
+        at_once: int = 4,
     ) -> None:
+        self.at_once = at_once  # publishes in progress at a time
         self._answers = answers
         self._sink = sink
         self._tracker = tracker
@@ -102,6 +111,8 @@ class AtLeastOnce:
 
 class ExactlyOnce:
     """Write each partition's answered prefix and its position in one transaction."""
+
+    at_once = 1  # a partition's transactions follow one another
 
     def __init__(
         self,
@@ -177,8 +188,10 @@ def delivery_for(
     tracker: OffsetTracker[TopicPartition],
     source: RecordSource,
     transactions: TransactionalSink | None,
+    publishes_in_flight: int = 4,
 ) -> Delivery:
-    """Exactly once through ``transactions`` when given, else at least once."""
+    """Exactly once through ``transactions`` when given, else at least once with up to
+    ``publishes_in_flight`` publishes in progress."""
     if transactions is None:
-        return AtLeastOnce(answers, sink, tracker, source)
+        return AtLeastOnce(answers, sink, tracker, source, publishes_in_flight)
     return ExactlyOnce(answers, transactions, tracker, source)

@@ -3,6 +3,7 @@
     fetch ─▶ parse (loop) ─▶ preprocess (pool or inline) ─▶ collect ─▶ batch ─▶ infer (thread)
                    │ refusals                                                     │
     commit ◀─ finish spans ◀─ publish (Redis script + producer batches) ◀─ outcomes ◀┘
+                               (up to ``publishes_in_flight`` at once: workers.publishing)
 
 Every record fetched ends in exactly one answer (an item the model answered, or a
 refusal: bad input, expired, superseded, model failure), and its span is finished
@@ -52,6 +53,7 @@ from workers.ingest import INLINE_BYTES, Ingest
 from workers.lanes import LaneBatcher, LaneTopics
 from workers.metrics import Metrics
 from workers.offsets import OffsetTracker
+from workers.publishing import Publishing
 from workers.runner import ModelRunner
 from workers.settings import WorkerSettings
 from workers.types import (
@@ -107,7 +109,9 @@ class Pipeline:
         self._metrics = metrics
         handler: Handler = runner.handler
         self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._delivery = delivery_for(answers, sink, self._tracker, source, transactions)
+        self._delivery = delivery_for(
+            answers, sink, self._tracker, source, transactions, settings.publishes_in_flight
+        )
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._admission = admission
@@ -125,8 +129,9 @@ class Pipeline:
         self._ready: list[tuple[int, list[Item]]] = []  # preprocessed chunks by lane
         self._arrived = asyncio.Event()
         self._input_done = False
-        self._outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
-        self._progress = asyncio.Event()  # set after every publish
+        self._publishing = Publishing(self._delivery, metrics, self._lanes)
+        self._outcomes = self._publishing.outcomes
+        self._progress = self._publishing.progress
         source.on_revoke(self._release)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -136,13 +141,13 @@ class Pipeline:
                 tasks.create_task(self._fetch_loop(stop), name="fetch")
                 tasks.create_task(self._collect_loop(), name="collect")
                 tasks.create_task(self._batch_loop(), name="batch")
-                tasks.create_task(self._publish_loop(), name="publish")
+                tasks.create_task(self._publishing.run(), name="publish")
             await self._delivery.flush()
         except BaseExceptionGroup as group:
             # A configuration error or a failed device ends the worker (exit status 3, 7).
-            own = [e for e in group.exceptions if isinstance(e, (ConfigError, DeviceLost))]
-            if own:
-                raise own[0] from None
+            own = group.subgroup(lambda e: isinstance(e, (ConfigError, DeviceLost)))
+            if own is not None:
+                raise _first_leaf(own) from None
             raise
         finally:
             await self._delivery.close()
@@ -333,40 +338,6 @@ class Pipeline:
                 self._metrics.lane_queue_wait(self._lanes.names[lane], queue_s)
         self._outcomes.put_nowait(outcome)
 
-    # -- publish and commit -------------------------------------------------------------
-
-    async def _publish_loop(self) -> None:
-        """Publish whatever is finished, all of it in one call; never wait for more."""
-        while (first := await self._outcomes.get()) is not None:
-            outcomes, last = [first], False
-            while not self._outcomes.empty():
-                more = self._outcomes.get_nowait()
-                if more is None:
-                    last = True
-                    break
-                outcomes.append(more)
-            await self._publish([o for o in outcomes if o.lost is None])
-            for outcome in outcomes:
-                if outcome.lost is not None:  # the device failed: stop, these unanswered
-                    raise outcome.lost
-            if last:
-                return
-
-    async def _publish(self, outcomes: list[Outcome]) -> None:
-        delivered = await self._delivery.deliver(outcomes)
-        durable_ms = time.time() * 1000.0
-        for built in delivered.built:
-            self._metrics.observe_results(
-                built.statuses,
-                [(durable_ms - produced) / 1000.0 for produced in built.produced_ms],
-            )
-            self._metrics.dead_letters(len(built.outbox.dead))
-        if self._lanes.several:
-            for lane, e2e_s in self._lanes.end_to_end(delivered.outcomes, durable_ms).items():
-                self._metrics.lane_end_to_end(lane, e2e_s)
-        self._metrics.duplicates(delivered.duplicates)
-        self._progress.set()
-
     # -- rebalance ----------------------------------------------------------------------
 
     async def _release(self, partitions: Collection[TopicPartition]) -> None:
@@ -394,6 +365,13 @@ class Pipeline:
             )
         for tp in partitions:
             self._tracker.forget(tp)
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception of ``group`` that is not a group (the publishes' own group
+    nests inside the stages')."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _deadline(item: Item) -> float | None:

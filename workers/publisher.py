@@ -3,9 +3,10 @@
 One ``publish`` call writes a whole outbox: one script call on the result store
 (``workers.store``) and one producer batch per reply partition, all acknowledged
 (``acks=all``) before it returns, which is what lets the caller commit offsets
-afterwards. A result whose id already had one in Redis (a redelivered request)
-is never overwritten: the stored bytes go to the reply topic instead, so both
-places keep showing the first answer.
+afterwards. Calls may overlap (``workers.publishing``): each queues its records
+after those of the calls begun before it. A result whose id already had one in
+Redis (a redelivered request) is never overwritten: the stored bytes go to the
+reply topic instead, so both places keep showing the first answer.
 
 Placement on the reply topic: a request's result goes to partition
 ``p mod N`` of its reply topic, where ``p`` is the request's partition and ``N``
@@ -29,30 +30,27 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     KafkaError,
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-    RecordTooLargeError,
     TopicAuthorizationFailedError,
 )
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from common.security import kafka_connect_failed, kafka_options, redis_connect_failed
 from schemas import ErrorCode, ModelTopics, Status
-from schemas.dlq import truncated
 from schemas.fastpath import ResultEncoder
+from workers.dead_letters import RECORD_OVERHEAD, TOO_LARGE, DeadLetters, send_one
 from workers.metrics import Metrics
 from workers.publish_errors import Failures
 from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
 from workers.store import ResultStore
 from workers.topics import TopicFacts, max_message_bytes
-from workers.types import DeadLetter, Outbox, PublishReport
+from workers.types import Outbox, PublishReport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,10 +60,23 @@ _BACKOFF_MAX_S = 5.0
 _TOPIC_CHECK_TIMEOUT_S = 5.0
 _UNKNOWN_TOPIC_RECHECK_S = 60.0
 _BATCH_BYTES = 512 * 1024  # fill a producer batch up to this (or the topic's limit)
-_RECORD_OVERHEAD = 512  # record and batch framing beside key, value and headers
-_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
 _KAFKA_CONFIG = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
 _REDIS_CONFIG = (NoPermissionError, AuthenticationError)
+
+
+class _Queued(NamedTuple):
+    """A producer batch of results handed to the producer, or refused on the way."""
+
+    topic: str
+    partition: int
+    members: list[int]  # the outbox's indices of its results
+    acked: asyncio.Future[Any] | Exception  # done once the broker acknowledged it
+
+
+async def _acked(acked: asyncio.Future[Any] | Exception) -> None:
+    if isinstance(acked, Exception):
+        raise acked
+    await acked
 
 
 class Publisher:
@@ -83,11 +94,10 @@ class Publisher:
         self._metrics = metrics
         self._settings = settings
         self._results_topic = topics.results
-        self._dlq_topic = topics.dlq
         self._store = store or open_result_store(settings)
         results_limit = max_message_bytes(facts, topics.results)
-        self._dlq_limit = max_message_bytes(facts, topics.dlq)
-        self.max_result_bytes = results_limit - _RECORD_OVERHEAD - 1024  # 1 KiB of headers
+        self._dead_letters = DeadLetters(topics.dlq, max_message_bytes(facts, topics.dlq))
+        self.max_result_bytes = results_limit - RECORD_OVERHEAD - 1024  # 1 KiB of headers
         """The largest result document the results topic takes, with its headers."""
         self._producer_options: dict[str, Any] = {
             "bootstrap_servers": settings.kafka_bootstrap,
@@ -95,7 +105,7 @@ class Publisher:
             "acks": "all",
             "linger_ms": 0,  # batches are built here, whole; nothing to wait for
             "max_batch_size": min(_BATCH_BYTES, results_limit),
-            "max_request_size": max(results_limit, self._dlq_limit, 1 << 20) + 65536,
+            "max_request_size": max(results_limit, self._dead_letters.limit, 1 << 20) + 65536,
             **kafka_options(settings),
         }
         # Not idempotent on purpose: a retried send may duplicate a reply record,
@@ -108,6 +118,7 @@ class Publisher:
         self._unknown_topics: dict[str, float] = {}
         self._failures = Failures(settings.permanent_error_grace_s)
         self._encoder = encoder  # for result_too_large errors in place of refused records
+        self._queued: asyncio.Future[None] | None = None  # done once the last call queued
 
     async def start(self) -> None:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
@@ -148,14 +159,33 @@ class Publisher:
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result is in Redis and acked on Kafka, and every dead letter acked.
 
-        Raises ``PublishConfigError`` when a configuration error outlasted its grace.
+        Calls may overlap: each writes to Redis at once, then queues its records for the
+        reply topics in the order the calls began (a request partition's results stay in
+        order on its reply partition), then waits for its acknowledgements while later
+        calls write and queue theirs. Raises ``PublishConfigError`` when a configuration
+        error outlasted its grace.
         """
-        sent, duplicates = await self.store(outbox.ids, outbox.values)
-        groups = await self._groups(outbox)
+        before, mine = self._queued, asyncio.get_running_loop().create_future()
+        self._queued = mine
         producer = self._producer
-        await self._failures.retry("kafka", lambda: self._send_all(producer, groups, outbox, sent))
+        try:
+            sent, duplicates = await self.store(outbox.ids, outbox.values)
+            groups = await self._groups(outbox)
+            if before is not None:
+                await asyncio.wait([before])  # the call before has queued its records
+            queued: list[_Queued] | None = await self._queue(producer, groups, outbox, sent)
+        finally:
+            mine.set_result(None)
+
+        async def send() -> None:  # the first attempt's records are queued already
+            nonlocal queued
+            first, queued = queued, None
+            await self._send_all(producer, groups, outbox, sent, first)
+
+        await self._failures.retry("kafka", send)
         if outbox.dead:
-            await self._failures.retry("kafka", lambda: self._dead_letters(producer, outbox.dead))
+            letters = outbox.dead
+            await self._failures.retry("kafka", lambda: self._dead_letters.send(producer, letters))
         return PublishReport(duplicates=duplicates)
 
     async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
@@ -178,7 +208,7 @@ class Publisher:
         """One attempt at writing every result (``values``) and dead letter of ``outbox``
         through ``producer``, e.g. inside a transaction; raises the first error."""
         await self._send_all(producer, await self._groups(outbox), outbox, values)
-        await self._dead_letters(producer, list(outbox.dead))
+        await self._dead_letters.send(producer, list(outbox.dead))
 
     def transactional_producer(self, transactional_id: str, timeout_ms: int) -> AIOKafkaProducer:
         """A producer sized as this publisher's, for transactions under ``transactional_id``."""
@@ -209,49 +239,56 @@ class Publisher:
             groups[(topic, partition % self._partitions[topic])].append(i)
         return groups
 
+    async def _queue(
+        self,
+        producer: AIOKafkaProducer,
+        groups: dict[tuple[str, int], list[int]],
+        outbox: Outbox,
+        values: Sequence[bytes],
+    ) -> list[_Queued]:
+        """Queue every group as producer batches, one after another: each with its
+        acknowledgement to wait for, or the error that kept it out of the queue."""
+        queued = []
+        for (topic, partition), indices in groups.items():
+            for batch, members in self._batches(producer, indices, outbox, values):
+                acked: asyncio.Future[Any] | Exception
+                try:
+                    acked = await producer.send_batch(batch, topic, partition=partition)
+                except Exception as exc:  # counted with the acknowledgements' errors
+                    acked = exc
+                queued.append(_Queued(topic, partition, members, acked))
+        return queued
+
     async def _send_all(
         self,
         producer: AIOKafkaProducer,
         groups: dict[tuple[str, int], list[int]],
         outbox: Outbox,
         values: Sequence[bytes],
+        queued: list[_Queued] | None = None,
     ) -> None:
-        """Send every group as producer batches; groups acknowledged are removed, so a
-        retry after an outage sends only what is left."""
-        pending = []
-        for (topic, partition), indices in groups.items():
-            for batch in self._batches(producer, indices, outbox, values):
-                pending.append(((topic, partition), batch))
-        results = await asyncio.gather(
-            *(
-                self._send_batch(producer, batch, topic, partition)
-                for (topic, partition), (batch, _) in pending
-            ),
-            return_exceptions=True,
-        )
+        """Send every group as producer batches (or wait for ``queued``, the groups queued
+        already); groups acknowledged are removed, so a retry after an outage sends only
+        what is left."""
+        if queued is None:
+            queued = await self._queue(producer, groups, outbox, values)
+        results = await asyncio.gather(*(_acked(q.acked) for q in queued), return_exceptions=True)
         failed: dict[tuple[str, int], list[int]] = defaultdict(list)
         first_error: BaseException | None = None
-        for ((topic, partition), (_, indices)), result in zip(pending, results, strict=True):
+        for q, result in zip(queued, results, strict=True):
             if not isinstance(result, BaseException):
                 continue
-            if isinstance(result, _TOO_LARGE):
+            if isinstance(result, TOO_LARGE):
                 await self._refused_as_too_large(
-                    producer, topic, partition, indices, outbox, values
+                    producer, q.topic, q.partition, q.members, outbox, values
                 )
                 continue
-            failed[(topic, partition)].extend(indices)
+            failed[(q.topic, q.partition)].extend(q.members)
             first_error = first_error or result
         groups.clear()
         groups.update(failed)
         if first_error is not None:
             raise first_error
-
-    async def _send_batch(
-        self, producer: AIOKafkaProducer, batch: Any, topic: str, partition: int
-    ) -> None:
-        """Queue one producer batch and wait for the broker's acknowledgement."""
-        delivered = await producer.send_batch(batch, topic, partition=partition)
-        await delivered
 
     def _batches(
         self,
@@ -288,8 +325,8 @@ class Publisher:
         for i in indices:
             key = outbox.ids[i].encode()
             try:
-                await self._send_one(producer, topic, partition, key, values[i], outbox.headers[i])
-            except _TOO_LARGE:
+                await send_one(producer, topic, partition, key, values[i], outbox.headers[i])
+            except TOO_LARGE:
                 log.error(
                     "reply topic %s refused the %d-byte result of %s as too large; "
                     "sending a result_too_large error there instead (Redis keeps the answer)",
@@ -308,21 +345,7 @@ class Publisher:
                     ),
                     None,
                 )
-                await self._send_one(producer, topic, partition, key, error, outbox.headers[i])
-
-    async def _send_one(
-        self,
-        producer: AIOKafkaProducer,
-        topic: str,
-        partition: int | None,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Sequence[tuple[str, bytes | None]],
-    ) -> None:
-        future = await producer.send(
-            topic, value, key=key, partition=partition, headers=list(headers)
-        )
-        await future
+                await send_one(producer, topic, partition, key, error, outbox.headers[i])
 
     async def _reply_topic(self, topic: str) -> str:
         """The requested reply topic if it exists, else the model's results topic.
@@ -355,39 +378,3 @@ class Publisher:
         if self._metrics is not None:
             self._metrics.reply_fallbacks(1)
         return self._results_topic
-
-    # -- dead letters ---------------------------------------------------------------------
-
-    async def _dead_letters(self, producer: AIOKafkaProducer, letters: list[DeadLetter]) -> None:
-        """Send every dead letter, cut to fit the topic; acknowledged ones leave the list."""
-        while letters:
-            letter = self._fit(letters[0])
-            try:
-                await self._send_one(
-                    producer, self._dlq_topic, None, letter.key, letter.value, letter.headers
-                )
-            except _TOO_LARGE:
-                # The topic's limit is lower than it said at start-up: keep headers only.
-                log.error("dead-letter topic refused a copy as too large; sending it empty")
-                value, cut = truncated(letter.value or b"", 0)
-                headers = [*letter.headers, *cut]
-                await self._send_one(producer, self._dlq_topic, None, letter.key, value, headers)
-            letters.pop(0)
-
-    def _fit(self, letter: DeadLetter) -> DeadLetter:
-        """The letter, its value cut to what the dead-letter topic accepts if need be."""
-        value = letter.value
-        if value is None:
-            return letter
-        others = sum(len(n) + len(v or b"") for n, v in letter.headers) + len(letter.key or b"")
-        room = self._dlq_limit - _RECORD_OVERHEAD - others - 256  # 256: the two size headers
-        if len(value) <= room:
-            return letter
-        cut, headers = truncated(value, room)
-        log.warning(
-            "dead-letter copy of %d bytes cut to %d to fit topic %s",
-            len(value),
-            len(cut),
-            self._dlq_topic,
-        )
-        return DeadLetter(letter.key, cut, [*letter.headers, *headers])

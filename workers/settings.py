@@ -169,6 +169,14 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "partition go in one Kafka transaction per publish, so a read_committed reader of the "
         "reply topic sees each request once (docs/reliability.md)",
     )
+    publishes_in_flight: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="at-least-once: publish calls in progress at once; while one waits for "
+        "the broker's acknowledgements the next writes to Redis (1: one after another; "
+        "exactly-once publishes one at a time)",
+    )
     transaction_timeout_ms: int = Field(
         default=60_000,
         ge=1_000,

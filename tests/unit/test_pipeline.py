@@ -209,11 +209,12 @@ def make(
     state: RequestState | None = None,
     transactions: TransactionalSink | None = None,
     metrics: Metrics | None = None,
+    sink: FakeSink | None = None,
     **settings: Any,
 ) -> tuple[Pipeline, FakeSink]:
     options = {"max_batch_size": 8, "max_delay_ms": 1.0, "decode_threads": 1, **settings}
     s = WorkerSettings(model="tests:Echo", model_name="t", device="cpu", **options)
-    sink = FakeSink()
+    sink = sink or FakeSink()
     runner = ModelRunner(model, device="cpu")
     answers = Answers("t", model.version, "w1", max_result_bytes=1 << 20)
     metrics = metrics or Metrics("t")
@@ -874,3 +875,83 @@ async def test_a_failed_device_stops_the_worker_with_its_batch_unanswered(
     assert "p0-13" not in sink.stored
     assert all(sink.status(i) is Status.ok for i in sink.stored)
     assert source.committed.get(0, 0) <= 13
+
+
+@dataclass
+class HeldSink(FakeSink):
+    """Holds every publish until ``release`` is set; counts the calls in progress."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    fail_with: Exception | None = None
+    in_progress: int = 0
+    most: int = 0
+
+    async def publish(self, outbox: Outbox) -> PublishReport:
+        self.in_progress += 1
+        self.most = max(self.most, self.in_progress)
+        try:
+            await self.release.wait()
+            if self.fail_with is not None:
+                raise self.fail_with
+            return await super().publish(outbox)
+        finally:
+            self.in_progress -= 1
+
+
+@pytest.mark.parametrize("in_flight", [1, 4])
+async def test_publishes_overlap_up_to_the_setting(in_flight: int) -> None:
+    """A publish waiting for its acknowledgements does not hold back the next batch's
+    results; at most ``publishes_in_flight`` wait at a time, every record answered once."""
+    source = FakeSource({p: records(p, 40) for p in range(4)})
+    held = HeldSink()
+    pipeline, sink = make(source, EchoModel(), sink=held, publishes_in_flight=in_flight)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    async with asyncio.timeout(10):
+        while held.in_progress < in_flight:
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # batches keep finishing meanwhile
+    assert held.most == in_flight
+    assert source.committed == {}  # nothing acknowledged, nothing committed
+    held.release.set()
+    async with asyncio.timeout(10):
+        while len(sink.stored) < 160:
+            await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert len(sink.published_ids()) == 160
+    assert source.committed == dict.fromkeys(range(4), 40)
+
+
+async def test_a_configuration_error_of_an_overlapping_publish_ends_the_worker() -> None:
+    from workers.publish_errors import PublishConfigError
+
+    held = HeldSink(fail_with=PublishConfigError("Redis refused this worker's writes"))
+    pipeline, _ = make(FakeSource({0: records(0, 40)}), EchoModel(), sink=held)
+    held.release.set()
+    with pytest.raises(PublishConfigError, match="refused"):  # itself, not in a group
+        await asyncio.wait_for(pipeline.run(asyncio.Event()), 10)
+
+
+async def test_exactly_once_transactions_never_overlap() -> None:
+    source = FakeSource({p: records(p, 30) for p in range(3)})
+
+    @dataclass
+    class Counted(FakeTransactions):
+        in_progress: int = 0
+        most: int = 0
+
+        async def publish(self, parts: Sequence[PartitionCommit]) -> tuple[list[Committed], int]:
+            self.in_progress += 1
+            self.most = max(self.most, self.in_progress)
+            try:
+                await asyncio.sleep(0.005)
+                return await super().publish(parts)
+            finally:
+                self.in_progress -= 1
+
+    txns = Counted(source)
+    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    await run_until(pipeline, lambda: len(txns.ids()) == 90)
+    check_exactly_once(txns, dict.fromkeys(range(3), 30))
+    assert txns.most == 1

@@ -1,0 +1,104 @@
+"""The publisher on the real broker and Redis: publishes that overlap keep each request
+partition's results in the order the calls began on its reply partition."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from schemas import Status, topics_for
+from schemas.fastpath import ResultEncoder
+from schemas.naming import result_key
+from workers.publisher import Publisher
+from workers.redis_cluster import open_result_store
+from workers.settings import WorkerSettings
+from workers.store import ResultStore
+from workers.topics import check_topics
+from workers.types import Outbox
+
+pytestmark = pytest.mark.integration
+
+
+class FirstWriteSlow:
+    """The real result store, its first write held back ``delay_s`` (a slow Redis call)."""
+
+    def __init__(self, store: ResultStore, delay_s: float) -> None:
+        self._store = store
+        self._delay_s = delay_s
+        self.writes = 0
+
+    async def write_first(self, ids: Sequence[str], values: Sequence[bytes]) -> list[bytes | None]:
+        self.writes += 1
+        if self.writes == 1:
+            await asyncio.sleep(self._delay_s)
+        return await self._store.write_first(ids, values)
+
+    async def ping(self) -> bool:
+        return await self._store.ping()
+
+    async def aclose(self) -> None:
+        await self._store.aclose()
+
+
+async def test_overlapping_publishes_keep_the_call_order_on_the_reply_partition(
+    kafka_bootstrap: str,
+    redis_url: str,
+    client_settings: ClientSettings,
+    drop_topics: list[str],
+    model_name: str,
+) -> None:
+    await create_model_topics(client_settings, model_name, partitions=1)
+    drop_topics.append(model_name)
+    settings = WorkerSettings(
+        model="tests:Echo", model_name=model_name, kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_url, device="cpu",
+    )  # fmt: skip
+    topics = topics_for(model_name)
+    facts = await check_topics(settings, topics)
+    encoder = ResultEncoder(model_name, "v1", "w1")
+    store = FirstWriteSlow(open_result_store(settings), delay_s=0.3)
+    calls = [[f"{model_name}-{call}-{n}" for n in range(20)] for call in ("first", "second")]
+    async with Publisher(settings, topics, facts, encoder, store=store) as publisher:
+        first = asyncio.create_task(publisher.publish(_outbox(encoder, calls[0])))
+        await asyncio.sleep(0)  # the first call has begun: its Redis write is the slow one
+        second = asyncio.create_task(publisher.publish(_outbox(encoder, calls[1])))
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+
+    assert await _reply_keys(kafka_bootstrap, topics.results, 40) == calls[0] + calls[1]
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [result_key(i) for i in calls[0] + calls[1]]
+        assert all(value is not None for value in await redis.mget(keys))
+        await redis.delete(*keys)
+    finally:
+        await redis.aclose()
+
+
+def _outbox(encoder: ResultEncoder, ids: list[str]) -> Outbox:
+    outbox = Outbox()
+    for request_id in ids:
+        value = encoder.encode(request_id, Status.ok, {"n": 1}, None, None)
+        outbox.add(request_id, value, encoder.headers(request_id, None), None, 0)
+    return outbox
+
+
+async def _reply_keys(bootstrap: str, topic: str, count: int) -> list[str]:
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    keys: list[str] = []
+    try:
+        async with asyncio.timeout(30):
+            while len(keys) < count:
+                batches = await consumer.getmany(timeout_ms=500)
+                keys += [r.key.decode() for rs in batches.values() for r in rs if r.key]
+    finally:
+        await consumer.stop()
+    return keys
