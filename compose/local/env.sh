@@ -6,6 +6,8 @@ KAFKA_HOST=127.0.0.1
 KAFKA_PORT=${KAFKA_PORT:-9092}
 KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_HEAP=${KAFKA_HEAP:-"-Xms256m -Xmx1g"}
+# The broker's garbage collector and its options (JVM flags).
+KAFKA_GC=${KAFKA_GC:-"-XX:+UseG1GC -XX:MaxGCPauseMillis=20"}
 REDIS_HOST=127.0.0.1
 REDIS_PORT=${REDIS_PORT:-6379}
 # SeaweedFS's S3 gateway, the S3-compatible object store of the tests (Apache-2.0),
@@ -149,7 +151,7 @@ kafka_format() {
 # kafka_launch CONFIG LOG_DIR PIDFILE HEAP: start a broker in the background; its pid goes to PIDFILE.
 kafka_launch() {
   # shellcheck disable=SC2086
-  nohup java $4 -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+  nohup java $4 $KAFKA_GC -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$ROOT/compose/local/log4j2.properties" \
     -Dkafka.logs.dir="$2" \
     -cp "$KAFKA_LIBS/*" kafka.Kafka "$1" >"$2/stdout.log" 2>&1 </dev/null &
