@@ -35,23 +35,30 @@ _blocking = False  # whether ``event`` makes events that block: the mode set las
 def set_cuda_sync(device: torch.device, mode: CudaSync) -> None:
     """Make ``device``'s waits ``mode`` for this process, and check that they are.
 
-    Raises ``RuntimeError`` when the CUDA runtime refuses or reports other flags."""
+    Where that cannot be done (a torch without CUDA's runtime, such as a ROCm build, or a
+    runtime that refuses), a warning says so and the waits stay as they were: a worker
+    serves either way."""
     global _blocking
     if device.type != "cuda":
         return
     torch.cuda.set_device(device)
-    cudart = _cudart()
     wanted = SCHEDULE_FLAGS[mode]
-    status = cudart.cudaSetDeviceFlags(ctypes.c_uint(wanted))
-    if status != 0:
-        raise RuntimeError(f"cudaSetDeviceFlags({wanted:#x}) failed with CUDA error {status}")
-    flags = ctypes.c_uint(0)
-    status = cudart.cudaGetDeviceFlags(ctypes.byref(flags))
+    try:
+        cudart = _cudart()
+        status = cudart.cudaSetDeviceFlags(ctypes.c_uint(wanted))
+        flags = ctypes.c_uint(0)
+        if status == 0:
+            status = cudart.cudaGetDeviceFlags(ctypes.byref(flags))
+    except (OSError, RuntimeError) as exc:
+        log.warning("cuda_sync=%s not applied (%s); waits stay as CUDA chooses", mode, exc)
+        return
     if status != 0 or flags.value & _SCHEDULE_MASK != wanted:
-        raise RuntimeError(
-            f"{device} waits with flags {flags.value:#x} after asking for {wanted:#x} "
-            f"(CUDA error {status})"
-        )
+        log.warning(
+            "cuda_sync=%s not applied: %s waits with flags %#x after asking for %#x (CUDA "
+            "error %d); waits stay as CUDA chooses",
+            mode, device, flags.value, wanted, status,
+        )  # fmt: skip
+        return
     _blocking = mode == "block"
     log.info("%s: threads waiting for the device %s (cuda_sync=%s)", device, _HOW[mode], mode)
 

@@ -82,7 +82,7 @@ class AtLeastOnce:
         sink: ResultSink,
         tracker: OffsetTracker[TopicPartition],
         source: RecordSource,
-        at_once: int = 4,
+        at_once: int,
     ) -> None:
         self.at_once = at_once  # publishes in progress at a time
         self._answers = answers
@@ -188,7 +188,7 @@ def delivery_for(
     tracker: OffsetTracker[TopicPartition],
     source: RecordSource,
     transactions: TransactionalSink | None,
-    publishes_in_flight: int = 4,
+    publishes_in_flight: int,
 ) -> Delivery:
     """Exactly once through ``transactions`` when given, else at least once with up to
     ``publishes_in_flight`` publishes in progress."""
