@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -129,6 +129,8 @@ class Pipeline:
         self._ready: list[tuple[int, list[Item]]] = []  # preprocessed chunks by lane
         self._arrived = asyncio.Event()
         self._input_done = False
+        self._fetch: asyncio.Future[Mapping[TopicPartition, Sequence[Record]]] | None = None
+        self._ingested = asyncio.Event()  # set each time the fetch loop took a fetch's records
         self._publishing = Publishing(self._delivery, metrics, self._lanes)
         self._outcomes = self._publishing.outcomes
         self._progress = self._publishing.progress
@@ -177,18 +179,22 @@ class Pipeline:
                     in_flight, self.in_flight_cap(), self._tracker.in_flight_by_partition
                 )
                 self._source.set_paused(paused)
-                fetch = asyncio.ensure_future(
+                fetch = self._fetch = asyncio.ensure_future(
                     self._source.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
                 )
                 await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                chunks = await fetch  # a fetch in progress still completes: its records count
+                try:
+                    chunks = await fetch  # a fetch in progress still completes: its records count
+                    for tp, records in chunks.items():
+                        if records:
+                            self._ingest_chunk(tp, records)
+                finally:
+                    self._fetch = None
+                    self._ingested.set()
                 self._metrics.set_in_flight(in_flight)
                 self._metrics.set_lag(self._lag())
                 if not chunks:
                     await self._delivery.flush()  # idle: retry a commit that failed before
-                for tp, records in chunks.items():
-                    if records:
-                        self._ingest_chunk(tp, records)
         finally:
             stopping.cancel()
             await self._decoding.put(None)
@@ -344,6 +350,9 @@ class Pipeline:
         """Before ``partitions`` go to another worker: let their work in flight finish
         (up to ``max_drain_ms``), commit, and hand back whatever is still unfinished."""
         deadline = time.monotonic() + self._s.max_drain_ms / 1000.0
+        if self._fetch is not None and self._fetch.done():  # records the loop has yet to take
+            self._ingested.clear()
+            await self._ingested.wait()
         while any(self._tracker.in_flight(tp) for tp in partitions):
             left = deadline - time.monotonic()
             if left <= 0:

@@ -374,6 +374,42 @@ async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
         await asyncio.wait_for(task, 10)
 
 
+@dataclass
+class RevokedOnFetch(FakeSource):
+    """Revokes partition ``key`` as soon as a fetch hands out its records, before the
+    pipeline has taken them (as a rebalance may, right after ``getmany`` returned)."""
+
+    key: Key = 1
+    revoking: asyncio.Task[None] | None = None
+
+    async def fetch(
+        self, timeout_ms: int, max_records: int
+    ) -> Mapping[TopicPartition, Sequence[FakeRecord]]:
+        out = await super().fetch(timeout_ms, max_records)
+        if self.revoking is None and _tp(self.key) in out:
+            self.revoking = asyncio.create_task(self.revoke(self.key))
+        return out
+
+
+async def test_a_revocation_drains_records_fetched_but_not_yet_taken() -> None:
+    source = RevokedOnFetch({0: records(0, 8), 1: records(1, 8)})
+    pipeline, sink = make(source, EchoModel())
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        async with asyncio.timeout(5):
+            while source.revoking is None:
+                await asyncio.sleep(0.001)
+            await source.revoking
+        fetched = source.position[1]
+        assert fetched > 0
+        assert all(f"p1-{n}" in sink.stored for n in range(fetched))
+        assert source.committed[1] == fetched
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_a_drain_past_its_bound_hands_the_rest_back_uncommitted() -> None:
     source = FakeSource({0: records(0, 20)})
     model = EchoModel()
