@@ -182,8 +182,8 @@ class Pipeline:
                 fetch = self._fetch = asyncio.ensure_future(
                     self._source.fetch(_FETCH_TIMEOUT_MS, self._s.max_batch_size * 4)
                 )
-                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                try:
+                try:  # however this ends, no revocation waits for these records after it
+                    await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     chunks = await fetch  # a fetch in progress still completes: its records count
                     for tp, records in chunks.items():
                         if records:
