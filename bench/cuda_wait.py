@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown mode {mode!r}; choose from {', '.join(SCHEDULE_FLAGS)}")
         child = [sys.executable, "-m", "bench.cuda_wait", "--one", mode]
         child += ["--wait-ms", str(args.wait_ms), "--round-trips", str(args.round_trips)]
-        out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.splitlines()[-1]))
+        done = subprocess.run(child, check=True, capture_output=True, text=True)
+        if "not applied" in done.stderr:  # set_cuda_sync's warning: the row is not the mode
+            sys.exit(f"mode {mode} could not be set:\n{done.stderr}")
+        rows.append(json.loads(done.stdout.splitlines()[-1]))
         print(rows[-1], flush=True)
     report = {"device": torch.cuda.get_device_name(0), "wait_ms": args.wait_ms, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,11 +16,11 @@ partition, and no per-record hashing is needed.
 
 Errors are sorted by what retrying can do (``workers.publish_errors``): outages
 are retried without end while consumption pauses, configuration errors end the
-worker after a grace, and a record the broker refuses as too large is handled
-here: a dead-letter copy is cut to fit (its original size and SHA-256 in
-headers), and a result is replaced on the reply topic by a ``result_too_large``
-error (results are sized against the results topic before they are written, so
-only a ``ce_replyto`` topic with a smaller limit gets there).
+worker after a grace, and a record the broker refuses as too large is handled:
+a dead-letter copy is cut to fit (``workers.dead_letters``), and a result is
+replaced on the reply topic by a ``result_too_large`` error (results are sized
+against the results topic before they are written, so only a ``ce_replyto``
+topic with a smaller limit gets there).
 """
 
 from __future__ import annotations
