@@ -83,6 +83,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "decode_threads",
         "decode_memory_mb",
         "event_loop",
+        "switch_interval_ms",
         "lanes",
         "supersede_frames",
     ),

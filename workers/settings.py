@@ -148,6 +148,14 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default="auto",
         description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
     )
+    switch_interval_ms: float = Field(
+        default=0.5,
+        gt=0,
+        le=100,
+        description="longest a thread running Python keeps the GIL while another waits for it "
+        "(sys.setswitchinterval; Python's default is 5): short keeps the event loop's fetches "
+        "and publishes prompt beside the decode and model threads",
+    )
     decode_threads: int = Field(default_factory=_default_decode_threads, ge=1, le=256)
     """threads that decode and preprocess payloads on the CPU"""
     lanes: Annotated[tuple[LaneSpec, ...], NoDecode] = Field(
