@@ -1,5 +1,6 @@
-"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py`` and ``bench/gpu.py``'s
-e2e stage (on the CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
+"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``
+and ``bench/gpu.py``'s e2e stage (on the CPU) run end to end, so the benchmarks cannot rot.
+Never checks speed."""
 
 from __future__ import annotations
 
@@ -95,3 +96,23 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     assert "latency parts" in done.stdout
     # py-spy sampled the worker while the paced load ran (the latency's profile).
     assert "conveyor-" in (tmp_path / "pyspy-1x1-224x224-paced.txt").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_gil_wait_bench_times_every_record_of_each_variant(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "bench.gil_wait", "--rate", "50", "--seconds", "1.5"]
+    argv += ["--intervals-ms", "0.5", "--repeats", "1", "--payload-bytes", "1000"]
+    argv += ["--out", str(tmp_path), "--kafka-bootstrap", kafka_bootstrap]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=110)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "gil-wait.json").read_text())
+    assert [(row["busy_threads"], row["interval_ms"]) for row in rows] == [(0, 5.0), (2, 0.5)]
+    for row in rows:
+        (run,) = row["runs"]
+        assert run["written"] == 75
+        assert 0 < run["records"] < 75  # the first second's records are read, not counted
+        assert 0 <= run["p50_ms"] <= run["p99_ms"]
+    assert rows[0]["busy_runs_per_s"] == 0 < rows[1]["busy_runs_per_s"]
