@@ -905,6 +905,45 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def _core_times() -> dict[int, tuple[int, int]]:
+    """Per core: (busy, total) clock ticks so far, from ``/proc/stat``; empty off Linux."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    times = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [int(field) for field in fields[:8]]
+            idle = ticks[3] + ticks[4]  # idle and waiting for I/O
+            times[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    return times
+
+
+def _cores_busy(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], args: argparse.Namespace
+) -> dict[str, float]:
+    """Busy share (%) of each group of cores between two ``_core_times``: with ``--pin``
+    the services', the producers' and the workers' cores, else all of them."""
+    groups = (
+        {
+            "services": _service_cores(args),
+            "producers": _producer_cores(args),
+            "workers": _worker_cores(args),
+        }
+        if args.pin
+        else {"all": set(_cores())}
+    )
+    shares = {}
+    for name, cores in groups.items():
+        common = [c for c in cores if c in before and c in after]
+        busy = sum(after[c][0] - before[c][0] for c in common)
+        total = sum(after[c][1] - before[c][1] for c in common)
+        shares[name] = 100.0 * busy / total if total else math.nan
+    return shares
+
+
 def _service_cores(args: argparse.Namespace) -> set[int]:
     """``--service-cores`` of the last cores; by default a quarter of them, at least two
     (with two of 16, at 9,600 requests a second, the parts of the p99 that wait on the
@@ -997,8 +1036,10 @@ async def _e2e_one(
         paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
         count = max(int(paced_rate * args.paced_s), 1)
         paced_samplers: list[subprocess.Popen[bytes]] = []
+        cores_at_go: dict[int, tuple[int, int]] = {}
 
         def sample_paced() -> None:
+            cores_at_go.update(_core_times())
             if args.profile_s and args.profile_phase == "paced":
                 paced_samplers.append(_profile(args, procs[0].pid, workers, gpus, corpus))
 
@@ -1006,6 +1047,8 @@ async def _e2e_one(
             args, model, corpus, f"{run}-p", count, paced_rate, on_go=sample_paced
         )
         achieved = sent["rate"]
+        # While the paced load was sent: a group near 100% queues everything it serves.
+        cores_busy = _cores_busy(cores_at_go, _core_times(), args)
         paced = await _await_results(f"{run}-p", count, args, procs)
         for sampler in paced_samplers:
             sampler.wait(timeout=args.profile_s + 30)
@@ -1020,13 +1063,21 @@ async def _e2e_one(
                 "p50_ms": summary["p50_ms"],
                 "p99_ms": summary["p99_ms"],
                 "paced_compute_p99_ms": summary["compute_p99_ms"],  # per batch
+                "paced_mean_batch": summary["mean_batch_size"],
+                "paced_cores_busy_pct": cores_busy,
+                "in_worker_p50_ms": summary["in_worker_p50_ms"],
+                "in_worker_p99_ms": summary["in_worker_p99_ms"],
                 "acked_p50_ms": sent["acked_p50_ms"],
                 "acked_p99_ms": sent["acked_p99_ms"],
             }
             | {key: value for key, value in summary.items() if key.startswith(LATENCY_PARTS)}
         )
         print(
-            f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)} (worst producer)",
+            f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)} (worst producer);"
+            f" in the worker {row['in_worker_p50_ms']:.1f}/{row['in_worker_p99_ms']:.1f} ms,"
+            f" batches of {row['paced_mean_batch']:.1f}, compute p99"
+            f" {row['paced_compute_p99_ms']:.1f} ms; cores busy (%)"
+            f" {json.dumps({k: round(v, 1) for k, v in cores_busy.items()})}",
             flush=True,
         )
     finally:

@@ -92,12 +92,15 @@ def latency_parts(results: Sequence[Result]) -> dict[str, float]:
     - ``to_redis``: ready to sent to Redis (the publish queue).
 
     The parts of one result add up to its end-to-end time; their percentiles need not.
-    Results that never reached a model count in the first and last part only.
+    Results that never reached a model count in the first and last part only. Beside
+    them, ``in_worker_p50_ms`` and ``in_worker_p99_ms``: fetch to sent to Redis, the
+    three parts the worker spends (all but ``to_worker``) as one time per result.
     """
-    parts: dict[str, list[float]] = {name: [] for name in LATENCY_PARTS}
+    parts: dict[str, list[float]] = {name: [] for name in (*LATENCY_PARTS, "in_worker")}
     for result in results:
         t = _timings(result)
         parts["to_worker"].append(t.received_ms - t.produced_ms)
+        parts["in_worker"].append(durable_ms(result) - t.received_ms)
         if t.batch_start_ms is not None:
             parts["to_batch"].append(t.batch_start_ms - t.received_ms)
             parts["in_model"].append(t.finished_ms - t.batch_start_ms)

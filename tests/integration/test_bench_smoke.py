@@ -94,6 +94,10 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     for part in LATENCY_PARTS:
         assert 0 <= row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"]
     assert "latency parts" in done.stdout
+    assert 0 <= row["in_worker_p50_ms"] <= row["in_worker_p99_ms"]
+    assert row["paced_mean_batch"] >= 1
+    (busy,) = row["paced_cores_busy_pct"].values()  # not pinned: one group, every core
+    assert 0 < busy <= 100
     # py-spy sampled the worker while the paced load ran (the latency's profile).
     assert "conveyor-" in (tmp_path / "pyspy-1x1-224x224-paced.txt").read_text()
 

@@ -60,6 +60,22 @@ def test_each_part_has_its_own_percentiles() -> None:
     assert latency_parts(results)["in_model_p99_ms"] == 1.0
 
 
+def test_the_time_in_the_worker_runs_from_fetch_to_redis_per_result() -> None:
+    # Slow to batch in one result, slow in the model in another: each part's p99 is the
+    # slow one, but no result spent both, so the worker's own p99 is below their sum.
+    results = [result(n, fetched=1.0, started=2.0, ready=3.0, sent=4.0) for n in range(96)]
+    results += [result(n, fetched=1.0, started=30.0, ready=31.0, sent=32.0) for n in (96, 97)]
+    results += [result(n, fetched=1.0, started=2.0, ready=30.0, sent=31.0) for n in (98, 99)]
+    parts = latency_parts(results)
+    assert (parts["to_batch_p99_ms"], parts["in_model_p99_ms"], parts["to_redis_p99_ms"]) == (
+        29.0,
+        28.0,
+        1.0,
+    )
+    assert parts["in_worker_p50_ms"] == 3.0
+    assert parts["in_worker_p99_ms"] == 31.0  # not 58, the sum of the parts' p99s
+
+
 def test_results_that_never_reached_a_model_count_outside_the_model_parts() -> None:
     parts = latency_parts([result(0, fetched=2.0, started=None, ready=4.0, sent=5.0)])
     assert parts["to_worker_p50_ms"] == 2.0
