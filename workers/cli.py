@@ -77,6 +77,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "batching": (
         "max_batch_size",
         "max_delay_ms",
+        "stage_batches",
         "max_in_flight",
         "max_age_ms",
         "in_flight_target_ms",

@@ -41,8 +41,8 @@ from workers.types import BatchTiming, DeviceLost, Item, Outcome, Refusal
 
 log = logging.getLogger(__name__)
 
-SLOTS = 2  # batches in a serial stage: one running, one ready to go
-PIPELINED_SLOTS = 4  # preparing, launched, finishing, and one ready to go
+SLOTS = 2  # batches in a serial stage by default: one running, one ready to go
+PIPELINED_SLOTS = 4  # by default: preparing, launched, finishing, and one ready to go
 _EWMA = 0.2  # weight of the newest batch in seconds_per_item
 
 
@@ -55,9 +55,13 @@ class Inference:
         on_done: Callable[[Outcome], None],
         *,
         pipelined: bool | None = None,
+        batches: int | None = None,
     ) -> None:
         """``pipelined`` (default: on a GPU) runs prepare, launch and finish on three
-        threads; otherwise one thread runs each batch from start to end."""
+        threads; otherwise one thread runs each batch from start to end. ``batches``
+        bounds the batches in the stage at once, the running ones included (default
+        ``PIPELINED_SLOTS`` pipelined, else ``SLOTS``): while they are all there, the
+        next batch keeps forming."""
         self._runner = runner
         self._on_done = on_done
         if pipelined is None:
@@ -66,7 +70,11 @@ class Inference:
         self._thread = ThreadPoolExecutor(1, "conveyor-model")
         self._prepare_thread = ThreadPoolExecutor(1, "conveyor-prepare") if pipelined else None
         self._finish_thread = ThreadPoolExecutor(1, "conveyor-finish") if pipelined else None
-        self._slots = asyncio.Semaphore(PIPELINED_SLOTS if pipelined else SLOTS)
+        if batches is None:
+            batches = PIPELINED_SLOTS if pipelined else SLOTS
+        if batches < 1:
+            raise ValueError(f"the model stage needs room for a batch, got {batches}")
+        self._slots = asyncio.Semaphore(batches)
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -115,7 +115,7 @@ class Pipeline:
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._admission = admission
-        self._inference = Inference(runner, self._finished)
+        self._inference = Inference(runner, self._finished, batches=settings.stage_batches)
         topics = topics_for(settings.served_name, settings.topic_prefix)
         self._lanes = LaneTopics(settings.request_lanes, topics)
         if self._lanes.several:

@@ -130,6 +130,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     """most requests in one batch (one forward pass)"""
     max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
     """longest the oldest request of a batch waits for the batch to fill"""
+    stage_batches: int | None = Field(default=None, ge=1)
+    """batches in the model stage at once, running ones included (default: 4 on a GPU, 2 on CPU)"""
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
     )

@@ -3,6 +3,8 @@ on the CPU; on a GPU the same code overlaps decode, forward and result building)
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from typing import Any
 
@@ -12,7 +14,7 @@ from schemas import ErrorCode
 from schemas.fastpath import FastMeta
 from tests.unit.test_pipeline import POISON, EchoModel
 from workers.handlers import ImageClassifier
-from workers.inference import Inference
+from workers.inference import PIPELINED_SLOTS, SLOTS, Inference
 from workers.offsets import OffsetTracker
 from workers.runner import ModelRunner
 from workers.types import Item, Outcome
@@ -170,3 +172,52 @@ def test_a_working_device_is_not_reported_broken() -> None:
     from workers.inference import device_error
 
     assert device_error(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(("pipelined", "batches"), [(True, 2), (True, 1), (False, 3)])
+async def test_the_stage_takes_at_most_its_batches_and_the_next_waits(
+    pipelined: bool, batches: int
+) -> None:
+    model = EchoModel()
+    model.gate = threading.Event()  # every forward waits until the gate opens
+    inference = Inference(
+        ModelRunner(model, device="cpu"), lambda _: None, pipelined=pipelined, batches=batches
+    )
+    done: list[Outcome] = []
+    inference._on_done = done.append
+    try:
+        for n in range(batches):
+            await asyncio.wait_for(inference.wait_for_slot(), 1.0)
+            inference.submit(items([n]))
+        waiting = asyncio.ensure_future(inference.wait_for_slot())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # full: the next batch keeps forming
+        model.gate.set()
+        await asyncio.wait_for(waiting, 5.0)  # a batch left the stage: room for the next
+        inference.release_slot()
+        await asyncio.wait_for(inference.wait_idle(), 5.0)
+    finally:
+        model.gate.set()
+        inference.close()
+    assert sorted(o for outcome in done for o in outcome.outputs) == list(range(batches))
+
+
+def test_a_stage_without_room_for_a_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match="room for a batch"):
+        Inference(ModelRunner(EchoModel(), device="cpu"), lambda _: None, batches=0)
+
+
+async def test_the_default_stage_holds_four_batches_pipelined_and_two_serially() -> None:
+    for pipelined, expected in ((True, PIPELINED_SLOTS), (False, SLOTS)):
+        inference = Inference(
+            ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+        )
+        try:
+            for _ in range(expected):
+                await asyncio.wait_for(inference.wait_for_slot(), 1.0)
+            waiting = asyncio.ensure_future(inference.wait_for_slot())
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+            waiting.cancel()
+        finally:
+            inference.close()

@@ -22,6 +22,7 @@ import torch
 from schemas import ContentType, DataRef, ErrorCode, Status, decode_result, encode_request
 from workers.admission import CANCELLED, Admission, RequestState
 from workers.answers import Answers
+from workers.batcher import CloseReason
 from workers.claims import Claims, Fault, PayloadStore
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
@@ -317,6 +318,39 @@ async def test_a_finished_batch_is_published_while_the_next_one_runs() -> None:
         stop.set()
         await asyncio.wait_for(task, 10)
     assert len(sink.stored) == 16
+
+
+@pytest.mark.parametrize(("stage_batches", "closed"), [(1, 1), (2, 2)])
+async def test_while_the_model_stage_is_full_no_further_batch_closes(
+    stage_batches: int, closed: int
+) -> None:
+    source = FakeSource({0: records(0, 24)})
+    model = EchoModel()
+    model.gate = threading.Event()  # the first batch stays in the model
+    metrics = Metrics("t")
+    pipeline, sink = make(source, model, metrics=metrics, stage_batches=stage_batches)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+
+    def batches() -> float:
+        read = metrics.registry.get_sample_value
+        return sum(
+            read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
+            for reason in CloseReason
+        )
+
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        await asyncio.sleep(0.2)  # time enough for more batches, were there room
+        assert batches() == closed
+        model.gate.set()
+        async with asyncio.timeout(5):
+            while len(sink.stored) < 24:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
 
 
 async def test_expired_requests_never_reach_the_model() -> None:
