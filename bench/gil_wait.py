@@ -80,6 +80,8 @@ async def _one(args: argparse.Namespace, busy: int, ms: float) -> dict[str, Any]
             raise RuntimeError(f"the reader stopped before it was ready: {ready!r}")
         written = await _write(args, topic)
         out, _ = await reader.communicate()
+        if reader.returncode != 0:
+            raise RuntimeError(f"the reader failed with status {reader.returncode}")
         measured: dict[str, Any] = json.loads(out)
         return {"written": written} | measured
     finally:
