@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.stats import percentile
+from producers.testing import produce_at_rate, requests
+from schemas import ContentType
 from workers.app import start_up_objects_frozen, switch_interval
 from workers.cli import event_loop_factory
 from workers.consumer import Consumer
@@ -72,40 +73,24 @@ async def _one(args: argparse.Namespace, busy: int, ms: float) -> dict[str, Any]
             *(sys.executable, "-m", "bench.gil_wait", "--read", f"{topic},{busy},{ms}"),
             *("--kafka-bootstrap", args.kafka_bootstrap),
             *("--busy-ms", str(args.busy_ms), "--idle-ms", str(args.idle_ms)),
+            *("--rate", str(args.rate), "--seconds", str(args.seconds)),
             stdout=asyncio.subprocess.PIPE,
         )
         assert reader.stdout is not None
         ready = await reader.stdout.readline()  # in the group, the partition held
         if ready.strip() != b"ready":
             raise RuntimeError(f"the reader stopped before it was ready: {ready!r}")
-        written = await _write(args, topic)
+        payload = bytes(i % 251 for i in range(args.payload_bytes))
+        records, _ = requests([payload], _count(args), "g", ContentType.TEXT, "bench.gil_wait")
+        await produce_at_rate(args.kafka_bootstrap, topic, records, args.rate)
         out, _ = await reader.communicate()
         if reader.returncode != 0:
             raise RuntimeError(f"the reader failed with status {reader.returncode}")
         measured: dict[str, Any] = json.loads(out)
-        return {"written": written} | measured
+        return {"written": len(records)} | measured
     finally:
         await admin.delete_topics([topic])
         await admin.close()
-
-
-async def _write(args: argparse.Namespace, topic: str) -> int:
-    """``--rate`` records a second for ``--seconds``; then one empty record: the end."""
-    producer = AIOKafkaProducer(
-        bootstrap_servers=args.kafka_bootstrap, max_batch_size=1 << 20, max_request_size=8 << 20
-    )
-    await producer.start()
-    try:
-        payload, n = bytes(i % 251 for i in range(args.payload_bytes)), 0
-        start = time.monotonic()
-        while (due := start + n / args.rate) < start + args.seconds:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            await producer.send(topic, payload)
-            n += 1
-        await producer.send_and_wait(topic, b"")
-    finally:
-        await producer.stop()
-    return n
 
 
 def read(spec: str, args: argparse.Namespace) -> int:
@@ -126,7 +111,7 @@ def read(spec: str, args: argparse.Namespace) -> int:
         asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner,
     ):
         started = time.monotonic()
-        waits = runner.run(_fetch_until_end(settings, topic))
+        waits = runner.run(_fetch(settings, topic, _count(args)))
         elapsed = time.monotonic() - started
     stop.set()
     report = {q: percentile(waits, p) for q, p in (("p50_ms", 50), ("p90_ms", 90), ("p99_ms", 99))}
@@ -145,24 +130,27 @@ def _busy(args: argparse.Namespace, stop: threading.Event, work: list[int], inde
         time.sleep(args.idle_ms / 1000.0)
 
 
-async def _fetch_until_end(settings: WorkerSettings, topic: str) -> list[float]:
+def _count(args: argparse.Namespace) -> int:
+    return int(args.rate * args.seconds)
+
+
+async def _fetch(settings: WorkerSettings, topic: str, count: int) -> list[float]:
+    """Milliseconds from append to fetch of each of ``count`` records (after the warm-up)."""
     waits: list[float] = []
     async with Consumer(settings, topic, f"{topic}.reader") as consumer:
         while not consumer.assigned():
             await consumer.fetch(100, 1)
         print("ready", flush=True)
-        counted_from = None
-        while True:
+        fetched, counted_from = 0, None
+        while fetched < count:
             chunks = await consumer.fetch(100, settings.max_batch_size * 4)
             now_ms = time.time() * 1000.0
             for records in chunks.values():
-                for record in records:
-                    if not record.value:
-                        return waits
-                    if counted_from is None:
-                        counted_from = record.timestamp + _WARM_UP_MS
-                    if record.timestamp >= counted_from:
-                        waits.append(now_ms - record.timestamp)
+                fetched += len(records)
+                if counted_from is None:
+                    counted_from = records[0].timestamp + _WARM_UP_MS
+                waits += [now_ms - r.timestamp for r in records if r.timestamp >= counted_from]
+    return waits
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -258,7 +258,7 @@ def switch_interval(ms: float) -> Iterator[None]:
     decode, prepare, model and finish threads run Python between their GPU calls;
     with the default each wake-up may wait 5 ms per busy thread. ``bench.gil_wait``:
     records fetched at 300 a second beside two threads running Python half the time
-    took 35.1 ms at p99 from their append to their fetch, 7.4 ms with 0.5 ms
+    took 34.3 ms at p99 from their append to their fetch, 9.0 ms with 0.5 ms
     (docs/benchmarks.md).
     """
     before = sys.getswitchinterval()
