@@ -33,12 +33,12 @@ from contextlib import asynccontextmanager
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from common.redis_cluster import ClusterRouter, Node
 from common.security import redis_options
 from schemas import ErrorCode, cancel_key, status_key
 from workers.metrics import Metrics
+from workers.publish_errors import is_outage
 from workers.settings import WorkerSettings
 from workers.types import Item, Refusal
 
@@ -183,7 +183,9 @@ class Admission:
         try:
             async with asyncio.timeout(self._timeout_s):
                 answers = await self._state.start([item.meta.id for item in items])
-        except (RedisError, OSError, TimeoutError) as exc:
+        except Exception as exc:
+            if not (is_outage(exc) or isinstance(exc, TimeoutError)):
+                raise
             self._metrics.admission_failed()
             log.warning(
                 "cancellation and status check failed (%s: %s); running the batch of %d as it is",

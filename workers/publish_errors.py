@@ -3,8 +3,8 @@
 Errors are sorted by what retrying can do (``Failures``):
 
 - outages (connection refused or reset, time-outs, leader elections, Redis
-  loading or read-only during a failover) are retried with capped backoff and
-  never skipped, while the worker's backpressure pauses consumption;
+  loading or read-only during a failover; ``is_outage``) are retried with capped
+  backoff and never skipped, while the worker's backpressure pauses consumption;
 - configuration errors (authorization refused by Kafka or Redis, a topic that
   went missing) make the worker unready at once and, if they persist for
   ``permanent_error_grace_s``, end it with ``PublishConfigError``, never a
@@ -41,6 +41,7 @@ _BACKOFF_START_S = 0.1
 _BACKOFF_MAX_S = 5.0
 _KAFKA_CONFIG = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
 _REDIS_CONFIG = (NoPermissionError, AuthenticationError)
+_CLOSED_TRANSPORT = "the handler is closed"  # uvloop: "unable to perform operation on <...>; ..."
 
 
 class PublishConfigError(ConfigError):
@@ -66,7 +67,9 @@ class Failures:
         while True:
             try:
                 result = await attempt()
-            except (RedisError, KafkaError, OSError) as exc:
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
                 self.failed(what, exc)
                 log.warning("%s failed (%s); retrying in %.1f s", what, describe(exc), delay)
                 await asyncio.sleep(delay)
@@ -94,6 +97,18 @@ class Failures:
             raise PublishConfigError(
                 f"{problem} (still failing after {self._grace_s:.0f} s)"
             ) from exc
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error of Redis, Kafka or the network, which trying again may
+    get past: the ones ``config_problem`` names as well, which end only after their grace.
+
+    Among them uvloop's ``RuntimeError`` for a write to a connection its peer already
+    closed: redis-py lets it through when Redis goes away between a reconnection and
+    its first command (a Redis stopped mid-run, ``tests/faults``)."""
+    if isinstance(exc, RedisError | KafkaError | OSError):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).endswith(_CLOSED_TRANSPORT)
 
 
 def config_problem(what: str, exc: BaseException) -> str | None:

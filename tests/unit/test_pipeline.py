@@ -913,10 +913,18 @@ async def test_results_carry_the_attempt_the_state_counted() -> None:
     assert [decode_result(sink.stored[f"p0-{n}"]).attempt for n in (100, 101, 102)] == [1, 3, 1]
 
 
-async def test_a_state_store_that_fails_lets_the_batch_run() -> None:
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("Redis is down"),
+        # uvloop's, for a write to a connection Redis closed as the client reconnected
+        RuntimeError("unable to perform operation on <TCPTransport>; the handler is closed"),
+    ],
+)
+async def test_a_state_store_that_fails_lets_the_batch_run(error: Exception) -> None:
     class Down:
         async def start(self, ids: Sequence[str]) -> list[int]:
-            raise ConnectionError("Redis is down")
+            raise error
 
     source = FakeSource({0: records(0, 5, first=100)})
     metrics = Metrics("t")

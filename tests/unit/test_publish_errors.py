@@ -17,7 +17,7 @@ from aiokafka.errors import (
 from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.publish_errors import Failures, PublishConfigError, config_problem
+from workers.publish_errors import Failures, PublishConfigError, config_problem, is_outage
 from workers.types import ConfigError
 
 
@@ -98,3 +98,43 @@ async def test_a_configuration_error_fixed_in_time_clears() -> None:
     assert await failures.retry("redis", fixed_later) == "ok"
     assert failures.config_problem is None
     assert failures.stalled_for() == 0.0
+
+
+CLOSED = RuntimeError(
+    "unable to perform operation on <TCPTransport closed=True reading=False 0x55f3>; "
+    "the handler is closed"
+)
+
+
+async def test_a_write_to_a_connection_redis_closed_is_an_outage_retried() -> None:
+    # uvloop's error when redis-py reconnects as Redis goes away (the fault suite's
+    # "Redis stopped 10 s mid-run" saw it end a worker once).
+    failures = Failures(grace_s=0.0)
+    calls = 0
+
+    async def reconnecting() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise CLOSED
+        return "stored"
+
+    assert is_outage(CLOSED)
+    assert config_problem("redis", CLOSED) is None
+    assert await failures.retry("redis", reconnecting) == "stored"
+    assert calls == 2
+
+
+async def test_any_other_error_is_not_retried() -> None:
+    failures = Failures(grace_s=0.0)
+    calls = 0
+
+    async def broken() -> str:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("a bug in the publisher")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        await failures.retry("redis", broken)
+    assert calls == 1
+    assert not is_outage(ValueError("bad"))
