@@ -106,17 +106,18 @@ class Batcher(Generic[T]):
         for item in items:
             self.add(item, now)
 
-    def poll(self, now: float, backlog: bool = False) -> Batch[T] | None:
+    def poll(self, now: float, backlog: bool = False, full_only: bool = False) -> Batch[T] | None:
         """Close a batch if one is due at ``now``, else return None.
 
         A batch is due when the queue holds ``max_batch_size`` items (``full``), when
         its oldest item arrived ``max_delay`` or more seconds ago (``timeout``), or
-        when ``backlog`` is true and anything is queued (``backlog``). Expired items
-        are removed first; if some expired but no batch is due, the result is a Batch
-        with no items, only ``expired``, and reason ``deadline``.
+        when ``backlog`` is true and anything is queued (``backlog``); with
+        ``full_only``, only when it is full. Expired items are removed first; if some
+        expired but no batch is due, the result is a Batch with no items, only
+        ``expired``, and reason ``deadline``.
         """
         expired = self._take_expired(now)
-        reason = self._due(now, backlog)
+        reason = self._due(now, backlog, full_only)
         if reason is None:
             if not expired:
                 return None
@@ -125,9 +126,9 @@ class Batcher(Generic[T]):
         taken = [self._queue.popleft() for _ in range(size)]
         return _batch(taken, expired, reason)
 
-    def due(self, now: float, backlog: bool = False) -> CloseReason | None:
+    def due(self, now: float, backlog: bool = False, full_only: bool = False) -> CloseReason | None:
         """Why `poll` would close a batch of items at ``now``, or None (expired items aside)."""
-        return self._due(now, backlog)
+        return self._due(now, backlog, full_only)
 
     def take_expired(self, now: float) -> Batch[T] | None:
         """Remove the expired items alone: a Batch with no items, reason ``deadline``, or None."""
@@ -178,11 +179,13 @@ class Batcher(Generic[T]):
         self._deadlines.clear()
         return batches
 
-    def _due(self, now: float, backlog: bool) -> CloseReason | None:
+    def _due(self, now: float, backlog: bool, full_only: bool) -> CloseReason | None:
         if not self._queue:
             return None
         if len(self._queue) >= self.max_batch_size:
             return CloseReason.FULL
+        if full_only:
+            return None
         # Compare against arrived + max_delay, the same sum next_deadline returns, so
         # polling at exactly that time is never off by a float rounding.
         if now >= self._queue[0].arrived + self.max_delay:

@@ -78,6 +78,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_batch_size",
         "max_delay_ms",
         "stage_batches",
+        "stage_partial_batches",
         "max_in_flight",
         "max_age_ms",
         "in_flight_target_ms",

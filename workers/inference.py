@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SLOTS = 2  # batches in a serial stage by default: one running, one ready to go
 PIPELINED_SLOTS = 4  # by default: preparing, launched, finishing, and one ready to go
+PARTIAL_SLOTS = 2  # of those, by default, how many may be partial batches
 _EWMA = 0.2  # weight of the newest batch in seconds_per_item
 
 
@@ -56,12 +57,18 @@ class Inference:
         *,
         pipelined: bool | None = None,
         batches: int | None = None,
+        partial: int | None = None,
     ) -> None:
         """``pipelined`` (default: on a GPU) runs prepare, launch and finish on three
         threads; otherwise one thread runs each batch from start to end. ``batches``
         bounds the batches in the stage at once, the running ones included (default
         ``PIPELINED_SLOTS`` pipelined, else ``SLOTS``): while they are all there, the
-        next batch keeps forming."""
+        next batch keeps forming. ``partial`` (default ``PARTIAL_SLOTS``, at most
+        ``batches``): while that many are there, only a full batch may join them.
+
+        Under a backlog every batch is full and the stage is as deep as ``batches``
+        allows, to keep the device busy; under light load the small batches queued
+        on the device would each cost a forward, so the next one grows instead."""
         self._runner = runner
         self._on_done = on_done
         if pipelined is None:
@@ -75,6 +82,9 @@ class Inference:
         if batches < 1:
             raise ValueError(f"the model stage needs room for a batch, got {batches}")
         self._slots = asyncio.Semaphore(batches)
+        self._partial = min(batches, PARTIAL_SLOTS if partial is None else partial)
+        if self._partial < 1:
+            raise ValueError(f"the model stage needs room for a partial batch, got {partial}")
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -84,6 +94,10 @@ class Inference:
     async def wait_for_slot(self) -> None:
         """Wait until the stage can take another batch; call ``submit`` next."""
         await self._slots.acquire()
+
+    def takes_partial(self) -> bool:
+        """Whether a batch that is not full may join the stage now (see ``partial``)."""
+        return self._running < self._partial
 
     def release_slot(self) -> None:
         """Give back a slot taken with ``wait_for_slot`` that no batch used."""

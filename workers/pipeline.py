@@ -115,7 +115,12 @@ class Pipeline:
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._admission = admission
-        self._inference = Inference(runner, self._finished, batches=settings.stage_batches)
+        self._inference = Inference(
+            runner,
+            self._finished,
+            batches=settings.stage_batches,
+            partial=settings.stage_partial_batches,
+        )
         topics = topics_for(settings.served_name, settings.topic_prefix)
         self._lanes = LaneTopics(settings.request_lanes, topics)
         if self._lanes.several:
@@ -127,7 +132,7 @@ class Pipeline:
         self._pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
         self._decoding: asyncio.Queue[_Decoding | None] = asyncio.Queue()
         self._ready: list[tuple[int, list[Item]]] = []  # preprocessed chunks by lane
-        self._arrived = asyncio.Event()
+        self._arrived = asyncio.Event()  # items arrived, or a batch left the stage
         self._input_done = False
         self._fetch: asyncio.Future[Mapping[TopicPartition, Sequence[Record]]] | None = None
         self._ingested = asyncio.Event()  # set each time the fetch loop took a fetch's records
@@ -317,14 +322,17 @@ class Pipeline:
                 gone = self._batcher.withdraw(self._frames.is_superseded)
                 if gone:
                     self._outcomes.put_nowait(Outcome(refused=self._superseded(gone)))
+            # While the stage holds its share of partial batches, the next one grows
+            # until it is full or a batch leaves the stage (``_finished`` wakes this).
+            partial = self._inference.takes_partial()
             backlog = not self._decoding.empty()
-            batch = self._batcher.poll(now, backlog=backlog)
+            batch = self._batcher.poll(now, backlog=backlog, full_only=not partial)
             if batch is not None:
                 return batch
             if self._input_done:
                 rest = self._batcher.drain(now)
                 return rest[0] if rest else None
-            deadline = self._batcher.next_deadline()
+            deadline = self._batcher.next_deadline() if partial else None
             self._arrived.clear()
             try:
                 timeout = None if deadline is None else max(0.0, deadline - now)
@@ -343,6 +351,7 @@ class Pipeline:
                 lane = self._lanes.index[outcome.answered[0].record.topic]
                 self._metrics.lane_queue_wait(self._lanes.names[lane], queue_s)
         self._outcomes.put_nowait(outcome)
+        self._arrived.set()  # a partial batch may join the stage now
 
     # -- rebalance ----------------------------------------------------------------------
 

@@ -132,6 +132,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     """longest the oldest request of a batch waits for the batch to fill"""
     stage_batches: int | None = Field(default=None, ge=1)
     """batches in the model stage at once, running ones included (default: 4 on a GPU, 2 on CPU)"""
+    stage_partial_batches: int | None = Field(default=None, ge=1)
+    """while this many are in the stage, only a full batch may join them (default: 2)"""
     max_in_flight: int = Field(
         default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
     )

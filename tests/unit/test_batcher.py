@@ -51,6 +51,28 @@ def test_partial_batch_waits_for_max_delay() -> None:
     assert batcher.poll(99.0) is None
 
 
+def test_full_only_closes_a_full_batch_and_nothing_else() -> None:
+    batcher = make(max_batch_size=3, max_delay=0.5)
+    batcher.add_many(jobs(1, 2), now=0.0)
+    assert batcher.poll(9.0, backlog=True, full_only=True) is None  # timed out, backlog: held
+    assert batcher.due(9.0, backlog=True, full_only=True) is None
+    batcher.add(Job(3), now=9.0)
+    batch = batcher.poll(9.0, full_only=True)
+    assert batch is not None
+    assert batch.items == jobs(1, 2, 3)
+    assert batch.reason is CloseReason.FULL
+
+
+def test_full_only_still_hands_back_expired_items() -> None:
+    batcher = make(max_batch_size=3)
+    batcher.add(Job(1, deadline=1.0), now=0.0)
+    batcher.add(Job(2), now=0.0)
+    batch = batcher.poll(2.0, full_only=True)
+    assert batch is not None
+    assert (batch.items, batch.expired, batch.reason) == ([], [Job(1, 1.0)], CloseReason.DEADLINE)
+    assert len(batcher) == 1
+
+
 def test_backlog_skips_the_timer() -> None:
     batcher = make(max_delay=60.0)
     batcher.add(Job(1), now=0.0)

@@ -202,6 +202,33 @@ async def test_the_stage_takes_at_most_its_batches_and_the_next_waits(
     assert sorted(o for outcome in done for o in outcome.outputs) == list(range(batches))
 
 
+@pytest.mark.parametrize(("batches", "partial", "takes"), [(4, None, 2), (4, 1, 1), (2, 3, 2)])
+async def test_partial_batches_join_while_fewer_than_their_share_are_in_the_stage(
+    batches: int, partial: int | None, takes: int
+) -> None:
+    model = EchoModel()
+    model.gate = threading.Event()
+    inference = Inference(
+        ModelRunner(model, device="cpu"),
+        lambda _: None,
+        pipelined=True,
+        batches=batches,
+        partial=partial,
+    )
+    try:
+        for n in range(batches):
+            assert inference.takes_partial() == (n < takes)
+            await asyncio.wait_for(inference.wait_for_slot(), 1.0)
+            inference.submit(items([n]))
+        assert not inference.takes_partial()
+        model.gate.set()
+        await asyncio.wait_for(inference.wait_idle(), 5.0)
+        assert inference.takes_partial()
+    finally:
+        model.gate.set()
+        inference.close()
+
+
 def test_a_stage_without_room_for_a_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="room for a batch"):
         Inference(ModelRunner(EchoModel(), device="cpu"), lambda _: None, batches=0)

@@ -56,6 +56,18 @@ def test_a_lane_alone_waits_for_its_batch_to_fill_as_usual() -> None:
     assert batch.reason is CloseReason.TIMEOUT
 
 
+def test_full_only_takes_a_full_lane_while_the_others_wait() -> None:
+    batcher = make([8, 1], max_batch_size=4)
+    batcher.add_many(0, jobs(0, 2), now=0.0)
+    batcher.add_many(1, jobs(1, 5), now=0.0)
+    batch = batcher.poll(9.0, full_only=True)  # lane 0 is contended and timed out, not full
+    assert batch is not None
+    assert batch.items == jobs(1, 4)
+    assert batch.reason is CloseReason.FULL
+    assert batcher.poll(9.0, full_only=True) is None
+    assert len(batcher) == 3
+
+
 def test_a_saturated_high_lane_leaves_the_low_lane_one_batch_in_nine() -> None:
     batcher = make([8, 1], max_batch_size=2)
     batcher.add_many(0, jobs(0, 1000), now=0.0)

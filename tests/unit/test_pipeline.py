@@ -353,6 +353,47 @@ async def test_while_the_model_stage_is_full_no_further_batch_closes(
         await asyncio.wait_for(task, 10)
 
 
+@pytest.mark.parametrize(("partial", "closed"), [(1, 1), (2, 2)])
+async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_one(
+    partial: int, closed: int
+) -> None:
+    source = FakeSource({0: records(0, 1)})
+    model = EchoModel()
+    model.gate = threading.Event()  # every batch stays in the model until the end
+    metrics = Metrics("t")
+    pipeline, sink = make(
+        source, model, metrics=metrics, stage_batches=4, stage_partial_batches=partial
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+
+    def batches(*reasons: CloseReason) -> float:
+        read = metrics.registry.get_sample_value
+        return sum(
+            read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
+            for reason in reasons or tuple(CloseReason)
+        )
+
+    try:
+        assert await asyncio.to_thread(model.entered.acquire, True, 5)  # one in the stage
+        source.partitions[0].extend(records(0, 3, first=1))
+        await asyncio.sleep(0.2)  # the three timed out long ago
+        assert batches() == closed
+        source.partitions[0].extend(records(0, 8, first=4))  # a full batch's worth and more
+        async with asyncio.timeout(5):
+            while batches(CloseReason.FULL) < 1:
+                await asyncio.sleep(0.01)
+        assert batches() == closed + 1
+        model.gate.set()
+        async with asyncio.timeout(5):
+            while len(sink.stored) < 12:
+                await asyncio.sleep(0.01)
+    finally:
+        model.gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_expired_requests_never_reach_the_model() -> None:
     past = datetime.now(UTC) - timedelta(seconds=5)
     source = FakeSource({0: records(0, 5, deadline=past) + records(0, 5, first=5)})
