@@ -37,7 +37,8 @@ Stages (each a few minutes at most on an H100 or H200):
   ``--pin`` gives the broker and Redis (``--service-cores``), the producers
   (``--producer-cores``) and the workers cores of their own.
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
-  lost and duplicate-visible counted from Redis and the reply topic.
+  lost and duplicate-visible counted from Redis and the reply topic. With ``--mps``
+  a second worker shares the card, under the run's own MPS server, and goes on.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
   naive against the worker's model stage (``bench.detect``).
 
@@ -1392,7 +1393,8 @@ def stage_kill(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace)
 async def _kill_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
     """A backlog, a worker SIGKILLed once a third is answered, a new worker: every request
     answered once in Redis, the reply topic agreeing with it (lost 0, duplicate-visible 0),
-    counted as the fault tests count (``producers.testing.tally``)."""
+    counted as the fault tests count (``producers.testing.tally``). Under ``--mps`` a
+    second worker shares the card with the one killed and must go on serving."""
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpukill{run}"
@@ -1401,20 +1403,22 @@ async def _kill_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> di
     prefix = f"{run}-k"
     ids = [f"{prefix}-{n}" for n in range(count)]
     await _produce_parallel(args, model, corpus, prefix, count)
+    workers = 2 if args.mps else 1
     try:
-        async with _fleet(cfg, model, args) as fleet:
-            first = _start_worker(fleet, cfg, args, 0, 1, 1)
-            # Every 7th of the first third keeps the poll cheap while the GPU works.
-            await first.unless_it_dies(
-                until_answered(args.redis_url, ids[: count // 3 : 7], count // 21)
-            )
-            first.kill()
-            second = _start_worker(fleet, cfg, args, 0, 1, 1)
-            await _await_results(prefix, count, args, [second])
+        with mps_daemon(args.mps):
+            async with _fleet(cfg, model, args) as fleet:
+                first = [_start_worker(fleet, cfg, args, n, workers, 1) for n in range(workers)]
+                # Every 7th of the first third keeps the poll cheap while the GPU works.
+                await first[0].unless_it_dies(
+                    until_answered(args.redis_url, ids[: count // 3 : 7], count // 21)
+                )
+                first[0].kill()
+                second = _start_worker(fleet, cfg, args, 0, workers, 1)
+                await _await_results(prefix, count, args, [second, *first[1:]])
         counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
     finally:
         await delete_model_topics(settings, model)
-    row = dataclasses.asdict(counted)
+    row = dataclasses.asdict(counted) | {"workers": workers, "mps": args.mps}
     print(f"  kill: {json.dumps(row)}", flush=True)
     return row
 
