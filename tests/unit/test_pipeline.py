@@ -235,6 +235,15 @@ def make(
     return pipeline, sink
 
 
+def closed_batches(metrics: Metrics, *reasons: CloseReason) -> float:
+    """Batches of model "t" closed so far for ``reasons`` (none given: for any reason)."""
+    read = metrics.registry.get_sample_value
+    return sum(
+        read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
+        for reason in reasons or tuple(CloseReason)
+    )
+
+
 async def run_until(pipeline: Pipeline, done: Any, timeout: float = 10) -> None:
     """Run the pipeline until ``done()`` holds, then stop it and wait for the drain."""
     stop = asyncio.Event()
@@ -332,17 +341,10 @@ async def test_while_the_model_stage_is_full_no_further_batch_closes(
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
 
-    def batches() -> float:
-        read = metrics.registry.get_sample_value
-        return sum(
-            read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
-            for reason in CloseReason
-        )
-
     try:
         assert await asyncio.to_thread(model.entered.acquire, True, 5)
         await asyncio.sleep(0.2)  # time enough for more batches, were there room
-        assert batches() == closed
+        assert closed_batches(metrics) == closed
         model.gate.set()
         async with asyncio.timeout(5):
             while len(sink.stored) < 24:
@@ -367,23 +369,16 @@ async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_o
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
 
-    def batches(*reasons: CloseReason) -> float:
-        read = metrics.registry.get_sample_value
-        return sum(
-            read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
-            for reason in reasons or tuple(CloseReason)
-        )
-
     try:
         assert await asyncio.to_thread(model.entered.acquire, True, 5)  # one in the stage
         source.partitions[0].extend(records(0, 3, first=1))
         await asyncio.sleep(0.2)  # the three timed out long ago
-        assert batches() == closed
+        assert closed_batches(metrics) == closed
         source.partitions[0].extend(records(0, 8, first=4))  # a full batch's worth and more
         async with asyncio.timeout(5):
-            while batches(CloseReason.FULL) < 1:
+            while closed_batches(metrics, CloseReason.FULL) < 1:
                 await asyncio.sleep(0.01)
-        assert batches() == closed + 1
+        assert closed_batches(metrics) == closed + 1
         model.gate.set()
         async with asyncio.timeout(5):
             while len(sink.stored) < 12:
