@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
-from redis.exceptions import RedisError
 
 from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
@@ -31,6 +30,7 @@ from workers.health import Check, HealthServer
 from workers.loader import load_handler
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
+from workers.publish_errors import is_outage
 from workers.publisher import Publisher
 from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.settings import WorkerSettings
@@ -142,7 +142,9 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
     )
     try:
         await redis.ping()
-    except (RedisError, OSError) as exc:
+    except Exception as exc:
+        if not is_outage(exc):  # uvloop's closed transport too: Redis closed as it started
+            raise
         raise redis_connect_failed(settings.redis_url, exc) from None
     finally:
         await redis.aclose()

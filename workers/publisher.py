@@ -38,14 +38,14 @@ from aiokafka.errors import (
     KafkaError,
     TopicAuthorizationFailedError,
 )
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError
 
 from common.security import kafka_connect_failed, kafka_options, redis_connect_failed
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.fastpath import ResultEncoder
 from workers.dead_letters import RECORD_OVERHEAD, TOO_LARGE, DeadLetters, send_one
 from workers.metrics import Metrics
-from workers.publish_errors import Failures
+from workers.publish_errors import Failures, is_outage
 from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
 from workers.store import ResultStore
@@ -124,8 +124,11 @@ class Publisher:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
         try:
             await self._store.ping()
-        except (RedisError, OSError) as exc:
+        except Exception as exc:
             await self._store.aclose()
+            await self._producer.stop()  # made, never started: its client is closed all the same
+            if not is_outage(exc):
+                raise
             raise redis_connect_failed(self._settings.redis_url, exc) from None
         try:
             await self._producer.start()

@@ -1,5 +1,6 @@
 """The publisher on the real broker and Redis: publishes that overlap keep each request
-partition's results in the order the calls began on its reply partition."""
+partition's results in the order the calls began on its reply partition; a Redis that
+closes its first connection is a clear failure to connect."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
+from common.security import ConnectFailed
 from producers.admin import create_model_topics
 from producers.settings import ClientSettings
 from schemas import Status, topics_for
@@ -78,6 +80,47 @@ async def test_overlapping_publishes_keep_the_call_order_on_the_reply_partition(
         await redis.delete(*keys)
     finally:
         await redis.aclose()
+
+
+class ClosedOnPing:
+    """The real result store, but its first command meets a connection Redis already
+    closed (uvloop's error, as when Redis shuts down while the worker starts)."""
+
+    def __init__(self, store: ResultStore) -> None:
+        self._store = store
+        self.closed = False
+
+    async def write_first(self, ids: Sequence[str], values: Sequence[bytes]) -> list[bytes | None]:
+        return await self._store.write_first(ids, values)
+
+    async def ping(self) -> bool:
+        raise RuntimeError("unable to perform operation on <TCPTransport>; the handler is closed")
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self._store.aclose()
+
+
+async def test_a_redis_that_closes_the_first_connection_fails_the_start_clearly(
+    kafka_bootstrap: str,
+    redis_url: str,
+    client_settings: ClientSettings,
+    drop_topics: list[str],
+    model_name: str,
+) -> None:
+    await create_model_topics(client_settings, model_name, partitions=1)
+    drop_topics.append(model_name)
+    settings = WorkerSettings(
+        model="tests:Echo", model_name=model_name, kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_url, device="cpu",
+    )  # fmt: skip
+    topics = topics_for(model_name)
+    facts = await check_topics(settings, topics)
+    store = ClosedOnPing(open_result_store(settings))
+    publisher = Publisher(settings, topics, facts, ResultEncoder(model_name, "v1", "w1"), store)
+    with pytest.raises(ConnectFailed, match=r"cannot connect to Redis at .*handler is closed"):
+        await publisher.start()
+    assert store.closed
 
 
 def _outbox(encoder: ResultEncoder, ids: list[str]) -> Outbox:

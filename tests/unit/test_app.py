@@ -7,7 +7,10 @@ import gc
 import sys
 
 import pytest
+import redis.asyncio as aioredis
 
+from common.security import ConnectFailed
+from schemas import topics_for
 from workers import app
 from workers.app import start_up_objects_frozen, switch_interval
 from workers.settings import WorkerSettings
@@ -59,3 +62,27 @@ def test_the_worker_serves_with_its_switch_interval(monkeypatch: pytest.MonkeyPa
 
 def test_the_default_switch_interval_is_shorter_than_pythons() -> None:
     assert WorkerSettings(model="bench.identity:IdentityHandler").switch_interval_ms < 5.0
+
+
+CLOSED = "unable to perform operation on <TCPTransport closed=True>; the handler is closed"
+
+
+@pytest.mark.parametrize(
+    ("message", "raised", "match"),
+    [
+        (CLOSED, ConnectFailed, r"cannot connect to Redis at redis://127\.0\.0\.1:1/0: .*closed"),
+        ("a bug, not an outage", RuntimeError, "^a bug, not an outage$"),
+    ],
+)
+def test_a_redis_that_closes_the_first_connection_is_a_connect_failure(
+    monkeypatch: pytest.MonkeyPatch, message: str, raised: type[Exception], match: str
+) -> None:
+    async def ping(_: object) -> bool:
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(aioredis.Redis, "ping", ping)
+    settings = WorkerSettings(
+        model="bench.identity:IdentityHandler", redis_url="redis://127.0.0.1:1/0"
+    )
+    with pytest.raises(raised, match=match):
+        asyncio.run(app._preflight(settings, topics_for("t")))
