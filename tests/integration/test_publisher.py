@@ -14,14 +14,14 @@ from aiokafka import AIOKafkaConsumer
 from common.security import ConnectFailed
 from producers.admin import create_model_topics
 from producers.settings import ClientSettings
-from schemas import Status, topics_for
+from schemas import ModelTopics, Status, topics_for
 from schemas.fastpath import ResultEncoder
 from schemas.naming import result_key
 from workers.publisher import Publisher
 from workers.redis_cluster import open_result_store
 from workers.settings import WorkerSettings
 from workers.store import ResultStore
-from workers.topics import check_topics
+from workers.topics import TopicFacts, check_topics
 from workers.types import Outbox
 
 pytestmark = pytest.mark.integration
@@ -49,20 +49,12 @@ class FirstWriteSlow:
 
 
 async def test_overlapping_publishes_keep_the_call_order_on_the_reply_partition(
+    one_partition: tuple[WorkerSettings, ModelTopics, TopicFacts],
     kafka_bootstrap: str,
     redis_url: str,
-    client_settings: ClientSettings,
-    drop_topics: list[str],
     model_name: str,
 ) -> None:
-    await create_model_topics(client_settings, model_name, partitions=1)
-    drop_topics.append(model_name)
-    settings = WorkerSettings(
-        model="tests:Echo", model_name=model_name, kafka_bootstrap=kafka_bootstrap,
-        redis_url=redis_url, device="cpu",
-    )  # fmt: skip
-    topics = topics_for(model_name)
-    facts = await check_topics(settings, topics)
+    settings, topics, facts = one_partition
     encoder = ResultEncoder(model_name, "v1", "w1")
     store = FirstWriteSlow(open_result_store(settings), delay_s=0.3)
     calls = [[f"{model_name}-{call}-{n}" for n in range(20)] for call in ("first", "second")]
@@ -102,12 +94,26 @@ class ClosedOnPing:
 
 
 async def test_a_redis_that_closes_the_first_connection_fails_the_start_clearly(
+    one_partition: tuple[WorkerSettings, ModelTopics, TopicFacts], model_name: str
+) -> None:
+    settings, topics, facts = one_partition
+    store = ClosedOnPing(open_result_store(settings))
+    publisher = Publisher(settings, topics, facts, ResultEncoder(model_name, "v1", "w1"), store)
+    with pytest.raises(ConnectFailed, match=r"cannot connect to Redis at .*handler is closed"):
+        await publisher.start()
+    assert store.closed
+
+
+@pytest.fixture
+async def one_partition(
+    client_settings: ClientSettings,
     kafka_bootstrap: str,
     redis_url: str,
-    client_settings: ClientSettings,
     drop_topics: list[str],
     model_name: str,
-) -> None:
+) -> tuple[WorkerSettings, ModelTopics, TopicFacts]:
+    """A model's settings, its topics of one partition each (dropped after the test), and
+    what the worker learns of them at start."""
     await create_model_topics(client_settings, model_name, partitions=1)
     drop_topics.append(model_name)
     settings = WorkerSettings(
@@ -115,12 +121,7 @@ async def test_a_redis_that_closes_the_first_connection_fails_the_start_clearly(
         redis_url=redis_url, device="cpu",
     )  # fmt: skip
     topics = topics_for(model_name)
-    facts = await check_topics(settings, topics)
-    store = ClosedOnPing(open_result_store(settings))
-    publisher = Publisher(settings, topics, facts, ResultEncoder(model_name, "v1", "w1"), store)
-    with pytest.raises(ConnectFailed, match=r"cannot connect to Redis at .*handler is closed"):
-        await publisher.start()
-    assert store.closed
+    return settings, topics, await check_topics(settings, topics)
 
 
 def _outbox(encoder: ResultEncoder, ids: list[str]) -> Outbox:
