@@ -19,6 +19,7 @@ import orjson
 import pytest
 import torch
 
+from producers.testing import until
 from schemas import ContentType, DataRef, ErrorCode, Status, decode_result, encode_request
 from workers.admission import CANCELLED, Admission, RequestState
 from workers.answers import Answers
@@ -346,9 +347,7 @@ async def test_while_the_model_stage_is_full_no_further_batch_closes(
         await asyncio.sleep(0.2)  # time enough for more batches, were there room
         assert closed_batches(metrics) == closed
         model.gate.set()
-        async with asyncio.timeout(5):
-            while len(sink.stored) < 24:
-                await asyncio.sleep(0.01)
+        await until(lambda: len(sink.stored) == 24, "every request answered", 5)
     finally:
         model.gate.set()
         stop.set()
@@ -374,15 +373,11 @@ async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_o
         source.partitions[0].extend(records(0, 3, first=1))
         await asyncio.sleep(0.2)  # the three timed out long ago
         assert closed_batches(metrics) == closed
-        source.partitions[0].extend(records(0, 8, first=4))  # a full batch's worth and more
-        async with asyncio.timeout(5):
-            while closed_batches(metrics, CloseReason.FULL) < 1:
-                await asyncio.sleep(0.01)
+        source.partitions[0].extend(records(0, 8, first=4))  # a full batch's worth, at least
+        await until(lambda: closed_batches(metrics, CloseReason.FULL) == 1, "a full batch", 5)
         assert closed_batches(metrics) == closed + 1
         model.gate.set()
-        async with asyncio.timeout(5):
-            while len(sink.stored) < 12:
-                await asyncio.sleep(0.01)
+        await until(lambda: len(sink.stored) == 12, "every request answered", 5)
     finally:
         model.gate.set()
         stop.set()
