@@ -30,7 +30,7 @@ help:
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check) and mypy --strict, tests and benches included"
-	@echo "make settings-doc  regenerate docs/settings.md from workers/settings.py"
+	@echo "make settings-doc  regenerate docs/settings.md from workers/config/worker.py"
 	@echo "make clean    remove the venv, caches and local service data"
 
 install: $(STAMP)

@@ -4,7 +4,7 @@
 fresh model name (so fresh topics and consumer groups), each worker a real
 ``conveyor worker`` process stopped with SIGTERM:
 
-1. transport: records/s of the worker's ``workers.consumer.Consumer`` fetch loop
+1. transport: records/s of the worker's ``workers.kafka.consumer.Consumer`` fetch loop
    (fetch, track, finish, commit every ``max_in_flight`` records; no decoding,
    no model, no publishing) on 1 KB records, against Kafka's own
    ``kafka-consumer-perf-test`` (``ConsumerPerformance``) reading the same topic.
@@ -74,9 +74,9 @@ from producers.testing import (
 )
 from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, topics_for
 from workers.app import start_up_objects_frozen
-from workers.consumer import Consumer
+from workers.config.worker import WorkerSettings
+from workers.kafka.consumer import Consumer
 from workers.offsets import OffsetTracker
-from workers.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 IDENTITY = "bench.identity:IdentityHandler"
@@ -235,7 +235,7 @@ async def transport(bench: Bench) -> dict[str, Any]:
     kafka_best = max(run["records_per_s"] for run in kafka_runs)
     worker_best = max(run["records_per_s"] for run in worker_runs)
     return {
-        "what": "workers.consumer.Consumer fetch loop (fetch, span tracking, finish, commit "
+        "what": "workers.kafka.consumer.Consumer fetch loop (fetch, span tracking, finish, commit "
         "every max_in_flight records) vs kafka-consumer-perf-test fetch.nMsg.sec, same topic",
         "records": n,
         "payload_bytes": TRANSPORT_PAYLOAD,

@@ -1,8 +1,8 @@
-"""What a thread waiting for the GPU costs, by ``cuda_sync`` mode (``workers.cuda_sync``).
+"""What a thread waiting for the GPU costs, by ``cuda_sync`` mode (``workers.decode.cuda_sync``).
 
 For each mode, in a process of its own (the flag is the device's, set once): the CPU
 time a thread spends while it waits ``--wait-ms`` for a kernel (through a plain event,
-an event made by ``workers.cuda_sync.event`` as the worker's are, a stream and the
+an event made by ``workers.decode.cuda_sync.event`` as the worker's are, a stream and the
 device), as a share of the wait; and the round trip of a tiny kernel and its wait on a
 worker's event, the price of sleeping instead of spinning. Needs a GPU.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from workers.cuda_sync import SCHEDULE_FLAGS, event, set_cuda_sync
+from workers.decode.cuda_sync import SCHEDULE_FLAGS, event, set_cuda_sync
 
 
 def measure(mode: str, wait_ms: float, round_trips: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ nothing), on the 640x480 JPEG corpus:
 
 - naive: one request at a time, decoded by Pillow, the model called on it, the
   result document built, synchronously: what a tutorial endpoint does, minus HTTP;
-- pipeline: the worker's model stage without Kafka (``workers.inference``, as
+- pipeline: the worker's model stage without Kafka (``workers.model.inference``, as
   ``bench.gpu``'s ``pipeline`` stage drives it): ``preprocess`` in a thread pool (JPEG
   headers only when the model is on CUDA: nvJPEG decodes in ``collate``), then
   prepare, launch and finish overlapped, batches of ``batch`` images, float16
@@ -23,9 +23,9 @@ from typing import Any
 
 from bench.stats import percentile
 from schemas import DEFAULT_LIMITS, ContentType
-from workers.handlers import Handler
-from workers.loader import load_handler
-from workers.runner import ModelRunner
+from workers.handlers.base import Handler
+from workers.model.loader import load_handler
+from workers.model.runner import ModelRunner
 
 DETECTORS = ("fasterrcnn_mobilenet_v3_large_fpn", "ssdlite320_mobilenet_v3_large")
 QUICK_OPTIONS: Mapping[str, Mapping[str, Any]] = {

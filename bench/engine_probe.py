@@ -1,7 +1,7 @@
 """The hardware JPEG engine's host side, on one card: how its images reach the resize,
 and what batch sizes that change from call to call cost.
 
-Two probes, for the decode path ``gpu-hw`` (``workers.jpeg.HardwareJpeg``), with
+Two probes, for the decode path ``gpu-hw`` (``workers.decode.jpeg.HardwareJpeg``), with
 nvJPEG's path beside it in the same run:
 
 - ``handover``: decode+resize of backlogs in batches of 256 through the batch buffers
@@ -33,11 +33,11 @@ import torch
 
 from bench.gpu import build_corpora
 from schemas import DEFAULT_LIMITS
-from workers import jpeg
-from workers.gpu_decode import BatchDecoder
-from workers.handlers import ImageClassifier
-from workers.loader import load_handler
-from workers.preprocess import ImageSpec
+from workers.decode import jpeg
+from workers.decode.gpu import BatchDecoder
+from workers.decode.images import ImageSpec
+from workers.handlers.base import ImageClassifier
+from workers.model.loader import load_handler
 
 BATCH = 256
 

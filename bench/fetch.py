@@ -1,4 +1,4 @@
-"""The fetch path for records of a given size, with and without ``workers.fetch_buffers``.
+"""The fetch path for records of a given size, with and without ``workers.kafka.fetch_buffers``.
 
 ``python -m bench.fetch [--payload-bytes 143000] [--records 6000] [--repeats 3]``
 writes a backlog of requests of that size to a fresh 8-partition topic, then reads
@@ -29,7 +29,7 @@ from producers.settings import ClientSettings
 from producers.testing import produce, requests
 from schemas import ContentType, consumer_group, topics_for
 from workers.cli import event_loop_factory
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 PARTITIONS = 8
 VARIANTS = {"fetch_buffers": True, "stock": False}

@@ -3,7 +3,7 @@
 ``python -m bench.gil_wait [--rate 300] [--payload-bytes 145000] [--seconds 8]
 [--intervals-ms 5,1,0.5,0.2] [--busy-threads 2] [--repeats 3]`` writes records at a
 steady rate to a fresh one-partition topic that stamps ``LogAppendTime``, while a
-reader process takes them with the worker's consumer (``workers.consumer``, fetch
+reader process takes them with the worker's consumer (``workers.kafka.consumer``, fetch
 buffers on, the worker's event loop) and times each from its append in Kafka to its
 fetch. Beside the reader's event loop run ``--busy-threads`` threads that each run
 Python for ``--busy-ms`` then sleep ``--idle-ms``, as a worker's decode, prepare and
@@ -34,8 +34,8 @@ from producers.testing import produce_at_rate, requests
 from schemas import ContentType
 from workers.app import start_up_objects_frozen, switch_interval
 from workers.cli import event_loop_factory
-from workers.consumer import Consumer
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
+from workers.kafka.consumer import Consumer
 
 _WARM_UP_MS = 1000  # records appended in the first second are read, not counted
 _MEASURES = ("p50_ms", "p90_ms", "p99_ms", "busy_runs_per_s")

@@ -18,7 +18,7 @@ Stages (each a few minutes at most on an H100 or H200):
   what a tutorial endpoint does per request, minus HTTP.
 - ``checks``: float16 vs float32 top-1 agreement on the same inputs and weights,
   and the GPU decode path vs the CPU one (pixel differences after normalization).
-- ``pipeline``: the worker's model stage without Kafka (``workers.inference``:
+- ``pipeline``: the worker's model stage without Kafka (``workers.model.inference``:
   preprocess in a thread pool, then prepare ─▶ launch ─▶ finish on three threads
   and two CUDA streams) for each decode path; img/s and the GPU's idle time
   between forwards (CUDA events): the ceiling of the decode and forward overlapped.
@@ -109,14 +109,14 @@ from producers.testing import (
 )
 from schemas import DEFAULT_LIMITS, ContentType, Result, topics_for
 from schemas.fastpath import FastMeta
-from workers.gpu_decode import BatchDecoder, DecodeOption
-from workers.handlers import Handler, ImageClassifier
-from workers.inference import Inference
-from workers.jpeg import READ_MODES, decode_jpegs
-from workers.loader import load_handler
+from workers.decode.gpu import BatchDecoder, DecodeOption
+from workers.decode.images import ImageSpec, crop_box, decode_image
+from workers.decode.jpeg import READ_MODES, decode_jpegs
+from workers.handlers.base import Handler, ImageClassifier
+from workers.model.inference import Inference
+from workers.model.loader import load_handler
+from workers.model.runner import ModelRunner, compile_forward, resolve_device
 from workers.offsets import OffsetTracker
-from workers.preprocess import ImageSpec, crop_box, decode_image
-from workers.runner import ModelRunner, compile_forward, resolve_device
 from workers.types import Item, Outcome
 
 STAGES = ("forward", "decode", "overlap", "naive", "checks", "pipeline", "e2e", "kill", "detect")
@@ -699,7 +699,7 @@ def _has_nvimgcodec() -> bool:
 
 def stage_pipeline(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
     """The worker's model stage without Kafka: preprocess in a thread pool as the worker
-    does, then ``workers.inference.Inference`` (prepare ─▶ launch ─▶ finish on a GPU);
+    does, then ``workers.model.inference.Inference`` (prepare ─▶ launch ─▶ finish on a GPU);
     img/s, and the GPU's idle time between forwards (CUDA events)."""
     out: dict[str, Any] = {}
     for decode in decode_paths(cfg):

@@ -35,8 +35,8 @@ from PIL import Image
 
 from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import DEFAULT_LIMITS, ContentType
-from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
-from workers.preprocess import ImageSpec, decode
+from workers.decode.images import ImageSpec, decode
+from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
 
 MAX_PIXELS = DEFAULT_LIMITS.max_pixels
 _SEED = 500
@@ -128,7 +128,7 @@ def random_network_agreement(corpus: list[tuple[bytes, ContentType]]) -> dict[st
     """ResNet-18 with random weights and measured batch-norm statistics (module doc)."""
     import torchvision
 
-    from workers.handlers import ImageModel
+    from workers.handlers.base import ImageModel
 
     torch.manual_seed(_SEED)
     module = torchvision.models.resnet18(weights=None)

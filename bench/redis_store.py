@@ -2,7 +2,7 @@
 
     python -m bench.redis_store [--redis-url URL] [--batch 256] [--batches 400]
 
-Times ``workers.store.RedisResultStore.write_first`` (one ``EVALSHA`` per batch:
+Times ``workers.publish.result_store.RedisResultStore.write_first`` (one ``EVALSHA`` per batch:
 ``SET NX EX`` and ``PUBLISH`` for each result) against the previous design's
 pipelined ``SET NX EX`` + ``PUBLISH`` per result, each with redis-py's hiredis
 parser and with its pure-Python one, alternating, in one run. Prints microseconds
@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 
 from schemas import result_key
-from workers.store import RedisResultStore
+from workers.publish.result_store import RedisResultStore
 
 _VALUE = b'{"id":"x","status":"ok","outputs":[1,2,3],"timings":{"batch_size":256}}' * 4
 

@@ -19,23 +19,23 @@ from aiokafka.errors import KafkaError
 from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
-from workers import fetch_buffers
-from workers.admission import Admission
-from workers.answers import Answers
-from workers.claims import Claims
-from workers.consumer import Consumer
-from workers.cuda_sync import set_cuda_sync
-from workers.decode_budget import DecodeBudget
-from workers.health import Check, HealthServer
-from workers.loader import load_handler
-from workers.metrics import Metrics
+from workers.config.worker import WorkerSettings
+from workers.decode.budget import DecodeBudget
+from workers.decode.cuda_sync import set_cuda_sync
+from workers.delivery.transactions import Transactions
+from workers.intake.admission import Admission
+from workers.intake.references import Claims
+from workers.kafka import fetch_buffers
+from workers.kafka.consumer import Consumer
+from workers.kafka.topics import TopicFacts, check_topics
+from workers.model.loader import load_handler
+from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
+from workers.observe.health import Check, HealthServer
+from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
-from workers.publish_errors import is_outage
-from workers.publisher import Publisher
-from workers.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
-from workers.settings import WorkerSettings
-from workers.topics import TopicFacts, check_topics
-from workers.transactions import Transactions
+from workers.publish.answers import Answers
+from workers.publish.errors import is_outage
+from workers.publish.publisher import Publisher
 
 log = logging.getLogger("conveyor.worker")
 
@@ -281,7 +281,7 @@ def _give_large_frees_back() -> None:
     hold 8 images' worth however the decode budget spaces them. With the fixed
     threshold, resident memory follows the budget (tests/faults/test_faults.py).
     Fetch buffers (the default) set a threshold of their own, also below Pillow's
-    blocks (``workers.fetch_buffers.MMAP_THRESHOLD``).
+    blocks (``workers.kafka.fetch_buffers.MMAP_THRESHOLD``).
     """
     if not fetch_buffers.set_allocator(1 << 20) and sys.platform.startswith("linux"):
         log.warning("could not set glibc's mmap threshold; decode memory may stay resident")

@@ -32,8 +32,8 @@ import schemas
 from common.install import install_hint
 from common.security import ConnectFailed
 from schemas import Limits
-from workers.logs import configure_logging
-from workers.settings import MODEL_DIR_VARIABLE, WorkerSettings
+from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
+from workers.observe.logs import configure_logging
 
 EXIT_STOPPED = 0
 EXIT_BAD_SETTINGS = 2

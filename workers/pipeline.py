@@ -3,13 +3,13 @@
     fetch ─▶ parse (loop) ─▶ preprocess (pool or inline) ─▶ collect ─▶ batch ─▶ infer (thread)
                    │ refusals                                                     │
     commit ◀─ finish spans ◀─ publish (Redis script + producer batches) ◀─ outcomes ◀┘
-                               (up to ``publishes_in_flight`` at once: workers.publishing)
+                               (up to ``publishes_in_flight`` at once: workers.delivery.stage)
 
 Every record fetched ends in exactly one answer (an item the model answered, or a
 refusal: bad input, expired, superseded, model failure), and its span is finished
 only after that answer is durable (``workers.offsets``); a failed device
 (``DeviceLost``) stops the worker instead, its batches left to another member. The
-delivery policy (``workers.delivery``: at least once, or exactly once with Kafka
+delivery policy (``workers.delivery.policies``: at least once, or exactly once with Kafka
 transactions) writes answers and decides when positions are committed. Work
 crosses stages as typed messages (``workers.types``); per-record Python is a strict
 header parse, the handler's preprocess, one encoded document per result and one
@@ -17,15 +17,15 @@ decrement per finished record; the rest (Redis, the producer, metrics, commits)
 happens once per batch or per publish.
 
 The pipeline depends on ports, not on aiokafka and redis-py: ``RecordSource``
-(``workers.consumer.Consumer`` in production) and ``ResultSink``
-(``workers.publisher.Publisher``), so tests drive it in-process with fakes.
+(``workers.kafka.consumer.Consumer`` in production) and ``ResultSink``
+(``workers.publish.publisher.Publisher``), so tests drive it in-process with fakes.
 
 Backpressure: fetching pauses while the records in flight exceed what the model
 gets through in ``in_flight_target_ms`` (measured), capped by ``max_in_flight``,
 never below two batches; so a revoked partition drains in about that long,
 well inside the group's rebalance timeout. With priority lanes
-(``workers.lanes``) the budget is shared by weight, lane by lane, and each batch
-comes from one lane. In freshest-frame mode (``workers.freshest``) a waiting
+(``workers.batching.lanes``) the budget is shared by weight, lane by lane, and each batch
+comes from one lane. In freshest-frame mode (``workers.batching.freshest``) a waiting
 frame with a newer frame of its stream behind it is answered ``superseded``,
 before its payload is decoded when both came in one fetch, else when the next
 batch closes.
@@ -41,21 +41,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from schemas import topics_for
-from workers.admission import Admission
-from workers.answers import Answers
-from workers.batcher import Batch
-from workers.claims import Claims
-from workers.delivery import delivery_for
-from workers.freshest import LatestFrames
-from workers.handlers import Handler
-from workers.inference import Inference, expired_refusal, superseded_refusal
-from workers.ingest import INLINE_BYTES, Ingest
-from workers.lanes import LaneBatcher, LaneTopics
-from workers.metrics import Metrics
+from workers.batching.batcher import Batch
+from workers.batching.freshest import LatestFrames
+from workers.batching.lanes import LaneBatcher, LaneTopics
+from workers.config.worker import WorkerSettings
+from workers.delivery.policies import delivery_for
+from workers.delivery.stage import Publishing
+from workers.handlers.base import Handler
+from workers.intake.admission import Admission
+from workers.intake.ingest import INLINE_BYTES, Ingest
+from workers.intake.references import Claims
+from workers.model.inference import Inference, expired_refusal, superseded_refusal
+from workers.model.runner import ModelRunner
+from workers.observe.metrics import Metrics
 from workers.offsets import OffsetTracker
-from workers.publishing import Publishing
-from workers.runner import ModelRunner
-from workers.settings import WorkerSettings
+from workers.publish.answers import Answers
 from workers.types import (
     ConfigError,
     DeviceLost,

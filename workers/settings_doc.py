@@ -20,7 +20,7 @@ from workers.cli import (
     describe,
     env_name,
 )
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 
 def settings_reference() -> str:
@@ -29,7 +29,7 @@ def settings_reference() -> str:
     out = [
         "# Worker settings",
         "",
-        "<!-- Generated from workers/settings.py by `make settings-doc`; "
+        "<!-- Generated from workers/config/worker.py by `make settings-doc`; "
         "tests/unit/test_worker_cli.py fails when this file is stale. -->",
         "",
         _md(PRECEDENCE),

@@ -1,7 +1,7 @@
 """The worker's shared types: what flows between the stages, and the ports they talk through.
 
 A leaf module: the stages (ingest, batcher, inference, publish) and the adapters
-(``workers.consumer`` for Kafka, ``workers.publisher`` for Redis and the reply
+(``workers.kafka.consumer`` for Kafka, ``workers.publish.publisher`` for Redis and the reply
 topic) import it; it imports none of them.
 
 The flow of one record::
@@ -47,7 +47,7 @@ class Record(Protocol):
     """A fetched Kafka record: what the pipeline reads of aiokafka's ``ConsumerRecord``.
 
     In production these are aiokafka's ``ConsumerRecord``, also when
-    ``workers.kafka_records`` read the batch leniently (aiokafka builds them from its
+    ``workers.kafka.records`` read the batch leniently (aiokafka builds them from its
     records); unit tests pass their own. aiokafka ships no type information, so
     ``tests/unit/test_kafka_records.py`` checks at run time that its records fit.
     A Protocol costs nothing per record: the pipeline reads plain attributes.
@@ -71,7 +71,7 @@ class Record(Protocol):
     def headers(self) -> Sequence[tuple[str, bytes | None]]: ...
     @property
     def checksum(self) -> int | None:
-        """``workers.kafka_records.REPAIRED`` for a record read leniently, else None."""
+        """``workers.kafka.records.REPAIRED`` for a record read leniently, else None."""
 
 
 @dataclass(slots=True, eq=False)
@@ -85,7 +85,7 @@ class Item:
     received_at: float  # monotonic seconds: for waiting and deadlines
     deadline_at: float | None  # monotonic seconds
     tensor: Any = None  # what the handler's preprocess made of the payload
-    attempt: int = 1  # counted in Redis when status is tracked (workers.admission)
+    attempt: int = 1  # counted in Redis when status is tracked (workers.intake.admission)
 
 
 @dataclass(slots=True, eq=False)
@@ -181,7 +181,7 @@ Assigned = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
 class RecordSource(Protocol):
-    """Where requests come from: a consumer-group member (``workers.consumer.Consumer``)."""
+    """Where requests come from: a consumer-group member (``workers.kafka.consumer.Consumer``)."""
 
     async def fetch(
         self, timeout_ms: int, max_records: int
@@ -207,7 +207,7 @@ class RecordSource(Protocol):
 
 
 class ResultSink(Protocol):
-    """Where answers go: Redis and the reply topic (``workers.publisher.Publisher``)."""
+    """Where answers go: Redis and the reply topic (``workers.publish.publisher.Publisher``)."""
 
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result and dead letter in ``outbox`` is durable."""
@@ -230,7 +230,7 @@ class Committed(enum.Enum):
 
 
 class TransactionalSink(Protocol):
-    """Where answers go in exactly-once delivery (``workers.transactions.Transactions``)."""
+    """Where answers go in exactly-once delivery (``delivery.transactions``)."""
 
     async def publish(self, parts: Sequence[PartitionCommit]) -> tuple[list[Committed], int]:
         """Write results to Redis (first answer wins), then each part in one transaction.

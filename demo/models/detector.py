@@ -28,8 +28,7 @@ from demo.models.centernet import LABELS, STRIDE, DigitsCenterNet
 from demo.models.digits import model_folder
 from demo.models.scenes import Box, DigitSet, as_jpeg, random_scene
 from schemas import DEFAULT_LIMITS, Limits
-from workers.gpu_decode import DecodeOption
-from workers.tasks.detection import Detector
+from workers.handlers import DecodeOption, Detector
 
 DETECTOR_VERSION = "digits-centernet-v1"
 """Reported as ``model_version``; bump it when the architecture or training changes."""

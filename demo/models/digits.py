@@ -13,7 +13,7 @@ trained on.
 
 The worker serves it as it serves any handler class of a user's:
 ``--model demo.models.digits:DigitsClassifier``, or ``--model digits`` for short
-(``workers.loader``). Build it with ``python -m demo.models.digits [--force]``;
+(``workers.model.loader``). Build it with ``python -m demo.models.digits [--force]``;
 the worker also builds it on first use, in ``$CONVEYOR_MODEL_DIR`` or the user's
 cache folder (see ``default_model_path``). Training needs scikit-learn (the
 ``demo`` extra); serving a built artifact needs only the worker extra. A
@@ -38,11 +38,13 @@ from PIL import Image
 
 from common.install import DISTRIBUTION, install_hint
 from schemas import DEFAULT_LIMITS, Limits
-from workers.decode_budget import DecodeBudget
-from workers.handlers import ImageClassifier
-from workers.model_files import RANDOM_WEIGHTS
-from workers.preprocess import ImageSpec
-from workers.settings import MODEL_DIR_VARIABLE
+from workers.handlers import (
+    MODEL_DIR_VARIABLE,
+    RANDOM_WEIGHTS,
+    DecodeBudget,
+    ImageClassifier,
+    ImageSpec,
+)
 
 DIGITS_VERSION = "digits-cnn-v1"
 """Reported as ``model_version``; bump it when the architecture or training changes."""

@@ -29,8 +29,8 @@ from schemas import (
     status_key,
 )
 from tests.cluster.conftest import RedisClusterNodes
-from workers.admission import CANCELLED, ClusterRequestState
-from workers.payload_stores import ClusterRedisPayloads
+from workers.intake.admission import CANCELLED, ClusterRequestState
+from workers.intake.payload_stores import ClusterRedisPayloads
 
 IDS = [f"cl-{n}" for n in range(40)]  # their {id} tags spread over every primary
 

@@ -26,13 +26,13 @@ from producers.testing import Fleet, plain_url, read_results, until_answered
 from schemas import Result, encode_result, ok_result, result_key
 from tests.cluster.conftest import KafkaCluster, RedisClusterNodes
 from tests.harness import check, setup_model, submit_paced, tally_scenario
-from workers.redis_cluster import (
+from workers.config.worker import WorkerSettings
+from workers.publish.cluster_store import (
     CLUSTER_WRITE_FIRST_SCRIPT,
     RedisClusterResultStore,
     open_result_store,
 )
-from workers.settings import WorkerSettings
-from workers.store import WRITE_FIRST_SCRIPT
+from workers.publish.result_store import WRITE_FIRST_SCRIPT
 
 
 def _document(request_id: str, worker: str) -> bytes:

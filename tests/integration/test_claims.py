@@ -14,8 +14,7 @@ from pydantic import SecretStr
 
 from common.s3 import S3Settings, s3_client
 from schemas import ErrorCode, parse_dataref, redis_dataref, s3_dataref
-from workers.claims import Fault, StoreOutage
-from workers.payload_stores import RedisPayloads, S3Payloads
+from workers.intake.payload_stores import Fault, RedisPayloads, S3Payloads, StoreOutage
 
 
 async def test_redis_payloads_sizes_bytes_missing_and_wrong_type(

@@ -9,9 +9,9 @@ from producers.admin import create_model_topics
 from producers.settings import ClientSettings
 from producers.testing import produce, requests
 from schemas import ContentType, consumer_group, topics_for
-from workers.consumer import Consumer
-from workers.fetch_buffers import MAX_FETCH_BYTES, FrameReader
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
+from workers.kafka.consumer import Consumer
+from workers.kafka.fetch_buffers import MAX_FETCH_BYTES, FrameReader
 
 
 async def test_large_and_small_records_arrive_intact_through_frame_readers(

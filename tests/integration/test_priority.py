@@ -4,7 +4,7 @@ One worker serves a slow model (every batch takes at least 40 ms) from two lanes
 ``high:8`` and the plain request topic. High-lane requests are sent one at a time,
 first to the idle worker, then while a backlog of low-lane requests keeps it busy.
 The bound: a high-lane request waits for at most the batch on the model and the one
-queued behind it (``workers.lanes``), so its p99 latency stays within 3 times an
+queued behind it (``workers.batching.lanes``), so its p99 latency stays within 3 times an
 idle worker's; and the low lane keeps being served meanwhile.
 """
 

@@ -17,11 +17,11 @@ from producers.settings import ClientSettings
 from schemas import ModelTopics, Status, topics_for
 from schemas.fastpath import ResultEncoder
 from schemas.naming import result_key
-from workers.publisher import Publisher
-from workers.redis_cluster import open_result_store
-from workers.settings import WorkerSettings
-from workers.store import ResultStore
-from workers.topics import TopicFacts, check_topics
+from workers.config.worker import WorkerSettings
+from workers.kafka.topics import TopicFacts, check_topics
+from workers.publish.cluster_store import open_result_store
+from workers.publish.publisher import Publisher
+from workers.publish.result_store import ResultStore
 from workers.types import Outbox
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from schemas import result_key
-from workers.store import RedisResultStore
+from workers.publish.result_store import RedisResultStore
 
 
 async def test_first_write_wins_and_announces(redis_client: aioredis.Redis, uid: str) -> None:

@@ -19,7 +19,7 @@ from producers.testing import (
 )
 from schemas import ContentType, Result, Status, encode_request, topics_for
 from tests.harness import digit_requests
-from workers.runner import ModelRunner
+from workers.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from common.security import ConnectFailed
 from schemas import topics_for
 from workers import app
 from workers.app import start_up_objects_frozen, switch_interval
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 from workers.types import ConfigError
 
 

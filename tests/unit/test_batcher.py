@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.batcher import Batch, Batcher, CloseReason
+from workers.batching.batcher import Batch, Batcher, CloseReason
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from schemas import ContentType, DataRef, ErrorCode, decode_request, encode_request, parse_dataref
-from workers.claims import ByteBudget, Claims, Fault, PayloadStore, StoreOutage
-from workers.ingest import _from_meta
-from workers.metrics import Metrics
+from workers.intake.ingest import _from_meta
+from workers.intake.payload_stores import Fault, PayloadStore, StoreOutage
+from workers.intake.references import ByteBudget, Claims
+from workers.observe.metrics import Metrics
 from workers.offsets import OffsetTracker
 from workers.types import Item, Refusal
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from schemas import topics_for
-from workers.settings import DEFAULT_METRICS_PORT as DEFAULT_PORT
-from workers.settings import WorkerSettings
+from workers.config.worker import DEFAULT_METRICS_PORT as DEFAULT_PORT
+from workers.config.worker import WorkerSettings
 
 COMPOSE_DIR = Path(__file__).resolve().parents[2] / "compose"
 

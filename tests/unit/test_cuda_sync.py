@@ -1,4 +1,4 @@
-"""workers.cuda_sync: the flag asked of the CUDA runtime, checked, and followed by events.
+"""workers.decode.cuda_sync: the flag asked of the CUDA runtime, checked, and followed by events.
 
 The runtime is replaced by a recorder (this machine has no GPU); ``bench.cuda_wait``
 measures the real waits on one."""
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers import cuda_sync
+from workers.decode import cuda_sync
 
 
 class FakeRuntime:

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from schemas import ContentType
-from workers.decode_budget import DecodeBudget
-from workers.preprocess import ImageSpec, decode_image
+from workers.decode.budget import DecodeBudget
+from workers.decode.images import ImageSpec, decode_image
 
 
 def test_holders_never_exceed_the_limit_and_oversized_ones_run_alone() -> None:

@@ -25,8 +25,8 @@ from demo.models.digits import (
     heldout_indices,
 )
 from schemas import ContentType
-from workers.handlers import ImageClassifier
-from workers.runner import ModelRunner
+from workers.handlers.base import ImageClassifier
+from workers.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import yaml
 
 from schemas import DEFAULT_LIMITS
 from workers.cli import ENVIRONMENT_ONLY, NESTED
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"

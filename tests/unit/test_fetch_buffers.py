@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import _imaging
 
-from workers.fetch_buffers import (
+from workers.kafka.fetch_buffers import (
     IMAGE_BLOCK_BYTES,
     MAX_FETCH_BYTES,
     MMAP_THRESHOLD,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.freshest import LatestFrames
+from workers.batching.freshest import LatestFrames
 
 
 class Frame:

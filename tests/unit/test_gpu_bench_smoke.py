@@ -16,8 +16,8 @@ import torch
 
 from bench.gpu import main, summarize, synthetic_jpeg
 from schemas import DEFAULT_LIMITS, Limits
-from workers.handlers import ImageClassifier
-from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
+from workers.handlers.base import ImageClassifier
+from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
 
 
 class TinyClassifier(ImageClassifier):

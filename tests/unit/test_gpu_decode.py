@@ -20,13 +20,13 @@ import torch
 from PIL import Image
 
 from schemas import ContentType, ContractError, ErrorCode, Limits
-from workers import jpeg as device_jpeg
-from workers.gpu_decode import BatchDecoder
-from workers.handlers import Collating, ImageClassifier
-from workers.jpeg import read_jpeg_header
-from workers.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD, load_handler
-from workers.preprocess import ImageSpec
-from workers.runner import ModelRunner, batch_buckets
+from workers.decode import jpeg as device_jpeg
+from workers.decode.gpu import BatchDecoder
+from workers.decode.images import ImageSpec
+from workers.decode.jpeg import read_jpeg_header
+from workers.handlers.base import Collating, ImageClassifier
+from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD, load_handler
+from workers.model.runner import ModelRunner, batch_buckets
 
 CPU = torch.device("cpu")
 # Tolerances in grey levels (0..255) between the batched path and Pillow's, measured on
@@ -342,8 +342,8 @@ def test_the_reference_fit_is_batched_within_tolerance_of_the_cpu_path() -> None
 
 
 def test_image_lists_are_decoded_at_their_own_size_in_order() -> None:
-    from workers.gpu_decode import ImageListDecoder
-    from workers.preprocess import decode_full
+    from workers.decode.gpu import ImageListDecoder
+    from workers.decode.images import decode_full
 
     decoder = ImageListDecoder("RGB", max_pixels=Limits().max_pixels)
     payloads = [photo(64, 48, 1), photo(30, 70, 2, fmt="PNG"), photo(50, 50, 3)]
@@ -363,6 +363,6 @@ def test_image_lists_are_decoded_at_their_own_size_in_order() -> None:
 
 
 def test_the_engine_gets_batches_padded_to_a_power_of_two() -> None:
-    from workers.jpeg import engine_count
+    from workers.decode.jpeg import engine_count
 
     assert [engine_count(n) for n in (1, 2, 3, 5, 8, 9, 200, 256)] == [1, 2, 4, 8, 8, 16, 256, 256]

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from schemas import ContentType, ContractError, ErrorCode, Limits
-from workers.handlers import DEFAULT_TOP_K, Handler, ImageClassifier, top_k_param
-from workers.preprocess import ImageSpec
+from workers.decode.images import ImageSpec
+from workers.handlers.base import DEFAULT_TOP_K, Handler, ImageClassifier, top_k_param
 
 LABELS = ["cat", "dog", "fish", "bird", "frog", "newt", "crab"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from workers.health import Check, HealthServer
-from workers.metrics import Metrics
+from workers.observe.health import Check, HealthServer
+from workers.observe.metrics import Metrics
 
 LOCAL = "127.0.0.1"
 

@@ -13,7 +13,7 @@ import counts: at the top of a module, inside a function, under
 - ``producers`` (the SDK and its commands) and ``workers`` (the server) import
   neither each other nor ``demo``; ``conveyor worker`` reaches the worker through an
   entry point (``producers/cli.py``), and the demo models through the worker's
-  user-class path (``workers/loader.py``);
+  user-class path (``workers/model/loader.py``);
 - ``demo`` is a client of a worker and may import anything.
 
 The checker is tried on synthetic trees too, so that a rule that stopped
@@ -191,7 +191,7 @@ def _write(root: Path, files: dict[str, str]) -> Path:
             "demo",
         ),
         ("workers/sub/d.py", "from ...producers import cli\n", "on producers"),
-        ("common/e.py", "from workers.settings import WorkerSettings\n", "common must not"),
+        ("common/e.py", "from workers.config.worker import WorkerSettings\n", "common must not"),
         ("common/e.py", "from producers.errors import ClientError\n", "common must not"),
         ("schemas/f.py", "import socket\n", "schemas does no I/O"),
         ("schemas/f.py", "import asyncio\n", "schemas does no I/O"),

@@ -13,10 +13,10 @@ import pytest
 from schemas import ErrorCode
 from schemas.fastpath import FastMeta
 from tests.unit.test_pipeline import POISON, EchoModel
-from workers.handlers import ImageClassifier
-from workers.inference import PIPELINED_SLOTS, SLOTS, Inference
+from workers.handlers.base import ImageClassifier
+from workers.model.inference import PIPELINED_SLOTS, SLOTS, Inference
+from workers.model.runner import ModelRunner
 from workers.offsets import OffsetTracker
-from workers.runner import ModelRunner
 from workers.types import Item, Outcome
 
 _SPAN = OffsetTracker[tuple[str, int]]().open(("t", 0), 0, 10_000, 10_001)
@@ -145,12 +145,12 @@ async def test_a_batch_that_broke_the_device_is_not_answered(
 ) -> None:
     """A failure that leaves the device broken (a sticky CUDA error) is nobody's input's
     fault: the batch gets no answers and no refusals, only ``lost``; others are served."""
-    import workers.inference
+    import workers.model.inference
 
     def broken(device: Any) -> BaseException:
         return RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(workers.inference, "device_error", broken)
+    monkeypatch.setattr(workers.model.inference, "device_error", broken)
     inference = Inference(
         ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
     )
@@ -169,7 +169,7 @@ async def test_a_batch_that_broke_the_device_is_not_answered(
 def test_a_working_device_is_not_reported_broken() -> None:
     import torch
 
-    from workers.inference import device_error
+    from workers.model.inference import device_error
 
     assert device_error(torch.device("cpu")) is None
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from schemas import ContentType, ErrorCode
 from schemas.fastpath import FastMeta
-from workers.inorder import InOrder
+from workers.delivery.inorder import InOrder
 from workers.offsets import OffsetTracker, Span
 from workers.types import BatchTiming, Item, Outcome, Refusal, TopicPartition
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from schemas import consumer_group, topics_for
-from workers.settings import DEFAULT_METRICS_PORT as DEFAULT_PORT
-from workers.settings import WorkerSettings
+from workers.config.worker import DEFAULT_METRICS_PORT as DEFAULT_PORT
+from workers.config.worker import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "compose" / "k8s"

@@ -12,7 +12,7 @@ from aiokafka.record.util import calc_crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.kafka_records import (
+from workers.kafka.records import (
     REPAIRED,
     BatchRecord,
     TolerantMemoryRecords,

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from schemas import topics_for
-from workers.batcher import CloseReason
+from workers.batching.batcher import CloseReason
+from workers.batching.lanes import LaneBatcher, LaneScheduler, LaneSpec, paused_lanes
 from workers.cli import add_arguments, settings_from_args
-from workers.lanes import LaneBatcher, LaneScheduler, LaneSpec, paused_lanes
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import torch
 
 from demo.models.digits import DIGITS_VERSION
 from schemas import DEFAULT_LIMITS, ContentType, Limits
-from workers.handlers import Handler, ImageClassifier
-from workers.loader import ModelLoadError, load_handler
-from workers.runner import ModelRunner
+from workers.handlers.base import Handler, ImageClassifier
+from workers.model.loader import ModelLoadError, load_handler
+from workers.model.runner import ModelRunner
 
 torchscript_is_deprecated = pytest.mark.filterwarnings(
     "ignore:`torch.jit.*` is deprecated:FutureWarning"
@@ -254,7 +254,7 @@ SMALL_DETECTOR = "fasterrcnn_mobilenet_v3_large_320_fpn"
     ],
 )
 def test_detection_specs_pick_their_task_and_labels(arch: str, task: str, labels: int) -> None:
-    from workers.tasks.detection import Detector
+    from workers.handlers.tasks.detection import Detector
 
     handler = load(f"torchvision:{arch}", weights="random")
 
@@ -268,7 +268,7 @@ def test_detection_specs_pick_their_task_and_labels(arch: str, task: str, labels
 
 
 def test_model_options_reach_the_builder_and_the_handler() -> None:
-    from workers.tasks.detection import Detector
+    from workers.handlers.tasks.detection import Detector
 
     handler = load(
         "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn",
@@ -319,7 +319,7 @@ def test_segmentation_spec_with_published_style_weights(tmp_path: Path) -> None:
     """Published DeepLabV3 weights carry an auxiliary classifier: it loads, then is dropped."""
     import torchvision
 
-    from workers.tasks.segmentation import SemanticSegmenter
+    from workers.handlers.tasks.segmentation import SemanticSegmenter
 
     weights = tmp_path / "deeplab.pt"
     model = torchvision.models.get_model(
@@ -335,7 +335,7 @@ def test_segmentation_spec_with_published_style_weights(tmp_path: Path) -> None:
 
 
 def test_embedding_spec_answers_with_the_backbones_features() -> None:
-    from workers.tasks.embedding import ImageEmbedder
+    from workers.handlers.tasks.embedding import ImageEmbedder
 
     handler = load("embedding:resnet18", weights="random")
     assert isinstance(handler, ImageEmbedder)

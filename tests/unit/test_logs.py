@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 
-from workers.logs import configure_logging
+from workers.observe.logs import configure_logging
 
 LOGGER = "conveyor.test"
 

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Status
-from workers.batcher import CloseReason
-from workers.meters import BulkHistogram, RateMeter, drain_seconds
-from workers.metrics import Metrics, cuda_memory_allocated
+from workers.batching.batcher import CloseReason
+from workers.observe.instruments import BulkHistogram, RateMeter, drain_seconds
+from workers.observe.metrics import Metrics, cuda_memory_allocated
 
 MODEL = {"model": "digits"}
 

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode
-from workers.loader import load_handler
-from workers.runner import ModelRunner
+from workers.model.loader import load_handler
+from workers.model.runner import ModelRunner
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 

@@ -21,14 +21,15 @@ import torch
 
 from producers.testing import until
 from schemas import ContentType, DataRef, ErrorCode, Status, decode_result, encode_request
-from workers.admission import CANCELLED, Admission, RequestState
-from workers.answers import Answers
-from workers.batcher import CloseReason
-from workers.claims import Claims, Fault, PayloadStore
-from workers.metrics import Metrics
+from workers.batching.batcher import CloseReason
+from workers.config.worker import WorkerSettings
+from workers.intake.admission import CANCELLED, Admission, RequestState
+from workers.intake.payload_stores import Fault, PayloadStore
+from workers.intake.references import Claims
+from workers.model.runner import ModelRunner
+from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
-from workers.runner import ModelRunner
-from workers.settings import WorkerSettings
+from workers.publish.answers import Answers
 from workers.types import (
     Committed,
     Outbox,
@@ -971,11 +972,11 @@ async def test_a_failed_device_stops_the_worker_with_its_batch_unanswered(
     """The poison's failure left the device broken: the worker stops (DeviceLost, exit
     status 7) instead of answering the batch, or any later one, with errors; the poison's
     offset is not committed, so another member serves it."""
-    import workers.inference
+    import workers.model.inference
     from workers.types import DeviceLost
 
     monkeypatch.setattr(
-        workers.inference, "device_error", lambda device: RuntimeError("CUDA error: lost")
+        workers.model.inference, "device_error", lambda device: RuntimeError("CUDA error: lost")
     )
     source = FakeSource({0: records(0, 40)})
     pipeline, sink = make(source, EchoModel())
@@ -1033,7 +1034,7 @@ async def test_publishes_overlap_up_to_the_setting(in_flight: int) -> None:
 
 
 async def test_a_configuration_error_of_an_overlapping_publish_ends_the_worker() -> None:
-    from workers.publish_errors import PublishConfigError
+    from workers.publish.errors import PublishConfigError
 
     held = HeldSink(fail_with=PublishConfigError("Redis refused this worker's writes"))
     pipeline, _ = make(FakeSource({0: records(0, 40)}), EchoModel(), sink=held)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFilter
 
 from schemas import ContentType, ContractError, ErrorCode
-from workers.preprocess import ImageSpec, decode, decode_image, decode_npy
+from workers.decode.images import ImageSpec, decode, decode_image, decode_npy
 
 RGB_32 = ImageSpec(height=32, width=32, mode="RGB")
 MAX_PIXELS = 40_000_000
@@ -396,7 +396,7 @@ def test_an_unknown_fit_is_refused() -> None:
 
 @pytest.mark.parametrize("mode", ["RGB", "L"])
 def test_decode_full_keeps_the_submitted_size(mode: str) -> None:
-    from workers.preprocess import decode_full
+    from workers.decode.images import decode_full
 
     image = _photo(37, 23, seed=3)
     out = decode_full(encode(image, "PNG"), ContentType.PNG, mode, max_pixels=MAX_PIXELS)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from aiokafka.errors import (
 from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.publish_errors import Failures, PublishConfigError, config_problem, is_outage
+from workers.publish.errors import Failures, PublishConfigError, config_problem, is_outage
 from workers.types import ConfigError
 
 # uvloop's error when redis-py reconnects as Redis goes away (the fault suite's

@@ -10,7 +10,7 @@ from redis.exceptions import AuthenticationError, ClusterDownError, MovedError, 
 from common.redis_cluster import ClusterRouter, Node, check_cluster_url, is_topology_error
 from producers.settings import ClientSettings
 from schemas import result_key
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 # What CLUSTER SLOTS answers for 3 primaries with a replica each (the order of
 # ranges is the server's, not necessarily by slot).

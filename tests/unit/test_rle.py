@@ -1,4 +1,4 @@
-"""COCO RLE of masks (workers.tasks.rle) against pycocotools, the reference implementation.
+"""COCO RLE of masks (workers.handlers.tasks.rle) against pycocotools, the reference implementation.
 
 pycocotools is what readers of Conveyor's masks most likely use (and what Detectron2
 and the COCO evaluation use); byte-for-byte equal strings mean they read our masks.
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from schemas.outputs import Rle, decode_rle_counts, encode_rle_counts
-from workers.tasks.rle import compress_counts, encode_columns, encode_mask, run_lengths
+from workers.handlers.tasks.rle import compress_counts, encode_columns, encode_mask, run_lengths
 
 masks = st.tuples(st.integers(1, 40), st.integers(1, 40)).flatmap(
     lambda shape: arrays(np.bool_, shape)

@@ -10,8 +10,8 @@ import torch
 
 from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
-from workers.handlers import ImageClassifier
-from workers.runner import ModelRunner, resolve_device, static_input
+from workers.handlers.base import ImageClassifier
+from workers.model.runner import ModelRunner, resolve_device, static_input
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 

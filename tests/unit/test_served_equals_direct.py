@@ -47,10 +47,10 @@ from torchvision.transforms.functional import pil_to_tensor, to_tensor
 
 from schemas import DEFAULT_LIMITS, ContentType
 from schemas.outputs import Rle, parse_outputs
-from workers.handlers import Handler
-from workers.loader import load_handler
-from workers.runner import ModelRunner
-from workers.tasks.detection import Detector
+from workers.handlers.base import Handler
+from workers.handlers.tasks.detection import Detector
+from workers.model.loader import load_handler
+from workers.model.runner import ModelRunner
 
 IMAGES = 200
 BATCH = 32

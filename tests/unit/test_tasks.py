@@ -31,13 +31,13 @@ from schemas.outputs import (
     SemanticSegmentationOutput,
     parse_outputs,
 )
-from workers.handlers import Handler
-from workers.loader import IMAGENET_IMAGE
-from workers.runner import ModelRunner
-from workers.tasks.detection import Detector
-from workers.tasks.embedding import ImageEmbedder, remove_head
-from workers.tasks.groups import ShapeKey, group_indices
-from workers.tasks.segmentation import SemanticSegmenter
+from workers.handlers.base import Handler
+from workers.handlers.tasks.detection import Detector
+from workers.handlers.tasks.embedding import ImageEmbedder, remove_head
+from workers.handlers.tasks.groups import ShapeKey, group_indices
+from workers.handlers.tasks.segmentation import SemanticSegmenter
+from workers.model.loader import IMAGENET_IMAGE
+from workers.model.runner import ModelRunner
 
 LABELS = ["background", "cat", "dog", "bird"]
 

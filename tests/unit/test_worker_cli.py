@@ -16,7 +16,7 @@ from pydantic_settings import SettingsError
 
 from producers.cli import build_parser
 from workers import cli, settings_doc
-from workers.settings import WorkerSettings
+from workers.config.worker import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_every_field_is_in_exactly_one_help_section() -> None:
 
 def test_every_field_has_a_description() -> None:
     undescribed = [n for n, f in WorkerSettings.model_fields.items() if not f.description]
-    assert not undescribed, f"describe {undescribed} in workers/settings.py: --help shows it"
+    assert not undescribed, f"describe {undescribed} in workers/config/worker.py: --help shows it"
 
 
 def test_help_is_grouped_in_order(help_text: str) -> None:

@@ -1,0 +1,399 @@
+"""The worker's settings: one frozen object, parsed at the edge (CLI, environment, file).
+
+Every option is a field here and can be set with the matching CLI flag
+(``--max-batch-size 64``), a ``CONVEYOR_<FIELD>`` environment variable
+(``CONVEYOR_MAX_BATCH_SIZE=64``) or a key of the TOML file named by
+``config_file`` (``max_batch_size = 64``), in that order of precedence; defaults
+come last. Values are validated when the worker starts, so a bad setting fails
+fast with a message naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from common.redis_cluster import check_cluster_url
+from common.s3 import S3Settings
+from common.security import ConnectionSecurity
+from schemas import (
+    DEFAULT_LANE,
+    DEFAULT_LIMITS,
+    Limits,
+    topics_for,
+)
+from workers.batching.lanes import LaneSpec, checked_lanes, parse_lanes
+from workers.config.dataref import DatarefSettings
+from workers.config.file import ConfigFileSource
+
+MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
+"""Folder of the demo models' artifacts, read by ``demo.models``. Not a field:
+the loader takes the artifact's path, and this only moves its default."""
+
+DEFAULT_METRICS_HOST = "0.0.0.0"  # probes and scrapers come from outside the container
+# Not 9400: NVIDIA's dcgm-exporter, found on most GPU nodes, listens there.
+DEFAULT_METRICS_PORT = 9406
+"""Port of /metrics, /healthz and /readyz unless ``metrics_port`` says otherwise."""
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_COMMIT_ROOM_MS = 5_000  # time kept after a drain for the commit and the rejoin
+
+
+def _default_worker_id() -> str:
+    """HOSTNAME-PID"""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _default_decode_threads() -> int:
+    """min(8, CPU count)"""
+    return min(8, os.cpu_count() or 1)
+
+
+def _no_lanes() -> tuple[LaneSpec, ...]:
+    """none: the plain request topic alone"""
+    return ()
+
+
+class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettings):
+    """Everything a worker process needs to know, validated once at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_", frozen=True, extra="forbid", env_nested_delimiter="__"
+    )
+
+    # What to serve.
+    model: str = Field(
+        description="model spec: digits | torchvision:ARCH | embedding:ARCH | torchscript:PATH | "
+        "export:PATH | module.path:Class (docs/models.md)"
+    )
+    model_name: str | None = Field(
+        default=None, description="name used in topic names (default: derived from --model)"
+    )
+    weights: str | None = Field(
+        default=None,
+        description="weights file for torchvision models, or 'random' (benchmarks only)",
+    )
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="auto: float16 for torchvision models on CUDA, else float32"
+    )
+    channels_last: bool | None = Field(
+        default=None, description="default: on for torchvision models on CUDA"
+    )
+    model_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="JSON object of model options, e.g. '{\"min_size\": 640}': keyword "
+        "arguments of torchvision's model builder, or of your handler class",
+    )
+    preprocess: Literal["auto", "reference", "fast"] = Field(
+        default="auto",
+        description="how fixed-size image models fit images: reference = torchvision's "
+        "transform (auto for torchvision: and embedding:), fast = one resampling pass",
+    )
+    decode: Literal["auto", "cpu", "gpu", "gpu-hw"] = Field(
+        default="auto",
+        description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
+        "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
+    )
+    compile: bool = Field(default=False, description="torch.compile the model")
+    cuda_graphs: bool | None = Field(
+        default=None,
+        description="replay the forward as CUDA graphs, one per batch-size bucket, recorded "
+        "at start (default: on for CUDA devices; with --compile they record the compiled "
+        "forward)",
+    )
+    cuda_sync: Literal["auto", "spin", "yield", "block"] = Field(
+        default="block",
+        description="how threads wait for the GPU: block = sleep until it signals, spin = "
+        "hold a core, yield = spin but give the core up between checks, auto = CUDA's "
+        "choice (spin on machines with more cores than contexts)",
+    )
+    allow_pickle_models: bool = Field(
+        default=False,
+        description="allow model files that are unpickled on load (torch.export archives)",
+    )
+
+    # Batching.
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    """most requests in one batch (one forward pass)"""
+    max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
+    """longest the oldest request of a batch waits for the batch to fill"""
+    stage_batches: int | None = Field(default=None, ge=1)
+    """batches in the model stage at once, running ones included (default: 4 on a GPU, 2 on CPU)"""
+    stage_partial_batches: int | None = Field(default=None, ge=1)
+    """while this many are in the stage, only a full batch may join them (default: 2)"""
+    max_in_flight: int = Field(
+        default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
+    )
+    in_flight_target_ms: int = Field(
+        default=2_000,
+        ge=10,
+        description="fetch ahead at most this much model time (measured per item), so that "
+        "a revoked partition drains in about this long; never less than two batches",
+    )
+    max_age_ms: int | None = Field(
+        default=None,
+        ge=1,
+        description="answer 'expired' for requests older than this (record timestamp), if set",
+    )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto",
+        description="auto: uvloop when it is installed (the worker extra has it), else asyncio",
+    )
+    switch_interval_ms: float = Field(
+        default=0.5,
+        gt=0,
+        le=100,
+        description="longest a thread running Python keeps the GIL while another waits for it "
+        "(sys.setswitchinterval; Python's default is 5): short keeps the event loop's fetches "
+        "and publishes prompt beside the decode and model threads",
+    )
+    decode_threads: int = Field(default_factory=_default_decode_threads, ge=1, le=256)
+    """threads that decode and preprocess payloads on the CPU"""
+    lanes: Annotated[tuple[LaneSpec, ...], NoDecode] = Field(
+        default_factory=_no_lanes,
+        description="priority lanes, highest first, as NAME[:WEIGHT],... (e.g. high:8): lane "
+        "NAME reads topic <prefix>.<model>.requests.NAME, and 'default' (weight 1, last unless "
+        "listed) the plain request topic. The highest lane with work is served first; while "
+        "lanes compete, each gets at least WEIGHT/(sum of weights) of the batches",
+    )
+    supersede_frames: bool = Field(
+        default=False,
+        description="freshest-frame mode for requests with ce_stream and no ce_supersede "
+        "header: an older frame still waiting when a newer frame of its stream arrives is "
+        "answered 'superseded' without running the model",
+    )
+    delivery: Literal["at-least-once", "exactly-once"] = Field(
+        default="at-least-once",
+        description="exactly-once: results, dead letters and consumed offsets of each request "
+        "partition go in one Kafka transaction per publish, so a read_committed reader of the "
+        "reply topic sees each request once (docs/reliability.md)",
+    )
+    publishes_in_flight: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="at-least-once: publish calls in progress at once; while one waits for "
+        "the broker's acknowledgements the next writes to Redis (1: one after another; "
+        "exactly-once publishes one at a time)",
+    )
+    transaction_timeout_ms: int = Field(
+        default=60_000,
+        ge=1_000,
+        le=900_000,
+        description="exactly-once: the broker aborts a transaction open this long (a worker "
+        "that died without a successor), unblocking read_committed readers",
+    )
+    decode_memory_mb: int = Field(
+        default=1024,
+        ge=16,
+        description="bound on the memory of images being decoded at once, over all decode "
+        "threads; a request waits for room, it is never dropped",
+    )
+
+    # Where.
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, host:port[,host:port...]"""
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """redis://, rediss:// (TLS) or unix:// URL; may hold a password, which is never logged"""
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster: results are routed by hash slot",
+    )
+    redis_replica_acks: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Redis Cluster: replicas that must hold a batch's results (WAIT) before "
+        "they count as written; 0 trusts the primary alone",
+    )
+    topic_prefix: str = "conveyor"
+    """topics are PREFIX.MODEL.requests, .results and .dlq; the group is PREFIX.MODEL"""
+    result_ttl_s: int = Field(default=86_400, ge=1, description="lifetime of a result in Redis")
+    # A slow batch must not get the worker thrown out of its group: aiokafka sends
+    # heartbeats from a background task, and max.poll.interval bounds the time
+    # between two fetches, which backpressure keeps short.
+    session_timeout_ms: int = Field(
+        default=10_000,
+        ge=1_000,
+        description="the group evicts a worker whose heartbeats stop for this long",
+    )
+    max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+    """longest time between two fetches before the group gives this worker's partitions away"""
+    # On a rebalance, every member drains and commits its revoked partitions before it
+    # rejoins; the broker waits rebalance_timeout_ms for that, so the drain is bounded
+    # well inside it (max_drain_ms) and evicted members never turn a join into a storm.
+    rebalance_timeout_ms: int = Field(
+        default=60_000,
+        ge=1_000,
+        description="how long the group waits for members to drain and rejoin on a rebalance",
+    )
+    max_drain_ms: int = Field(
+        default=20_000,
+        ge=100,
+        description="longest wait for a revoked partition's in-flight work before handing "
+        "it back uncommitted (must leave rebalance-timeout room to commit)",
+    )
+    permanent_error_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="how long a configuration error (missing topic, refused ACL) may keep "
+        "results from becoming durable before the worker exits with status 3",
+    )
+    unready_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="/readyz fails once results have not become durable for this long",
+    )
+    group_instance_id: str | None = Field(
+        default=None,
+        description="static group membership (e.g. the pod name): a restart within the "
+        "session timeout takes its partitions back without a rebalance",
+    )
+    fetch_buffers: bool = True
+    """read fetch responses with one copy per frame, into memory kept (kafka.fetch_buffers)"""
+
+    # Cancellation and status (docs/contract.md); payloads by reference: DatarefSettings.
+    cancellation: bool = Field(
+        default=False,
+        description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
+        "when their batch is about to run (one Redis call per batch)",
+    )
+    track_status: bool = Field(
+        default=False,
+        description="mark requests running in Redis (conveyor:status:{ID}) when their batch "
+        "starts and count attempts in results (one Redis call per batch)",
+    )
+
+    worker_id: str = Field(default_factory=_default_worker_id)
+    """this worker's name in results, logs and Kafka client ids (e.g. the pod name)"""
+    limits: Limits = DEFAULT_LIMITS
+    """limits every request is checked against (the contract's by default)"""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """least severe log level written"""
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text for people, json (one object per line) for collectors"
+    )
+
+    # Operations: /metrics, /healthz and /readyz on one HTTP port.
+    metrics_host: str = Field(
+        default=DEFAULT_METRICS_HOST, description="address of the metrics port"
+    )
+    metrics_port: int = Field(
+        default=DEFAULT_METRICS_PORT,
+        ge=0,
+        le=65535,
+        description="port of /metrics, /healthz and /readyz (0: any free port)",
+    )
+
+    @field_validator("model_options", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"must be a JSON object: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"must be a JSON object, not {type(parsed).__name__}")
+        return parsed
+
+    # Where the other settings may also come from.
+    config_file: Path | None = Field(
+        default=None,
+        description="TOML file of settings, keys named as the flags with underscores "
+        "(max_batch_size = 64, a [limits] table); flags and CONVEYOR_* variables win over it",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: flags (the CLI passes them as keyword arguments), CONVEYOR_*
+        # variables, the config file. No .env file or secrets folder is read.
+        return (
+            init_settings,
+            env_settings,
+            ConfigFileSource(settings_cls, init_settings, env_settings),
+        )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}")
+        return value
+
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _read_lanes(cls, value: Any) -> Any:
+        return parse_lanes(value)
+
+    @field_validator("lanes")
+    @classmethod
+    def _check_lanes(cls, lanes: tuple[LaneSpec, ...]) -> tuple[LaneSpec, ...]:
+        return checked_lanes(lanes)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> WorkerSettings:
+        topics = topics_for(self.served_name, self.topic_prefix)  # ValueError naming the part
+        for lane in self.lanes:
+            topics.lane(lane.name)  # ValueError naming a bad lane name
+        self.check_redis_url(self.redis_url)
+        return self
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> WorkerSettings:
+        if self.redis_cluster:
+            check_cluster_url(self.redis_url.get_secret_value())
+        elif self.redis_replica_acks:
+            raise ValueError(
+                "redis_replica_acks needs redis_cluster: on a standalone Redis, results are "
+                "written without waiting for replicas"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_drain(self) -> WorkerSettings:
+        if self.max_drain_ms + _COMMIT_ROOM_MS > self.rebalance_timeout_ms:
+            raise ValueError(
+                f"max_drain_ms ({self.max_drain_ms}) must be at least {_COMMIT_ROOM_MS} ms "
+                f"below rebalance_timeout_ms ({self.rebalance_timeout_ms}), so a drained "
+                "partition is committed before the group gives up on this worker"
+            )
+        return self
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in topic names: --model-name, else the last part of the spec."""
+        if self.model_name:
+            return self.model_name
+        tail = re.split(r"[:/]", self.model)[-1]
+        return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
+
+    @property
+    def request_lanes(self) -> tuple[LaneSpec, ...]:
+        """Every lane served, highest first; without ``lanes``, the default lane alone."""
+        return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)

@@ -1,0 +1,125 @@
+"""At start-up: the model's topics exist, and what the worker must know about them.
+
+A worker whose results or dead-letter topic is missing could only stall (with
+automatic topic creation off, as it should be, every send waits for a topic
+that never comes), so ``check_topics`` finds out first and says which topics
+are missing and how to create them. It also reads each topic's partition count
+and ``max.message.bytes``, the largest record batch the broker accepts there:
+result documents and dead-letter copies are sized against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
+
+from common.security import kafka_options
+from schemas import DEFAULT_LANE, ModelTopics
+from workers.config.worker import WorkerSettings
+from workers.types import ConfigError
+
+__all__ = ["TopicFacts", "TopicProblem", "check_topics"]
+
+_UNKNOWN_TOPIC = 3
+_TOPIC_AUTHORIZATION_FAILED = 29
+_MAX_MESSAGE_BYTES = "max.message.bytes"
+_KAFKA_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588  # the broker's message.max.bytes default
+_TIMEOUT_MS = 10_000
+
+
+class TopicProblem(ConfigError):
+    """The model's topics are missing or not ours to use: a configuration error that
+    retrying does not fix. The message names the topics and what to do."""
+
+
+@dataclass(frozen=True)
+class TopicFacts:
+    """Partitions and the largest accepted record batch (bytes), per topic."""
+
+    partitions: dict[str, int]
+    max_message_bytes: dict[str, int]
+
+
+async def check_topics(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
+    """Describe the request topics (one per priority lane), results and dead-letter
+    topics of ``topics``.
+
+    Raises ``TopicProblem`` when any is missing or unauthorized, ``KafkaError`` or
+    ``OSError`` when Kafka cannot be asked.
+    """
+    lanes = [topics.lane(lane.name) for lane in settings.request_lanes]
+    names = [*lanes, topics.results, topics.dlq]
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=settings.kafka_bootstrap,
+        client_id=f"{settings.worker_id}-admin",
+        request_timeout_ms=_TIMEOUT_MS,
+        **kafka_options(settings),
+    )
+    await admin.start()
+    try:
+        described = await admin.describe_topics(names)
+        partitions = _partitions(described, names, settings)
+        configs = await admin.describe_configs(
+            [
+                ConfigResource(ConfigResourceType.TOPIC, name, {_MAX_MESSAGE_BYTES: None})
+                for name in names
+            ]
+        )
+    finally:
+        await admin.close()
+    return TopicFacts(partitions, _max_message_bytes(configs))
+
+
+def _partitions(
+    described: Sequence[dict[str, object]], names: Sequence[str], settings: WorkerSettings
+) -> dict[str, int]:
+    missing, forbidden, counts = [], [], {}
+    for topic in described:
+        name, code = str(topic["topic"]), topic["error_code"]
+        if code == _UNKNOWN_TOPIC:
+            missing.append(name)
+        elif code == _TOPIC_AUTHORIZATION_FAILED:
+            forbidden.append(name)
+        elif code != 0:
+            raise KafkaError(f"describing topic {name} failed with Kafka error {code}")
+        else:
+            counts[name] = len(topic["partitions"])  # type: ignore[arg-type]
+    problems = []
+    if missing:
+        problems.append(
+            f"topics {', '.join(sorted(missing))} do not exist on {settings.kafka_bootstrap}; "
+            f"create them with `conveyor topics create --model {settings.served_name}"
+            f"{_lanes_flag(settings)}` (add --partitions N for N workers)"
+        )
+    if forbidden:
+        problems.append(
+            f"this worker's Kafka principal may not use topics {', '.join(sorted(forbidden))}; "
+            "grant it the ACLs in docs/security.md"
+        )
+    if problems:
+        raise TopicProblem("; ".join(problems))
+    return {name: counts[name] for name in names}
+
+
+def _lanes_flag(settings: WorkerSettings) -> str:
+    names = [lane.name for lane in settings.lanes if lane.name != DEFAULT_LANE]
+    return f" --lanes {','.join(names)}" if names else ""
+
+
+def _max_message_bytes(responses: Sequence[object]) -> dict[str, int]:
+    limits: dict[str, int] = {}
+    for response in responses:
+        for resource in response.to_object()["resources"]:  # type: ignore[attr-defined]
+            for entry in resource["config_entries"]:
+                if entry["config_names"] == _MAX_MESSAGE_BYTES:
+                    limits[resource["resource_name"]] = int(entry["config_value"])
+    return limits
+
+
+def max_message_bytes(facts: TopicFacts, topic: str) -> int:
+    """The topic's limit; Kafka's default when it could not be read (no DescribeConfigs ACL)."""
+    return facts.max_message_bytes.get(topic, _KAFKA_DEFAULT_MAX_MESSAGE_BYTES)
