@@ -29,7 +29,7 @@ help:
 	@echo "make demo-video  install, up, detect digits in a synthetic video streamed frame by frame"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
-	@echo "make lint     ruff (lint + format check) and mypy --strict, tests and benches included"
+	@echo "make lint     ruff (lint + format check), mypy --strict and vulture (unused code), tests and benches included"
 	@echo "make settings-doc  regenerate docs/settings.md from workers/config/worker.py"
 	@echo "make clean    remove the venv, caches and local service data"
 
@@ -76,6 +76,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/vulture
 
 format: install
 	$(VENV)/bin/ruff format .

@@ -73,7 +73,6 @@ class Inference:
         self._on_done = on_done
         if pipelined is None:
             pipelined = runner.device.type == "cuda"
-        self._pipelined = pipelined
         self._thread = ThreadPoolExecutor(1, "conveyor-model")
         self._prepare_thread = ThreadPoolExecutor(1, "conveyor-prepare") if pipelined else None
         self._finish_thread = ThreadPoolExecutor(1, "conveyor-finish") if pipelined else None
