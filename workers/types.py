@@ -109,6 +109,32 @@ class Refusal:
     batch: BatchTiming | None = None  # set when the model ran on it (model failures)
     attempt: int = 1
 
+    @classmethod
+    def of(
+        cls,
+        item: Item,
+        code: ErrorCode,
+        message: str,
+        field: str | None = None,
+        *,
+        dead_letter: bool = True,
+    ) -> Refusal:
+        """The refusal of a parsed request: its id, reply topic, trace and attempt kept."""
+        meta = item.meta
+        return cls(
+            item.record,
+            item.span,
+            code,
+            message,
+            field,
+            meta.id,
+            item.received_ms,
+            reply_to=meta.reply_to,
+            traceparent=meta.traceparent,
+            dead_letter=dead_letter,
+            attempt=item.attempt,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class BatchTiming:

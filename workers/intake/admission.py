@@ -208,16 +208,9 @@ class Admission:
 
 
 def _cancelled(item: Item) -> Refusal:
-    meta = item.meta
-    return Refusal(
-        item.record,
-        item.span,
+    return Refusal.of(
+        item,
         ErrorCode.cancelled,
         "cancelled before it ran (its conveyor:cancel key was set)",
-        None,
-        meta.id,
-        item.received_ms,
-        reply_to=meta.reply_to,
-        traceparent=meta.traceparent,
         dead_letter=False,
     )

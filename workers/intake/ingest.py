@@ -105,14 +105,14 @@ class Ingest:
                     exc,
                     extra={"request_id": meta.id},
                 )
-                refused.append(_refusal(item, exc.code, str(exc), exc.field))
+                refused.append(Refusal.of(item, exc.code, str(exc), exc.field))
                 continue
             except Exception as exc:  # a handler bug fails this record, never the worker
                 log.exception(
                     "preprocess failed on request %s", meta.id, extra={"request_id": meta.id}
                 )
                 message = f"the model's preprocess failed on this input: {exc!r}"
-                refused.append(_refusal(item, ErrorCode.model_error, message, None))
+                refused.append(Refusal.of(item, ErrorCode.model_error, message))
                 continue
             ready.append(item)
         return ready, refused
@@ -178,21 +178,6 @@ def _from_meta(meta: RequestMeta) -> FastMeta:
         meta.traceparent,
         meta.supersede,
         meta.dataref,
-    )
-
-
-def _refusal(item: Item, code: ErrorCode, message: str, field: str | None) -> Refusal:
-    meta = item.meta
-    return Refusal(
-        item.record,
-        item.span,
-        code,
-        message,
-        field,
-        meta.id,
-        item.received_ms,
-        reply_to=meta.reply_to,
-        traceparent=meta.traceparent,
     )
 
 

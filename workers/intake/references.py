@@ -343,16 +343,11 @@ def _refusal(item: Item, fault: Fault) -> Refusal:
             fault.message,
             extra={"request_id": meta.id},
         )
-    return Refusal(
-        item.record,
-        item.span,
+    # Nothing is wrong with a record whose payload outlived its keep: no dead letter.
+    return Refusal.of(
+        item,
         fault.code,
         fault.message,
         "ce_dataref",
-        meta.id,
-        item.received_ms,
-        reply_to=meta.reply_to,
-        traceparent=meta.traceparent,
-        # Nothing is wrong with a record whose payload outlived its keep: no dead letter.
         dead_letter=fault.code is not ErrorCode.dataref_expired,
     )

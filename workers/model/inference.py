@@ -211,7 +211,9 @@ class Inference:
         except Exception as exc:  # a bug in this stage must not lose the batch
             log.exception("inference stage failed on a batch of %d", len(items))
             return Outcome(
-                refused=[_refuse(i, ErrorCode.internal, f"worker failed: {exc!r}") for i in items]
+                refused=[
+                    Refusal.of(i, ErrorCode.internal, f"worker failed: {exc!r}") for i in items
+                ]
             )
 
     def _run(self, items: list[Item]) -> Outcome:
@@ -229,7 +231,7 @@ class Inference:
         answered, answers = [], []
         for item, output in zip(items, outputs, strict=True):
             if isinstance(output, _Failure):
-                refusal = _refuse(item, output.code, output.message)
+                refusal = Refusal.of(item, output.code, output.message)
                 refusal.batch = timing
                 refused.append(refusal)
             else:
@@ -309,40 +311,20 @@ def _live(items: list[Item]) -> tuple[list[Item], list[Refusal]]:
     ]
 
 
-def _refuse(item: Item, code: ErrorCode, message: str) -> Refusal:
-    meta = item.meta
-    return Refusal(
-        item.record,
-        item.span,
-        code,
-        message,
-        None,
-        meta.id,
-        item.received_ms,
-        reply_to=meta.reply_to,
-        traceparent=meta.traceparent,
-        attempt=item.attempt,
-    )
-
-
 def expired_refusal(item: Item) -> Refusal:
     """The deadline passed before the model ran: ``expired``, no dead letter."""
     deadline = item.meta.deadline
     when = deadline.isoformat() if deadline is not None else "(max age)"
-    refusal = _refuse(item, ErrorCode.expired, f"deadline {when} passed before inference")
-    refusal.dead_letter = False
-    return refusal
+    message = f"deadline {when} passed before inference"
+    return Refusal.of(item, ErrorCode.expired, message, dead_letter=False)
 
 
 def superseded_refusal(item: Item) -> Refusal:
     """A newer frame of the item's stream was waiting: ``superseded``, no dead letter."""
     meta = item.meta
     frame = "a frame" if meta.seq is None else f"frame {meta.seq}"
-    refusal = _refuse(
-        item,
-        ErrorCode.superseded,
+    message = (
         f"{frame} of stream {meta.stream} was superseded by a newer frame of the stream "
-        "before inference (freshest-frame mode)",
+        "before inference (freshest-frame mode)"
     )
-    refusal.dead_letter = False
-    return refusal
+    return Refusal.of(item, ErrorCode.superseded, message, dead_letter=False)
