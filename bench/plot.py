@@ -169,25 +169,32 @@ class Timeline:
 _TIMELINE_W, _TIMELINE_H = 1000, 230
 
 
-def draw_timelines(charts: Sequence[Timeline], path: Path, title: str = "") -> None:
-    """Write ``charts`` one under another as one PNG, sharing the time axis of the first."""
+def draw_timelines(
+    charts: Sequence[Timeline], path: Path, title: str = "", columns: int = 1
+) -> None:
+    """Write ``charts`` as one PNG, ``columns`` side by side, then row under row, all on the
+    time axis of the longest."""
     top = 40 if title else 0
-    image = Image.new("RGB", (_TIMELINE_W, len(charts) * _TIMELINE_H + top), "white")
+    rows = math.ceil(len(charts) / columns)
+    image = Image.new("RGB", (columns * _TIMELINE_W, rows * _TIMELINE_H + top), "white")
     draw = ImageDraw.Draw(image)
     if title:
         draw.text((12, 10), title, fill=_AXIS, font=_font(18))
     span = max((max(c.times, default=0.0) for c in charts), default=0.0) or 1.0
     for n, chart in enumerate(charts):
-        _draw_timeline(draw, chart, top + n * _TIMELINE_H, span)
+        row, column = divmod(n, columns)
+        _draw_timeline(draw, chart, column * _TIMELINE_W, top + row * _TIMELINE_H, span)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
 
-def _draw_timeline(draw: ImageDraw.ImageDraw, chart: Timeline, y0: int, span: float) -> None:
+def _draw_timeline(
+    draw: ImageDraw.ImageDraw, chart: Timeline, x0: int, y0: int, span: float
+) -> None:
     small = _font(11)
-    box = (_MARGIN_L, y0 + 34, _TIMELINE_W - 150, y0 + _TIMELINE_H - 34)  # left, top, right, bottom
+    box = (x0 + _MARGIN_L, y0 + 34, x0 + _TIMELINE_W - 150, y0 + _TIMELINE_H - 34)
     left, top, right, bottom = box
-    draw.text((12, y0 + 8), chart.title, fill=_AXIS, font=_font(15))
+    draw.text((x0 + 12, y0 + 8), chart.title, fill=_AXIS, font=_font(15))
     finite = [v for ys in chart.series.values() for v in ys if math.isfinite(v)]
     finite += [line.value for line in chart.lines if math.isfinite(line.value)]
     y_max = 4 * _nice_step(max(finite, default=1.0) * 1.1 / 4)

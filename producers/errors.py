@@ -72,6 +72,20 @@ class ServiceUnavailable(ClientError):
     retriable: ClassVar[bool] = True
 
 
+class SourceLost(ServiceUnavailable):
+    """A live video source dropped and could not be reopened within its reconnection window."""
+
+    def __init__(self, source: str, after_seq: int, reason: str, reconnect_for: float) -> None:
+        super().__init__(
+            f"live source {source} dropped after frame {after_seq} ({reason}) and could not "
+            f"be reopened within {reconnect_for:g} s: check the camera or the stream's server, "
+            "or give it longer with --reconnect-for"
+        )
+        self.source = source
+        self.after_seq = after_seq
+        self.reason = reason
+
+
 class ResultTimeout(ClientError, TimeoutError):
     """No result arrived in time. ``request_ids`` are the ones still pending."""
 

@@ -26,6 +26,7 @@ import orjson
 from schemas.dataref import DataRef
 from schemas.errors import ContractError, ErrorCode
 from schemas.headers import (
+    CAPTURETIME_H,
     CONTENT_TYPE_H,
     DATAEXPIRES_H,
     DATAREF_H,
@@ -145,7 +146,9 @@ def _with_optional(
     if DATAREF_H in found or DATAEXPIRES_H in found:
         return None  # payload by reference: rare, and its value rules differ
     try:
-        read_time(found, TIME_H, limits)  # checked, not kept: workers do not use ce_time
+        # Checked, not kept: workers use neither ce_time nor ce_capturetime.
+        read_time(found, TIME_H, limits)
+        read_time(found, CAPTURETIME_H, limits)
         deadline = read_time(found, DEADLINE_H, limits)
         reply_to = read_reply_to(found, limits)
         params = read_params(found, limits) if PARAMS_H in found else _NO_PARAMS

@@ -33,6 +33,7 @@ class Header(StrEnum):
     TYPE = "ce_type"
     SOURCE = "ce_source"
     TIME = "ce_time"
+    CAPTURETIME = "ce_capturetime"
     CONTENT_TYPE = "content-type"
     DEADLINE = "ce_deadline"
     REPLYTO = "ce_replyto"
@@ -62,6 +63,7 @@ ID_H = Header.ID.value
 TYPE_H = Header.TYPE.value
 SOURCE_H = Header.SOURCE.value
 TIME_H = Header.TIME.value
+CAPTURETIME_H = Header.CAPTURETIME.value
 CONTENT_TYPE_H = Header.CONTENT_TYPE.value
 DEADLINE_H = Header.DEADLINE.value
 REPLYTO_H = Header.REPLYTO.value

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from schemas.dataref import DataRef
 from schemas.errors import ContractError, ErrorCode
 from schemas.headers import (
+    CAPTURETIME_H,
     CONTENT_TYPE_H,
     DATAEXPIRES_H,
     DATAREF_H,
@@ -90,6 +91,9 @@ class RequestMeta(BaseModel, frozen=True):
     """``ce_source``: who sent the request (free text, for tracing)."""
     time: datetime | None = None
     """``ce_time`` in UTC, when the producer sent it."""
+    capture_time: datetime | None = None
+    """``ce_capturetime`` in UTC, when the payload was captured (a video frame: when the
+    camera took it, or when the producer received it from the camera)."""
     content_type: ContentType
     """``content-type`` of the payload, without parameters."""
     deadline: datetime | None = None
@@ -196,6 +200,7 @@ def encode_request(
     supersede: bool | None = None,
     traceparent: str | None = None,
     time: datetime | None = None,
+    capture_time: datetime | None = None,
     dataref: str | None = None,
     dataexpires: datetime | None = None,
     limits: Limits = DEFAULT_LIMITS,
@@ -216,10 +221,9 @@ def encode_request(
         (SOURCE_H, _utf8(source)),
         (CONTENT_TYPE_H, _utf8(str(content_type))),
     ]
-    if time is not None:
-        headers.append((TIME_H, _format_time(TIME_H, time)))
-    if deadline is not None:
-        headers.append((DEADLINE_H, _format_time(DEADLINE_H, deadline)))
+    for name, moment in ((TIME_H, time), (CAPTURETIME_H, capture_time), (DEADLINE_H, deadline)):
+        if moment is not None:
+            headers.append((name, _format_time(name, moment)))
     if reply_to is not None:
         headers.append((REPLYTO_H, _utf8(reply_to)))
     if params:
@@ -266,6 +270,7 @@ def _decode_meta(
         "type": REQUEST_TYPE,
         "source": source,
         "time": None,
+        "capture_time": None,
         "content_type": content_type,
         "deadline": None,
         "reply_to": None,
@@ -287,6 +292,7 @@ def _read_optional(
     found: Mapping[str, bytes | None], fields: dict[str, Any], limits: Limits
 ) -> None:
     fields["time"] = read_time(found, TIME_H, limits)
+    fields["capture_time"] = read_time(found, CAPTURETIME_H, limits)
     fields["deadline"] = read_time(found, DEADLINE_H, limits)
     fields["reply_to"] = read_reply_to(found, limits)
     fields["params"] = read_params(found, limits)

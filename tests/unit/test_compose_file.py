@@ -2,8 +2,9 @@
 
 Docker does not run where the tests run, so these read the file itself: the
 services, Kafka's KRaft settings, a worker that `--scale worker=N` can multiply,
-configuration through CONVEYOR_* variables only, start-up ordered by health, and
-a Prometheus that scrapes every worker replica.
+configuration through CONVEYOR_* variables only, start-up ordered by health,
+a Prometheus that scrapes every worker replica, and a Grafana with the workers'
+dashboard over it (the dashboard itself: tests/unit/test_grafana_dashboard.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _listeners(value: str) -> dict[str, str]:
 
 
 def test_services(services: dict[str, Any]) -> None:
-    assert {"kafka", "redis", "worker"} <= services.keys()
+    assert {"kafka", "redis", "worker", "prometheus", "grafana"} <= services.keys()
     assert services["kafka"]["image"] == "apache/kafka:4.1.1"
     assert services["redis"]["image"] == "redis:7"
 
@@ -156,3 +157,18 @@ def test_prometheus_scrapes_every_worker_replica(services: dict[str, Any]) -> No
     assert discovery["type"] == "A"
     assert discovery["port"] == DEFAULT_PORT
     assert "static_configs" not in job  # a fixed target list would miss scaled replicas
+
+
+def test_grafana_shows_the_dashboard_over_prometheus(services: dict[str, Any]) -> None:
+    grafana = services["grafana"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])  # pinned
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]  # loopback: anonymous viewers only
+    assert "prometheus" in grafana["depends_on"]
+    env = _env(grafana)
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    assert all(v.endswith(":ro") for v in grafana["volumes"])
+    home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    folder, _, name = home.rpartition("/")
+    assert (COMPOSE_DIR / mounts[folder] / name).is_file()
+    assert (COMPOSE_DIR / mounts["/etc/grafana/provisioning"] / "datasources").is_dir()

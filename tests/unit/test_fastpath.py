@@ -40,6 +40,7 @@ from tests.unit.test_schemas_properties import (
 
 OPTIONAL = [
     "ce_time",
+    "ce_capturetime",
     "ce_deadline",
     "ce_replyto",
     "ce_params",
@@ -104,6 +105,7 @@ def test_fast_parse_accepts_nothing_the_decoder_refuses(
     params=params,
     deadline=st.none() | aware_datetimes,
     time=st.none() | aware_datetimes,
+    capture_time=st.none() | aware_datetimes,
     reply_to=st.none() | topics,
     stream=st.none() | ids,
     seq=st.integers(min_value=0, max_value=2**63 - 1),
@@ -118,6 +120,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
     params: dict[str, Any],
     deadline: datetime | None,
     time: datetime | None,
+    capture_time: datetime | None,
     reply_to: str | None,
     stream: str | None,
     seq: int,
@@ -132,6 +135,7 @@ def test_fast_parse_takes_every_record_the_sdk_writes(
         params=params,
         deadline=deadline,
         time=time,
+        capture_time=capture_time,
         reply_to=reply_to,
         stream=stream,
         seq=seq if stream is not None else None,

@@ -69,12 +69,14 @@ def test_minimal_request_decodes_without_copying_the_payload() -> None:
     assert meta.params == {}
     assert meta.time is meta.deadline is meta.reply_to is meta.stream is meta.seq is None
     assert meta.supersede is None
+    assert meta.capture_time is None
 
 
 def test_all_optional_headers_decode() -> None:
     request = decode(
         headers(
             ce_time="2025-01-31T12:00:00.5Z",
+            ce_capturetime="2025-01-31T12:59:59.96+01:00",
             ce_deadline="2025-01-31t13:00:00.1234567+01:00",
             ce_replyto="my.replies",
             ce_params='{"top_k": 5, "labels": ["a"]}',
@@ -86,6 +88,7 @@ def test_all_optional_headers_decode() -> None:
     )
     meta = request.meta
     assert meta.time == datetime(2025, 1, 31, 12, 0, 0, 500000, tzinfo=UTC)
+    assert meta.capture_time == datetime(2025, 1, 31, 11, 59, 59, 960000, tzinfo=UTC)
     # Converted to UTC; digits past microseconds are dropped.
     assert meta.deadline == datetime(2025, 1, 31, 12, 0, 0, 123456, tzinfo=UTC)
     assert meta.deadline is not None
@@ -137,6 +140,8 @@ WITH_ID = [
     (headers(content_type=UNSET), ErrorCode.bad_request, "content-type"),
     (headers(content_type="image/gif"), ErrorCode.unsupported_media_type, "content-type"),
     (headers(ce_time="2025-01-31"), ErrorCode.bad_request, "ce_time"),
+    (headers(ce_capturetime="1738324800"), ErrorCode.bad_request, "ce_capturetime"),
+    (headers(ce_capturetime=None), ErrorCode.bad_request, "ce_capturetime"),
     (headers(ce_deadline="2025-01-31T12:00:00"), ErrorCode.bad_request, "ce_deadline"),
     (headers(ce_deadline="20250131T120000Z"), ErrorCode.bad_request, "ce_deadline"),
     (headers(ce_deadline="2025-02-30T12:00:00Z"), ErrorCode.bad_request, "ce_deadline"),
@@ -287,6 +292,7 @@ def test_encode_builds_the_documented_record() -> None:
         stream="cam-1",
         seq=7,
         traceparent=TRACEPARENT,
+        capture_time=datetime(2025, 1, 31, 11, 59, 59, 960000, tzinfo=UTC),
     )
     assert record.key == b"cam-1"
     assert record.value is PAYLOAD
@@ -296,6 +302,7 @@ def test_encode_builds_the_documented_record() -> None:
         ("ce_type", b"conveyor.request.v1"),
         ("ce_source", b"svc"),
         ("content-type", b"image/jpeg"),
+        ("ce_capturetime", b"2025-01-31T11:59:59.960000Z"),
         ("ce_deadline", b"2025-01-31T12:00:00Z"),
         ("ce_params", b'{"top_k":5}'),
         ("ce_stream", b"cam-1"),
@@ -317,6 +324,7 @@ def test_encode_builds_the_documented_record() -> None:
         ({"content_type": "image/gif"}, "content-type"),
         ({"deadline": datetime(2025, 1, 1)}, "ce_deadline"),
         ({"time": datetime.min.replace(tzinfo=timezone(timedelta(hours=1)))}, "ce_time"),
+        ({"capture_time": datetime(2025, 1, 31, 12)}, "ce_capturetime"),
         ({"params": {"f": object()}}, "ce_params"),
         ({"params": {"big": 2**64}}, "ce_params"),
         ({"seq": 1}, "ce_seq"),

@@ -1,14 +1,19 @@
-"""Reading video files into frames to send, and the ``conveyor stream`` arguments.
+"""Reading video files and live sources into frames to send, and the ``conveyor stream``
+arguments.
 
-Videos are written by the tests themselves with PyAV, so nothing is fetched.
+Videos are written by the tests themselves with PyAV, so nothing is fetched; the
+live source is ``tests.live_video.LiveVideoServer``, an HTTP server on loopback.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
+import threading
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,7 +23,18 @@ import pytest
 from PIL import Image
 
 from producers.errors import InvalidInput
-from producers.video import VideoSource, add_stream_command
+from producers.testing import free_port
+from producers.video import (
+    LiveSource,
+    Pacer,
+    SourceLost,
+    VideoSource,
+    add_stream_command,
+    is_live,
+)
+from producers.video.command import open_source
+from producers.video.live import without_password
+from tests.live_video import LiveVideoServer
 
 _MS = Fraction(1, 1000)
 
@@ -160,7 +176,7 @@ def test_stream_command_reads_its_options() -> None:
     argv = "stream v.mp4 --model digits --stream-id cam1 --fps 30000/1001 --max-frames 5"
     args = parser().parse_args([*argv.split(), "--jpeg-quality=70", "--size=224x160", "--wait"])
 
-    assert (args.source, args.model, args.stream_id) == (Path("v.mp4"), "digits", "cam1")
+    assert (args.source, args.model, args.stream_id) == ("v.mp4", "digits", "cam1")
     assert args.fps == Fraction(30000, 1001)
     assert (args.max_frames, args.jpeg_quality, args.size, args.wait) == (5, 70, (224, 160), True)
 
@@ -184,3 +200,177 @@ def test_stream_command_refuses_bad_options(
 
     assert exit_info.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def test_stream_command_reads_the_live_options() -> None:
+    argv = "stream rtsp://cam/1 --model m --stream-id s --reconnect-for 2.5"
+    args = parser().parse_args(
+        [*argv.split(), "--input-option", "video_size=640x480", "--input-option=framerate=30"]
+    )
+
+    assert (args.source, args.reconnect_for, args.realtime) == ("rtsp://cam/1", 2.5, False)
+    assert args.input_option == [("video_size", "640x480"), ("framerate", "30")]
+    assert (
+        parser()
+        .parse_args(["stream", "v.mp4", "--model", "m", "--stream-id", "s", "--realtime"])
+        .realtime
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "why"),
+    [
+        ("--reconnect-for=-1", "must be a finite number >= 0"),
+        ("--reconnect-for=soon", "not a number of seconds"),
+        ("--input-option=video_size", "must be KEY=VALUE"),
+        ("--input-option==30", "must be KEY=VALUE"),
+    ],
+)
+def test_stream_command_refuses_bad_live_options(
+    option: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parser().parse_args(["stream", "rtsp://cam", "--model", "m", "--stream-id", "s", option])
+
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        ("rtsp://cam/1 --realtime", "a live source comes at its own pace"),
+        ("/dev/video0 --wait", "give --max-frames N"),
+        ("v.mp4 --reconnect-for 5", "v.mp4 is a file"),
+        ("v.mp4 --input-option framerate=30", "v.mp4 is a file"),
+    ],
+)
+def test_options_that_do_not_fit_the_source_are_refused_before_opening(argv: str, why: str) -> None:
+    args = parser().parse_args(["stream", *argv.split(), "--model", "m", "--stream-id", "s"])
+
+    with pytest.raises(InvalidInput, match=re.escape(why)):
+        open_source(args)
+
+
+@pytest.mark.parametrize(
+    ("source", "live"),
+    [
+        ("rtsp://10.0.0.5:554/stream1", True),
+        ("RTSPS://cam/1", True),
+        ("http://cam.local/video.mjpg", True),
+        ("https://example.com/live/index.m3u8", True),
+        ("srt://relay:9000", True),
+        ("udp://239.0.0.1:1234", True),
+        ("/dev/video0", True),
+        ("clip.mp4", False),
+        ("/videos/rtsp-capture.ts", False),
+        ("C:/videos/clip.mp4", False),
+    ],
+)
+def test_live_sources_are_urls_and_v4l2_devices(source: str, live: bool) -> None:
+    assert is_live(source) is live
+
+
+def test_passwords_in_source_urls_are_hidden() -> None:
+    assert (
+        without_password("rtsp://admin:s3cret@10.0.0.5:554/s1")
+        == "rtsp://admin:***@10.0.0.5:554/s1"
+    )
+    assert without_password("rtsp://10.0.0.5/s1") == "rtsp://10.0.0.5/s1"
+
+
+class FakeClock:
+    """A monotonic clock that only moves when the code under test waits."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> None:
+        self.waits.append(round(seconds, 6))
+        self.now += seconds
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_pacer_holds_each_frame_until_its_presentation_time() -> None:
+    clock = FakeClock()
+    start = datetime(2025, 1, 31, 12, tzinfo=UTC)
+    pacer = Pacer(wait=clock.wait, monotonic=clock.monotonic, wall=lambda: start)
+
+    due = [pacer.due(Fraction(ms, 1000)) for ms in (500, 540, 580)]
+    clock.now += 0.1  # encoding frame 3 took 100 ms: it is late
+    due.append(pacer.due(Fraction(620, 1000)))
+    due.append(pacer.due(Fraction(800, 1000)))
+
+    # The first frame fixes the schedule; a late one goes at once and the rest keep to it.
+    assert clock.waits == [0.04, 0.04, 0.12]
+    assert [(d - start).total_seconds() for d in due] == pytest.approx([0, 0.04, 0.08, 0.12, 0.3])
+
+
+def test_a_paced_file_stamps_frames_with_their_times_and_an_unpaced_one_does_not(
+    tmp_path: Path,
+) -> None:
+    path = write_video(tmp_path / "v.mp4", [0, 40, 80, 200])
+
+    with VideoSource(path, realtime=True) as source:
+        paced = list(source.frames())
+    with VideoSource(path) as source:
+        unpaced = list(source.frames())
+
+    assert all(f.captured is None for f in unpaced)
+    captured = [f.captured for f in paced]
+    assert None not in captured
+    offsets = [(c - captured[0]).total_seconds() for c in captured if c and captured[0]]
+    assert offsets == pytest.approx([0, 0.04, 0.08, 0.2], abs=1e-6)
+
+
+def test_an_unreachable_live_source_is_refused_at_once_without_its_password() -> None:
+    url = f"http://viewer:hunter2@127.0.0.1:{free_port()}/live.ts"
+
+    with pytest.raises(InvalidInput) as refused:
+        LiveSource(url)
+
+    assert "cannot open live source http://viewer:***@127.0.0.1" in str(refused.value)
+    assert "Connection refused" in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_live_source_that_stays_away_ends_with_source_lost() -> None:
+    server = LiveVideoServer(free_port())
+    server.start()
+    source = LiveSource(server.url, reconnect_for=1.0)
+    frames = source.frames()
+    try:
+        assert [next(frames).seq for _ in range(5)] == [0, 1, 2, 3, 4]
+        server.stop()
+        with pytest.raises(SourceLost) as lost:
+            list(frames)
+    finally:
+        frames.close()
+        source.close()
+        server.stop()
+
+    assert lost.value.after_seq >= 4
+    assert f"dropped after frame {lost.value.after_seq}" in str(lost.value)
+    assert "could not be reopened within 1 s" in str(lost.value)
+    assert source.gaps == []
+
+
+@pytest.mark.timeout(30)
+def test_a_live_source_stops_when_asked_while_it_waits_to_reconnect() -> None:
+    with LiveVideoServer(free_port()) as server:
+        source = LiveSource(server.url, reconnect_for=60)
+    # The server is gone: the source waits to reopen it until stopped.
+    frames = source.frames()
+    timer = threading.Timer(0.5, source.stop)
+    timer.start()
+    try:
+        seqs = [frame.seq for frame in frames]
+    finally:
+        timer.join()
+        source.close()
+
+    assert seqs == list(range(len(seqs)))  # ended by stop(): no SourceLost, no reconnection
+    assert source.gaps == []
