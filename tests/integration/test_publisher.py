@@ -1,6 +1,7 @@
 """The publisher on the real broker and Redis: publishes that overlap keep each request
-partition's results in the order the calls began on its reply partition; a Redis that
-closes its first connection is a clear failure to connect."""
+partition's results in the order the calls began on its reply partition; dead letters
+reach the DLQ and stay in their outbox to be counted; a Redis that closes its first
+connection is a clear failure to connect."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from workers.kafka.topics import TopicFacts, check_topics
 from workers.publish.cluster_store import open_result_store
 from workers.publish.publisher import Publisher
 from workers.publish.result_store import ResultStore
-from workers.types import Outbox
+from workers.types import DeadLetter, Outbox
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +73,26 @@ async def test_overlapping_publishes_keep_the_call_order_on_the_reply_partition(
         await redis.delete(*keys)
     finally:
         await redis.aclose()
+
+
+async def test_dead_letters_reach_the_dlq_and_stay_in_the_outbox_to_be_counted(
+    one_partition: tuple[WorkerSettings, ModelTopics, TopicFacts],
+    kafka_bootstrap: str,
+    model_name: str,
+) -> None:
+    settings, topics, facts = one_partition
+    encoder = ResultEncoder(model_name, "v1", "w1")
+    outbox = _outbox(encoder, [f"{model_name}-answered"])
+    letters = [DeadLetter(f"{model_name}-dead-{n}".encode(), b"payload", []) for n in range(3)]
+    outbox.dead.extend(letters)
+    async with Publisher(settings, topics, facts, encoder, open_result_store(settings)) as pub:
+        await asyncio.wait_for(pub.publish(outbox), 30)
+
+    # The publish stage counts the outbox's dead letters after the call (the metric).
+    assert outbox.dead == letters
+    assert await _reply_keys(kafka_bootstrap, topics.dlq, 3) == [
+        letter.key.decode() for letter in letters if letter.key
+    ]
 
 
 class ClosedOnPing:

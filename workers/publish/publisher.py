@@ -187,7 +187,7 @@ class Publisher:
 
         await self._failures.retry("kafka", send)
         if outbox.dead:
-            letters = outbox.dead
+            letters = list(outbox.dead)  # send() empties its list; the outbox is counted after
             await self._failures.retry("kafka", lambda: self._dead_letters.send(producer, letters))
         return PublishReport(duplicates=duplicates)
 
