@@ -1,5 +1,5 @@
-"""The client commands of ``conveyor``: submit, result, status, wait, cancel, topics create
-and results rebuild.
+"""The client commands of ``conveyor``: submit, result, status, wait, cancel and topics create
+(``results rebuild`` is ``producers.rebuild_command``'s).
 
 Each command parses its input completely (files, ``--params``, settings)
 before it connects to anything, prints results as JSON lines on stdout and
@@ -14,10 +14,8 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import aclosing
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from producers.admin import create_model_topics
 from producers.client import AsyncClient
 from producers.errors import ClientError, InvalidInput, ResultTimeout, ServiceUnavailable
 from producers.progress import ProgressBar
-from producers.rebuild import rebuild_results
 from producers.results import RequestStatus
 from producers.settings import ClientSettings
 from schemas import ContentType, ContractError, Result, Status, topics_for
@@ -128,40 +125,6 @@ def add_client_commands(
     wait.add_argument("request_id", metavar="ID")
     wait.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
     wait.set_defaults(handler=runner(_wait))
-
-    results = commands.add_parser("results", help="manage a model's results in Redis")
-    result_commands = results.add_subparsers(dest="results_command", required=True)
-    rebuild = result_commands.add_parser(
-        "rebuild",
-        parents=[connection],
-        help="write a model's results from its reply topic back into Redis",
-        description="Read the model's reply topic (conveyor.MODEL.results) from its start "
-        "to its end as it is now, committed records only, and write every result Redis "
-        "lacks the way a worker does (SET NX, then PUBLISH on the key's channel): the "
-        "first result of each id wins, a result Redis holds is never replaced, and each "
-        "keeps what is left of its time to live, counted from when its worker stored it "
-        "(one whose time is up is skipped). Running it twice changes nothing. For a "
-        "Redis that lost its data (restarted without persistence, failed over to an "
-        "empty replica).",
-    )
-    rebuild.add_argument("--model", required=True, help="model name")
-    rebuild.add_argument(
-        "--ttl-s",
-        type=int,
-        default=86_400,
-        help="the workers' --result-ttl-s: how long a result lives from its store time "
-        "(default 86400)",
-    )
-    rebuild.add_argument(
-        "--topic", help="read this reply topic instead (results sent with reply_to)"
-    )
-    rebuild.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: on a terminal)",
-    )
-    rebuild.set_defaults(handler=runner(_results_rebuild))
 
     topics = commands.add_parser("topics", help="manage a model's Kafka topics")
     topic_commands = topics.add_subparsers(dest="topics_command", required=True)
@@ -325,30 +288,6 @@ async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:
             result = status.result  # it landed just after the wait gave up
     _print(_document(result))
     return _exit_status(result)
-
-
-async def _results_rebuild(args: argparse.Namespace, settings: ClientSettings) -> int:
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
-    progress: list[ProgressBar] = []
-
-    def total(count: int) -> None:
-        if show:
-            progress.append(ProgressBar(count, "records", sys.stderr))
-
-    def advance(count: int) -> None:
-        for bar in progress:
-            bar.advance(count)
-
-    started = time.monotonic()
-    try:
-        report = await rebuild_results(
-            settings, args.model, args.ttl_s, topic=args.topic, on_total=total, on_progress=advance
-        )
-    finally:
-        for bar in progress:
-            bar.close()
-    _print(asdict(report) | {"seconds": round(time.monotonic() - started, 3)})
-    return EXIT_OK
 
 
 async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> int:
