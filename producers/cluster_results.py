@@ -237,10 +237,11 @@ class _ClusterWait:
 
     def __init__(self, reader: ClusterResultReader) -> None:
         self._reader = reader
+        # Registered (for close()) when the wait starts: until then it holds nothing.
         self._channels = ShardedChannels(reader._router, reader._budget_s)
-        reader._waits.add(self._channels)
 
     async def subscribe(self, keys: Sequence[str]) -> None:
+        self._reader._waits.add(self._channels)
         await self._reader._errors(self._channels.subscribe(keys))
 
     async def read(self, keys: Collection[str]) -> dict[str, bytes]:
