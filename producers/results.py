@@ -228,19 +228,19 @@ class _Wait:
         self._keys: list[str] = []
 
     async def subscribe(self, keys: Sequence[str]) -> None:
-        self._keys = list(keys)
-        await self._reader._bounded(self._subscribe())
+        await self._reader._bounded(self._subscribe(list(keys)))
 
-    async def _subscribe(self) -> None:
+    async def _subscribe(self, keys: list[str]) -> None:
         # A connection lost while subscribing: subscribe again on a new one, within
         # the caller's bound. One that cannot be opened raises the client's error.
         while True:
             if self._subscriber is not None:
                 await self._subscriber.remove(self._listener, self._keys)
+            self._keys = keys
             self._listener = Listener()
             self._subscriber = await self._reader._shared_subscriber()
             try:
-                await self._subscriber.add(self._listener, self._keys)
+                await self._subscriber.add(self._listener, keys)
                 return
             except SubscriptionLost:
                 if self._reader._closed:
@@ -255,9 +255,9 @@ class _Wait:
             if listener.lost:
                 # Whatever was announced while no connection listened is unknown:
                 # subscribe again (confirmed), then read every pending key again.
-                self._keys = list(pending)
-                await self.subscribe(self._keys)
-                return self._keys
+                again = list(pending)
+                await self.subscribe(again)
+                return again
             ready = [key for key in listener.notified if key in pending]
             listener.notified.clear()
             if ready:
