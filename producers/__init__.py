@@ -2,7 +2,7 @@
 
     from producers import Client
 
-    with Client() as client:
+    with Client(bootstrap="127.0.0.1:9092", redis_url="redis://127.0.0.1:6379/0") as client:
         request_id = client.submit(Path("digit.png"), model="digits")
         print(client.wait(request_id, timeout=10).outputs)
 
@@ -13,6 +13,7 @@ torch: a client-only install (``pip install conveyor-serve``) can use it.
 from producers.client import AsyncClient, Client
 from producers.errors import (
     ClientError,
+    ConnectionsBusy,
     InvalidInput,
     RecordTooLarge,
     ResultTimeout,
@@ -21,14 +22,16 @@ from producers.errors import (
 )
 from producers.payload import sniff_content_type
 from producers.results import RequestStatus
-from producers.settings import ClientSettings
+from producers.settings import ClientOptions, ClientSettings
 from schemas import ContentType, ContractError, Result, Status
 
 __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "ClientOptions",
     "ClientSettings",
+    "ConnectionsBusy",
     "ContentType",
     "ContractError",
     "InvalidInput",

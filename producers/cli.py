@@ -1,6 +1,6 @@
 """The ``conveyor`` command.
 
-The client commands (submit, result, status, wait, cancel, topics, stream) live
+The client commands (submit, result, status, wait, cancel, topics, results, stream) live
 in this package and need only the client install. Other commands come from the
 packages that own them, through the entry-point group ``COMMANDS``
 (``pyproject.toml``): ``conveyor worker`` is ``workers.cli``'s, so this package
@@ -18,6 +18,7 @@ from importlib.metadata import entry_points, version
 
 from common.install import DISTRIBUTION, install_hint
 from producers.commands import CONNECTION_OPTIONS, add_client_commands, connection_options
+from producers.rebuild_command import add_results_commands
 from producers.video import add_stream_command
 
 COMMANDS = "conveyor_serve.commands"
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     connection_options(connection)
     add_client_commands(commands, connection)
+    add_results_commands(commands, connection)
     add_stream_command(commands, connection)
     return parser
 

@@ -5,9 +5,12 @@
 ``Client`` offers the same methods to synchronous code by running an
 ``AsyncClient`` on an event loop in a private thread (``producers.bridge``).
 
-    with Client() as client:
+    with Client(bootstrap="127.0.0.1:9092", redis_url="redis://127.0.0.1:6379/0") as client:
         request_id = client.submit(Path("cat.jpg"), model="resnet50")
         print(client.wait(request_id, timeout=10).outputs)
+
+Both take their settings as keywords (any field of ``ClientSettings``; the rest
+from the CONVEYOR_* variables) or as one ``ClientSettings``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import (
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
 from producers.bridge import LoopThread, SyncTwin, blocking, blocking_iter
 from producers.claims import Uploader
@@ -30,7 +33,7 @@ from producers.errors import InvalidInput
 from producers.payload import load_payload
 from producers.results import RequestStatus, ResultReader
 from producers.sender import RequestSender
-from producers.settings import ClientSettings
+from producers.settings import ClientOptions, ClientSettings, settings_from
 from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
 
 T = TypeVar("T")
@@ -47,9 +50,23 @@ class AsyncClient:
     ``async with``. Kafka is needed only to submit, Redis only to read.
     """
 
-    def __init__(self, settings: ClientSettings | None = None) -> None:
-        """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
-        self.settings = settings if settings is not None else ClientSettings()
+    def __init__(
+        self,
+        settings: ClientSettings | None = None,
+        /,
+        *,
+        bootstrap: str | None = None,
+        **options: Unpack[ClientOptions],
+    ) -> None:
+        """Where to connect: ``AsyncClient(bootstrap="kafka:9092", redis_url="redis://cache:6379/0")``
+        (``bootstrap`` is ``kafka_bootstrap``; any other ``ClientSettings`` field as a keyword,
+        secrets as plain strings), or ``AsyncClient(ClientSettings(...))``. What is not
+        given comes from the CONVEYOR_* variables, then the defaults.
+
+        Raises ``TypeError`` naming the valid keywords for an unknown one, and pydantic's
+        ``ValidationError`` (a ``ValueError``) naming the field for a bad value.
+        """
+        self.settings = settings_from("AsyncClient", settings, bootstrap, options)
         self._sender = RequestSender(self.settings)
         self._reader: ResultReader | ClusterResultReader = (
             ClusterResultReader(self.settings)
@@ -143,6 +160,11 @@ class AsyncClient:
             content_type=content_type,
         )
         await self._uploader.store(stored)
+        if records and self.settings.track_status:
+            # Before sending: an id recorded and then not sent (a failed send) reads as
+            # queued, but one sent is never called unknown.
+            sent_ms = int(datetime.now(UTC).timestamp() * 1000)
+            await self._reader.mark_sent(ids, sent_ms, self.settings.status_ttl_s)
         if records:
             await self._sender.send(model, topic, records)
         return ids
@@ -153,7 +175,8 @@ class AsyncClient:
 
     async def status(self, request_id: str) -> RequestStatus:
         """Where ``request_id`` stands now: ``queued``, ``running`` (when workers track
-        status) or ``done`` (with its result)."""
+        status), ``done`` (with its result) or, when clients track status
+        (``settings.track_status``), ``unknown``: no request with that id is known."""
         return await self._reader.status(request_id)
 
     async def cancel(self, request_id: str) -> RequestStatus:
@@ -244,9 +267,18 @@ class Client(SyncTwin[AsyncClient]):
     gives back what it held.
     """
 
-    def __init__(self, settings: ClientSettings | None = None) -> None:
-        """``settings``: where to connect; default ``ClientSettings()`` (CONVEYOR_* variables)."""
-        self.settings = settings if settings is not None else ClientSettings()
+    def __init__(
+        self,
+        settings: ClientSettings | None = None,
+        /,
+        *,
+        bootstrap: str | None = None,
+        **options: Unpack[ClientOptions],
+    ) -> None:
+        """Where to connect, as for ``AsyncClient``: keywords
+        (``Client(bootstrap="kafka:9092", redis_url="redis://cache:6379/0")``) or one
+        ``ClientSettings``."""
+        self.settings = settings_from("Client", settings, bootstrap, options)
         self._loop = LoopThread("conveyor-client")
         try:
             self._twin = self._loop.call(_make_async_client(self.settings))

@@ -1,6 +1,6 @@
 """Read results from a Redis Cluster: one read now, or wait for them without polling.
 
-The algorithm of ``producers.results`` (subscribe, wait for the confirmation,
+The algorithm of ``producers.waiting`` (subscribe, wait for the confirmation,
 read, then read again what is announced), on sharded pub/sub: a worker's
 result script announces a new result with ``SPUBLISH`` on the key's own shard
 channel, so a wait subscribes (``SSUBSCRIBE``) to each key's channel on the
@@ -28,8 +28,7 @@ fails over.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable, Sequence
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
@@ -38,10 +37,11 @@ from redis.exceptions import MovedError, RedisError
 from common.cluster_keys import per_key
 from common.redis_cluster import ClusterRouter, Node, is_topology_error
 from common.security import redis_options
-from producers.errors import ResultTimeout, ServiceUnavailable
-from producers.results import RequestStatus, request_status
+from producers.errors import ServiceUnavailable
+from producers.results import SENT_FIELD, RequestStatus, request_status
 from producers.settings import ClientSettings
 from producers.sharded_channels import ShardedChannels
+from producers.waiting import wait_for_results
 from schemas import Result, cancel_key, decode_result, result_key, status_key
 
 T = TypeVar("T")
@@ -107,40 +107,39 @@ class ClusterResultReader:
         for answer in answers.values():
             if isinstance(answer, Exception):
                 raise self._unavailable(str(answer))
-        return request_status(request_id, answers[result], answers[status])
+        return request_status(
+            request_id, answers[result], answers[status], self._settings.track_status
+        )
 
-    async def wait_many(
+    async def mark_sent(self, request_ids: Sequence[str], sent_ms: int, ttl_s: int) -> None:
+        """Record that ``request_ids`` are being sent (``sent_ms`` in their status hashes):
+        ``HSET`` on each key's primary, then ``EXPIRE``."""
+        keys = [status_key(request_id) for request_id in request_ids]
+
+        def hset(pipe: Any, key: str) -> object:
+            return pipe.hset(key, SENT_FIELD, sent_ms)
+
+        def expire(pipe: Any, key: str) -> object:
+            return pipe.expire(key, ttl_s)
+
+        async def bounded() -> None:
+            async with asyncio.timeout(self._budget_s * 2):
+                for command in (hset, expire):
+                    answers = await per_key(self._router, keys, command, self._budget_s)
+                    for answer in answers.values():
+                        if isinstance(answer, Exception):
+                            raise answer
+
+        await self._errors(bounded())
+
+    def wait_many(
         self,
         request_ids: Iterable[str],
-        timeout: float,  # noqa: ASYNC109 - expiry must raise ResultTimeout naming the ids
+        timeout: float,
     ) -> AsyncGenerator[Result, None]:
-        """Yield each request's result as it becomes available, in completion order.
-
-        Raises ``ResultTimeout`` naming the ids still pending after ``timeout``
-        seconds. Ids given twice are waited for once.
-        """
-        pending = {result_key(i): i for i in dict.fromkeys(request_ids)}
-        if not pending:
-            return
-        deadline = time.monotonic() + timeout
-        channels = ShardedChannels(self._router, self._budget_s)
-        self._waits.add(channels)
-        try:
-            await self._errors(channels.subscribe(list(pending)))
-            to_read: Collection[str] | None = list(pending)
-            while to_read is not None:
-                values = await self._errors(self._read_subscribed(channels, to_read))
-                for key, raw in values.items():
-                    if key in pending:
-                        del pending[key]
-                        yield decode_result(raw)
-                if not pending:
-                    return
-                to_read = await self._errors(channels.next(pending, deadline))
-            raise ResultTimeout(list(pending.values()), timeout)
-        finally:
-            self._waits.discard(channels)
-            await channels.aclose()
+        """Yield each request's result as it becomes available, in completion order
+        (``producers.waiting.wait_for_results``)."""
+        return wait_for_results(_ClusterWait(self), request_ids, timeout)
 
     async def _read_subscribed(
         self, channels: ShardedChannels, keys: Collection[str]
@@ -231,3 +230,26 @@ class ClusterResultReader:
             "is it running (`make up-cluster`)? Point the client at one of its nodes with "
             "--redis-url or CONVEYOR_REDIS_URL, and check the CONVEYOR_REDIS_* security settings"
         )
+
+
+class _ClusterWait:
+    """One wait's ``producers.waiting.Subscription``: sharded channels of its own."""
+
+    def __init__(self, reader: ClusterResultReader) -> None:
+        self._reader = reader
+        # Registered (for close()) when the wait starts: until then it holds nothing.
+        self._channels = ShardedChannels(reader._router, reader._budget_s)
+
+    async def subscribe(self, keys: Sequence[str]) -> None:
+        self._reader._waits.add(self._channels)
+        await self._reader._errors(self._channels.subscribe(keys))
+
+    async def read(self, keys: Collection[str]) -> dict[str, bytes]:
+        return await self._reader._errors(self._reader._read_subscribed(self._channels, keys))
+
+    async def next(self, pending: Collection[str], deadline: float) -> Collection[str] | None:
+        return await self._reader._errors(self._channels.next(pending, deadline))
+
+    async def aclose(self) -> None:
+        self._reader._waits.discard(self._channels)
+        await self._channels.aclose()

@@ -1,4 +1,5 @@
-"""The client commands of ``conveyor``: submit, result, status, wait, cancel and topics create.
+"""The client commands of ``conveyor``: submit, result, status, wait, cancel and topics create
+(``results rebuild`` is ``producers.rebuild_command``'s).
 
 Each command parses its input completely (files, ``--params``, settings)
 before it connects to anything, prints results as JSON lines on stdout and
@@ -221,12 +222,7 @@ async def _result(args: argparse.Namespace, settings: ClientSettings) -> int:
         status = await client.status(args.request_id)
     result = status.result
     if result is None:
-        return _fail(
-            f"conveyor {args.command}",
-            f"no result for {args.request_id} yet: {_pending(status)}; "
-            "`conveyor wait ID` waits for it",
-            EXIT_NO_RESULT,
-        )
+        return _fail(f"conveyor {args.command}", _no_result(status, None), EXIT_NO_RESULT)
     _print(_document(result))
     return _exit_status(result)
 
@@ -235,6 +231,8 @@ async def _status(args: argparse.Namespace, settings: ClientSettings) -> int:
     async with AsyncClient(settings) as client:
         status = await client.status(args.request_id)
     _print(status.document())
+    if status.state == "unknown":
+        print(f"conveyor {args.command}: {_no_result(status, None)}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -247,21 +245,47 @@ async def _cancel(args: argparse.Namespace, settings: ClientSettings) -> int:
     return EXIT_OK
 
 
-def _pending(status: RequestStatus) -> str:
+def _no_result(status: RequestStatus, waited_s: float | None) -> str:
+    """Why ``status`` has no result, as plainly as Redis allows."""
+    request_id = status.id
+    within = f" within {waited_s:g} s" if waited_s is not None else " yet"
+    if status.state == "unknown":
+        return (
+            f"no request with id {request_id} is known: no client recorded sending it, no "
+            "worker started it and it has no result (clients track status, "
+            "CONVEYOR_TRACK_STATUS); check the id, or it was sent longer ago than its "
+            "records are kept"
+        )
     if status.state == "running":
         return (
-            f"running on worker {status.worker} since {status.started_ms} "
-            f"(epoch ms), attempt {status.attempt}"
+            f"no result for {request_id}{within}: running on worker {status.worker} since "
+            f"{status.started_ms} (epoch ms), attempt {status.attempt}; "
+            "`conveyor wait ID` waits for it"
+        )
+    if status.sent_ms is not None:
+        return (
+            f"no result for {request_id}{within}: sent at {status.sent_ms} (epoch ms) and "
+            "not started by any worker yet (is a worker running for its model?); "
+            "`conveyor wait ID` waits for it"
         )
     return (
-        "no worker has started it (it is queued, the id is unknown, or its result outlived "
-        "its time in Redis)"
+        f"no result for {request_id}{within}, and no worker has started it: it may still be "
+        "queued, or no request with this id was ever sent (or its result outlived its time "
+        "in Redis). Clients do not track status here, so Redis cannot tell these apart; "
+        "with CONVEYOR_TRACK_STATUS=true on clients it can"
     )
 
 
 async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:
     async with AsyncClient(settings) as client:
-        result = await client.wait(args.request_id, args.timeout)
+        try:
+            result = await client.wait(args.request_id, args.timeout)
+        except ResultTimeout:
+            status = await client.status(args.request_id)
+            if status.result is None:
+                message = _no_result(status, args.timeout)
+                return _fail(f"conveyor {args.command}", message, EXIT_NO_RESULT)
+            result = status.result  # it landed just after the wait gave up
     _print(_document(result))
     return _exit_status(result)
 

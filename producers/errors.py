@@ -86,6 +86,21 @@ class SourceLost(ServiceUnavailable):
         self.reason = reason
 
 
+class ConnectionsBusy(ClientError):
+    """Every Redis connection of the client's pool stayed busy while a call waited for one."""
+
+    retriable: ClassVar[bool] = True
+
+    def __init__(self, max_connections: int, waited_s: float | None) -> None:
+        super().__init__(
+            f"all {max_connections} Redis connections of this client stayed busy for "
+            f"{waited_s:g} s: too many calls at once for its pool, or Redis answering slowly. "
+            "Raise redis_max_connections (CONVEYOR_REDIS_MAX_CONNECTIONS) or "
+            "redis_pool_timeout_s (CONVEYOR_REDIS_POOL_TIMEOUT_S), or make fewer calls at once"
+        )
+        self.max_connections = max_connections
+
+
 class ResultTimeout(ClientError, TimeoutError):
     """No result arrived in time. ``request_ids`` are the ones still pending."""
 
@@ -100,6 +115,7 @@ class ResultTimeout(ClientError, TimeoutError):
             shown += f" and {more} more"
         noun = "request" if len(self.request_ids) == 1 else f"{len(self.request_ids)} requests"
         super().__init__(
-            f"no result within {timeout:g} s for {noun} {shown}: the request may still be "
-            "queued (is a worker running for its model?); wait again or read it later by id"
+            f"no result within {timeout:g} s for {noun} {shown}: it may still be queued or "
+            "running (is a worker running for its model?), or no request with that id was "
+            "sent; `status` tells which where it can. Wait again or read it later by id"
         )

@@ -9,7 +9,8 @@ win over the environment. Build it once, in ``main`` or the CLI, and pass it dow
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -17,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.redis_cluster import check_cluster_url
 from common.s3 import S3Settings
-from common.security import ConnectionSecurity, redis_location
+from common.security import ConnectionSecurity, KafkaProtocol, SaslMechanism, redis_location
 from schemas import DEFAULT_DATA_PREFIX, DEFAULT_LIMITS, Limits, parse_dataref, topics_for
 
 KiB = 1024
@@ -52,6 +53,13 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     one per partition per round trip to the broker."""
     redis_client_name: str | None = None
     """Redis ``CLIENT SETNAME`` of the client's connections, to find them in ``CLIENT LIST``."""
+    redis_max_connections: int = Field(default=50, ge=1, le=10_000)
+    """Most Redis connections the client opens for reads and writes (its pool); every
+    wait shares one more, for notifications. A call that finds all of them busy waits
+    for one, up to ``redis_pool_timeout_s``."""
+    redis_pool_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """How long a call waits for a free connection of the pool before giving up
+    with ``ConnectionsBusy``."""
     limits: Limits = DEFAULT_LIMITS
     """The limits requests are checked against before they are sent."""
     dataref_store: Literal["redis", "s3", "off"] = "redis"
@@ -71,6 +79,15 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     """Payloads stored in S3 are objects ``<prefix><request id>``."""
     cancel_ttl_s: int = Field(default=86_400, ge=1)
     """How long a cancellation (``conveyor:cancel:{<id>}``) is kept."""
+    track_status: bool = False
+    """Record each request sent (``sent_ms`` in ``conveyor:status:{<id>}``, kept
+    ``status_ttl_s``), so that ``status`` and ``wait`` can tell a queued request from
+    an id that was never sent. Mean it for every client of a deployment: a reader with
+    it on calls an id no client recorded unknown. The workers' ``--track-status``
+    reads the same variable."""
+    status_ttl_s: int = Field(default=86_400, ge=1)
+    """How long the record of a sent request is kept (a worker that starts it keeps
+    it for the result TTL from then on)."""
 
     @field_validator("topic_prefix")
     @classmethod
@@ -105,3 +122,85 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     def redis_location(self) -> str:
         """The Redis URL without its password, fit for error messages and logs."""
         return redis_location(self.redis_url)
+
+
+class ClientOptions(TypedDict, total=False):
+    """The fields of ``ClientSettings`` as keyword arguments of ``Client`` and ``AsyncClient``.
+
+    Secrets and file paths may be plain strings; ``bootstrap`` is short for
+    ``kafka_bootstrap``. ``tests/unit/test_client.py`` checks that this lists every field.
+    """
+
+    kafka_bootstrap: str
+    redis_url: str | SecretStr
+    redis_cluster: bool
+    topic_prefix: str
+    source: str
+    connect_timeout_s: float
+    send_timeout_s: float
+    send_batch_bytes: int
+    redis_client_name: str | None
+    redis_max_connections: int
+    redis_pool_timeout_s: float
+    limits: Limits
+    dataref_store: Literal["redis", "s3", "off"]
+    dataref_threshold_bytes: int
+    dataref_ttl_s: int
+    dataref_redis_prefix: str
+    dataref_s3_bucket: str | None
+    dataref_s3_prefix: str
+    cancel_ttl_s: int
+    track_status: bool
+    status_ttl_s: int
+    kafka_security_protocol: KafkaProtocol
+    kafka_sasl_mechanism: SaslMechanism
+    kafka_username: str | None
+    kafka_password: str | SecretStr | None
+    kafka_ca_file: str | Path | None
+    kafka_cert_file: str | Path | None
+    kafka_key_file: str | Path | None
+    redis_username: str | None
+    redis_password: str | SecretStr | None
+    redis_ca_file: str | Path | None
+    redis_cert_file: str | Path | None
+    redis_key_file: str | Path | None
+    s3_endpoint_url: str | None
+    s3_region: str
+    s3_access_key_id: str | None
+    s3_secret_access_key: str | SecretStr | None
+    s3_addressing_style: Literal["auto", "path", "virtual"]
+
+
+def settings_from(
+    caller: str, settings: ClientSettings | None, bootstrap: str | None, options: ClientOptions
+) -> ClientSettings:
+    """The settings a client constructor was given: ``settings`` as it is, or the keyword
+    arguments over the environment (``ClientSettings(**options)``), never both.
+
+    Raises ``TypeError`` for an unknown keyword (naming the valid ones) or for settings
+    given twice, and pydantic's ``ValidationError`` for a bad value.
+    """
+    given: dict[str, Any] = dict(options)
+    unknown = sorted(set(given) - set(ClientSettings.model_fields))
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        valid = ", ".join(["bootstrap", *sorted(ClientSettings.model_fields)])
+        raise TypeError(f"{caller}() got unexpected keyword arguments {names}; valid are: {valid}")
+    if bootstrap is not None:
+        if "kafka_bootstrap" in given:
+            raise TypeError(f"{caller}() got both bootstrap and kafka_bootstrap; give one")
+        given["kafka_bootstrap"] = bootstrap
+    if settings is None:
+        return ClientSettings(**given)
+    if not isinstance(settings, ClientSettings):
+        raise TypeError(
+            f"{caller}() takes a ClientSettings as its only positional argument, "
+            f"not {type(settings).__name__}; give connection settings as keywords, "
+            f'e.g. {caller}(bootstrap="127.0.0.1:9092", redis_url="redis://127.0.0.1:6379/0")'
+        )
+    if given:
+        raise TypeError(
+            f"{caller}() got a ClientSettings and keyword settings "
+            f"({', '.join(sorted(given))}); give one or the other"
+        )
+    return settings

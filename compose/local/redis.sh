@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Start or stop a Redis server on 127.0.0.1 with no persistence (test and demo use);
-# REDIS_SAVE="3600 1" turns on snapshots, saved at shutdown and loaded at start.
+# Start or stop a Redis server on 127.0.0.1 that keeps its data in an append-only
+# file under .run/redis-PORT (fsync once a second: a crash loses at most the last
+# second of writes), loaded again at start. REDIS_APPENDONLY=no turns it off for
+# throwaway runs (a restart then starts empty; `conveyor results rebuild` restores
+# results from the reply topics); REDIS_SAVE="3600 1" adds snapshots.
 # Usage: redis.sh start|stop|status
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
@@ -17,11 +20,17 @@ start() {
   if port_in_use "$REDIS_PORT"; then
     die "cannot start Redis: port $REDIS_PORT on 127.0.0.1 is already in use by another process. Stop it, or choose a free port with REDIS_PORT=<port>. Log file: $LOGFILE"
   fi
+  local appendonly=${REDIS_APPENDONLY:-yes}
+  case "$appendonly" in
+    yes | no) ;;
+    *) die "REDIS_APPENDONLY must be yes (keep data in an append-only file) or no, not '$appendonly'" ;;
+  esac
   apt_install redis-server redis-server
   mkdir -p "$REDIS_DIR"
-  log "starting Redis on $REDIS_HOST:$REDIS_PORT (log: $LOGFILE)"
+  log "starting Redis on $REDIS_HOST:$REDIS_PORT (append-only file: $appendonly; log: $LOGFILE)"
   nohup redis-server --bind "$REDIS_HOST" --port "$REDIS_PORT" --dir "$REDIS_DIR" \
-    --save "${REDIS_SAVE:-}" --appendonly no --logfile "$LOGFILE" --daemonize no \
+    --save "${REDIS_SAVE:-}" --appendonly "$appendonly" --appendfsync everysec \
+    --logfile "$LOGFILE" --daemonize no \
     >/dev/null 2>&1 </dev/null &
   echo $! >"$PIDFILE"
   if ! python3 "$ROOT/compose/local/ready.py" redis "$REDIS_HOST" "$REDIS_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$PIDFILE")"; then

@@ -214,12 +214,36 @@ def test_missing_results_exit_3_naming_the_id(
     connection: list[str], uid: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = f"{uid}-missing"
+    # Without status tracking Redis cannot tell a queued request from an id never sent.
+    both = "it may still be queued, or no request with this id was ever sent"
     assert main([*connection, "result", missing]) == 3
-    assert f"no result for {missing} yet" in capsys.readouterr().err
+    assert f"no result for {missing} yet, and no worker has started it: {both}" in (
+        capsys.readouterr().err
+    )
     assert main([*connection, "wait", missing, "--timeout", "0.2"]) == 3
     captured = capsys.readouterr()
-    assert f"no result within 0.2 s for request {missing}" in captured.err
+    assert f"no result for {missing} within 0.2 s, and no worker has started it: {both}" in (
+        captured.err
+    )
     assert captured.out == ""
+
+
+def test_an_id_no_tracking_client_sent_is_called_unknown(
+    connection: list[str],
+    uid: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CONVEYOR_TRACK_STATUS", "true")
+    never = f"{uid}-never"
+    assert main([*connection, "wait", never, "--timeout", "0.2"]) == 3
+    assert f"conveyor wait: no request with id {never} is known" in capsys.readouterr().err
+    assert main([*connection, "result", never]) == 3
+    assert f"no request with id {never} is known" in capsys.readouterr().err
+    assert main([*connection, "status", never]) == 0
+    captured = capsys.readouterr()
+    assert orjson.loads(captured.out) == {"id": never, "state": "unknown"}
+    assert f"no request with id {never} is known" in captured.err
 
 
 async def _run_cli(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
 from producers.testing import free_port, free_ports
 
@@ -41,10 +42,10 @@ class Local:
     def redis_pidfile(self) -> Path:
         return self.run_dir / f"redis-{self.redis_port}" / "redis.pid"
 
-    def run(self, script: str) -> subprocess.CompletedProcess[str]:
+    def run(self, script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(LOCAL / script)],
-            env=self.env,
+            [str(LOCAL / script), *args],
+            env=self.env | env,
             capture_output=True,
             text=True,
             timeout=SCRIPT_TIMEOUT,
@@ -193,3 +194,28 @@ def test_down_with_nothing_running_touches_nothing(local: Local) -> None:
     assert result.stderr == ""
     assert not local.run_dir.exists()  # no folder, pid file or log created
     assert {path: (path.read_text(), path.stat().st_mtime_ns) for path in shared} == before
+
+
+@pytest.mark.timeout(60)
+def test_redis_keeps_its_data_across_a_restart_unless_told_not_to(local: Local) -> None:
+    def restart_with_a_key(**env: str) -> bytes | None:
+        started = local.run("redis.sh", "start", **env)
+        assert started.returncode == 0, started.stderr
+        with redis.Redis(port=local.redis_port) as client:
+            client.set("conveyor:result:kept", b"answer")
+        assert local.run("redis.sh", "stop").returncode == 0
+        started = local.run("redis.sh", "start", **env)
+        assert started.returncode == 0, started.stderr
+        with redis.Redis(port=local.redis_port) as client:
+            value: bytes | None = client.get("conveyor:result:kept")
+            client.flushall()
+        assert local.run("redis.sh", "stop").returncode == 0
+        return value
+
+    assert restart_with_a_key() == b"answer"  # the append-only file, by default
+    data_dir = local.run_dir / f"redis-{local.redis_port}"
+    assert any(data_dir.glob("appendonlydir/*.aof"))
+    assert restart_with_a_key(REDIS_APPENDONLY="no") is None
+    refused = local.run("redis.sh", "start", REDIS_APPENDONLY="maybe")
+    assert refused.returncode != 0
+    assert "REDIS_APPENDONLY must be yes" in refused.stderr

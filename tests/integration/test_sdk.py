@@ -22,6 +22,7 @@ from producers import (
     AsyncClient,
     Client,
     ClientSettings,
+    ConnectionsBusy,
     RecordTooLarge,
     Result,
     ResultTimeout,
@@ -30,8 +31,8 @@ from producers import (
     UnknownModel,
 )
 from producers.admin import create_model_topics
-from producers.results import ResultReader
-from schemas import encode_result, ok_result, result_key, topics_for
+from producers.subscriber import Listener, SharedSubscriber
+from schemas import cancel_key, encode_result, ok_result, result_key, topics_for
 
 
 @pytest.fixture
@@ -74,6 +75,19 @@ class _Publisher:
         if notify:
             await self.redis.publish(key, b"")
 
+    async def write_many(self, request_ids: Sequence[str], *, notify: bool = True) -> None:
+        """``write`` for many ids, in pipelines of 500: each SET NX EX, then its PUBLISH."""
+        for start in range(0, len(request_ids), 500):
+            pipe = self.redis.pipeline(transaction=False)
+            for request_id in request_ids[start : start + 500]:
+                result = ok_result(request_id, [], model="m", model_version="1", worker="t")
+                key = result_key(request_id)
+                self.written.append(key)
+                pipe.set(key, encode_result(result), nx=True, ex=60)
+                if notify:
+                    pipe.publish(key, b"")
+            await pipe.execute()
+
     async def connections(self, name: str, expected: int) -> int:
         """Connections named ``name``, once they number ``expected`` or after 2 s.
 
@@ -83,6 +97,16 @@ class _Publisher:
         for _ in range(200):
             clients = await self.redis.client_list()
             count = sum(1 for client in clients if client.get("name") == name)
+            if count == expected:
+                break
+            await asyncio.sleep(0.01)
+        return count
+
+    async def channels(self, expected: int) -> int:
+        """Channels of this test's ids that clients subscribe to, once they number
+        ``expected`` or after 2 s (commands of other connections land in their own time)."""
+        for _ in range(200):
+            count = len(await self.redis.pubsub_channels(f"{result_key(self.uid)}*"))
             if count == expected:
                 break
             await asyncio.sleep(0.01)
@@ -163,15 +187,15 @@ async def test_result_landing_while_subscribing_is_not_missed(
     subscribed second would wait for a notification that never comes.
     """
     request_id = publish.new_id("race")
-    subscribe = ResultReader._subscribe
+    add = SharedSubscriber.add
 
     async def subscribe_then_land(
-        self: ResultReader, pubsub: object, channels: Sequence[str], notified: set[str]
+        self: SharedSubscriber, listener: Listener, channels: Sequence[str]
     ) -> None:
-        await subscribe(self, pubsub, channels, notified)  # type: ignore[arg-type]
+        await add(self, listener, channels)
         await publish.write(request_id, notify=False)
 
-    monkeypatch.setattr(ResultReader, "_subscribe", subscribe_then_land)
+    monkeypatch.setattr(SharedSubscriber, "add", subscribe_then_land)
     async with AsyncClient(settings) as client:
         started = time.monotonic()
         result = await client.wait(request_id, timeout=5)
@@ -209,42 +233,49 @@ async def _collect_ids(results: AsyncIterator[Result], into: list[str]) -> None:
         into.append(result.id)
 
 
-async def test_waits_give_back_their_connections(
+async def test_waits_share_one_subscription_and_give_back_their_channels(
     settings: ClientSettings,
     publish: _Publisher,
     client_name: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     subscribed = asyncio.Event()
-    subscribe = ResultReader._subscribe
+    add = SharedSubscriber.add
 
-    async def subscribe_and_tell(
-        self: ResultReader, pubsub: object, channels: Sequence[str], notified: set[str]
+    async def add_and_tell(
+        self: SharedSubscriber, listener: Listener, channels: Sequence[str]
     ) -> None:
-        await subscribe(self, pubsub, channels, notified)  # type: ignore[arg-type]
+        await add(self, listener, channels)
         subscribed.set()
 
-    monkeypatch.setattr(ResultReader, "_subscribe", subscribe_and_tell)
+    monkeypatch.setattr(SharedSubscriber, "add", add_and_tell)
     done, missing = publish.new_id("done"), publish.new_id("missing")
     await publish.write(done)
-    async with AsyncClient(settings) as client:
-        await client.result(done)  # opens the pool's one connection for plain reads
-        baseline = 1
+    # A pool of one: any connection beyond it and the shared subscription's would be a wait's.
+    one = settings.model_copy(update={"redis_max_connections": 1})
+    async with AsyncClient(one) as client:
+        await client.result(done)  # opens the pool's one connection
+        await client.wait(done, timeout=5)  # and the shared subscription's
+        baseline = 2
         assert await publish.connections(client_name, baseline) == baseline
 
-        await client.wait(done, timeout=5)
         with pytest.raises(ResultTimeout):
             await client.wait(missing, timeout=0.2)
         subscribed.clear()
-        cancelled = asyncio.create_task(client.wait(missing, timeout=30))
+        waits = [asyncio.create_task(client.wait(missing, timeout=30)) for _ in range(3)]
+        waits.append(asyncio.create_task(client.wait(publish.new_id("other"), timeout=30)))
         await asyncio.wait_for(subscribed.wait(), 5)  # cancelling before would prove nothing
-        assert await publish.connections(client_name, baseline + 1) == baseline + 1
-        cancelled.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
+        assert await publish.channels(2) == 2  # two ids, however many waits
+        assert await publish.connections(client_name, baseline) == baseline
+        for wait in waits:
+            wait.cancel()
+        for wait in waits:
+            with pytest.raises(asyncio.CancelledError):
+                await wait
         async with aclosing(client.wait_many([done, missing], timeout=30)) as results:
             async for _result in results:
                 break  # stop early
+        assert await publish.channels(0) == 0
         assert await publish.connections(client_name, baseline) == baseline
     assert await publish.connections(client_name, 0) == 0
 
@@ -355,3 +386,128 @@ async def test_unreachable_services_fail_within_the_bound(refused: bool, silent_
         ):
             await client.wait("some-id", timeout=30)
     assert time.monotonic() - started < 5
+
+
+async def test_keyword_clients_submit_and_wait(
+    kafka_bootstrap: str, redis_url: str, served_model: str, digits: list[tuple[bytes, int]]
+) -> None:
+    png, _digit = digits[0]
+    async with AsyncClient(bootstrap=kafka_bootstrap, redis_url=redis_url) as client:
+        request_id = await client.submit(png, model=served_model)
+        assert (await client.wait(request_id, timeout=60)).status is Status.ok
+
+    def sync() -> None:
+        with Client(bootstrap=kafka_bootstrap, redis_url=redis_url) as client:
+            assert client.wait(client.submit(png, model=served_model), timeout=60).id
+
+    await asyncio.to_thread(sync)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_five_thousand_concurrent_waits_on_one_client(
+    settings: ClientSettings, publish: _Publisher, client_name: str
+) -> None:
+    """5,000 waits at once on one AsyncClient share one subscription and a pool of 50."""
+    count, pool = 5000, 50
+    ids = [publish.new_id(f"many{n}") for n in range(count)]
+    early = ids[: count // 10]  # written before their waits: found by the first read
+    await publish.write_many(early)
+    one = settings.model_copy(update={"redis_max_connections": pool})
+    async with AsyncClient(one) as client:
+        started = time.monotonic()
+        waits = [asyncio.create_task(client.wait(i, timeout=120)) for i in ids]
+        # Every wait subscribed; those answered by their first read left already.
+        late = count - len(early)
+        assert await publish.channels(late) == late
+        subscribed_s = time.monotonic() - started
+        assert not any(wait.done() for wait in waits[len(early) :])
+        assert await publish.connections(client_name, pool + 1) <= pool + 1
+        written = time.monotonic()
+        await publish.write_many(ids[len(early) :])  # SET NX then PUBLISH, as a worker does
+        results = await asyncio.gather(*waits)
+        answered_s = time.monotonic() - written
+        assert [r.id for r in results] == ids
+        assert await publish.connections(client_name, pool + 1) <= pool + 1
+        assert await publish.channels(0) == 0
+    print(
+        f"\n{count} concurrent waits: subscribed in {subscribed_s:.2f} s, "
+        f"all answered {answered_s:.2f} s after the writes began"
+    )
+
+
+@pytest.mark.slow
+async def test_hundreds_of_concurrent_cancels_and_statuses_wait_for_the_pool(
+    settings: ClientSettings, publish: _Publisher, client_name: str
+) -> None:
+    count, pool = 500, 8
+    ids = [publish.new_id(f"c{n}") for n in range(count)]
+    await publish.write_many(ids[:10])
+    small = settings.model_copy(update={"redis_max_connections": pool})
+    async with AsyncClient(small) as client:
+        statuses = await asyncio.gather(*(client.status(i) for i in ids))
+        cancels = await asyncio.gather(*(client.cancel(i) for i in ids))
+        assert await publish.connections(client_name, pool) <= pool
+    assert [s.state for s in statuses] == ["done"] * 10 + ["queued"] * (count - 10)
+    assert [s.state for s in cancels] == ["done"] * 10 + ["queued"] * (count - 10)
+    assert await publish.redis.exists(*(cancel_key(i) for i in ids)) == count
+    await publish.redis.delete(*(cancel_key(i) for i in ids))
+
+
+async def test_a_pool_that_stays_busy_is_named_as_the_cause(
+    settings: ClientSettings, publish: _Publisher
+) -> None:
+    one = settings.model_copy(
+        update={"redis_max_connections": 1, "redis_pool_timeout_s": 0.2, "connect_timeout_s": 5}
+    )
+    async with AsyncClient(one) as client:
+        await client.result(publish.new_id("warm"))
+        await publish.redis.client_pause(1000, all=True)
+        first = asyncio.create_task(client.result(publish.new_id("a")))  # holds the connection
+        await asyncio.sleep(0.05)
+        with pytest.raises(ConnectionsBusy) as raised:
+            await client.status(publish.new_id("b"))
+        assert await first is None  # answered once Redis went on
+    message = str(raised.value)
+    assert "all 1 Redis connections of this client stayed busy for 0.2 s" in message
+    assert "is it running" not in message
+
+
+async def test_waits_survive_the_loss_of_the_shared_connection(
+    settings: ClientSettings, publish: _Publisher, client_name: str
+) -> None:
+    ids = [publish.new_id(f"lost{n}") for n in range(20)]
+    async with AsyncClient(settings) as client:
+        waits = [asyncio.create_task(client.wait(i, timeout=30)) for i in ids]
+        assert await publish.channels(len(ids)) == len(ids)
+        clients = await publish.redis.client_list()
+        subscriber = [c["id"] for c in clients if c["name"] == client_name and c["sub"] != "0"]
+        assert len(subscriber) == 1
+        await publish.redis.client_kill_filter(_id=subscriber[0])
+        # Announced at once, likely while no connection listens: a wait that missed the
+        # announcement finds the result by reading again once subscribed again.
+        await publish.write_many(ids[:10])
+        await asyncio.sleep(0.2)
+        await publish.write_many(ids[10:])
+        results = await asyncio.gather(*waits)
+    assert [r.id for r in results] == ids
+
+
+async def test_status_with_tracking_tells_sent_from_unknown(
+    settings: ClientSettings, uid: str, drop_topics: list[str], digits: list[tuple[bytes, int]]
+) -> None:
+    model = f"track{uid}"
+    drop_topics.append(model)
+    await create_model_topics(settings, model, partitions=1)
+    tracked = settings.model_copy(update={"track_status": True, "status_ttl_s": 60})
+    async with AsyncClient(tracked) as client:
+        sent = await client.submit(digits[0][0], model=model)  # no worker: it stays queued
+        queued = await client.status(sent)
+        unknown = await client.status(f"{uid}-never-sent")
+    async with AsyncClient(settings) as untracked:
+        unknowable = await untracked.status(f"{uid}-never-sent")
+    assert queued.state == "queued"
+    assert queued.sent_ms is not None
+    assert abs(queued.sent_ms / 1000 - time.time()) < 60
+    assert unknown.state == "unknown"
+    assert unknowable.state == "queued"  # without tracking Redis cannot tell

@@ -22,15 +22,21 @@ from pydantic import SecretStr, ValidationError
 from producers import (
     AsyncClient,
     Client,
+    ClientOptions,
     ClientSettings,
+    ConnectionsBusy,
     InvalidInput,
+    RequestStatus,
     ResultTimeout,
     UnknownModel,
     sniff_content_type,
 )
 from producers.cli import _apply_global_options, build_parser, main
+from producers.commands import _no_result
 from producers.payload import load_payload
 from producers.progress import ProgressBar
+from producers.results import request_status
+from producers.subscriber import Verb, _commands
 from schemas import ContentType, ContractError, Limits
 from workers.cli import settings_from_args
 
@@ -311,3 +317,128 @@ async def test_the_sdk_producer_puts_many_images_in_one_batch(
             await sender.close()
     # 1 MiB by default: 143 KB frames share a batch (aiokafka's 16 KB would not).
     assert [options["max_batch_size"] for _, options in made] == [1 << 20, 4096]
+
+
+def test_keyword_clients_take_settings_as_keywords_with_plain_strings() -> None:
+    client = Client(
+        bootstrap="127.0.0.1:9",
+        redis_url="redis://:hunter2@127.0.0.1:9/0",
+        redis_password="s3cret",
+        connect_timeout_s=2,
+        track_status=True,
+    )
+    try:
+        settings = client.settings
+        assert settings.kafka_bootstrap == "127.0.0.1:9"
+        assert isinstance(settings.redis_url, SecretStr)
+        assert settings.redis_url.get_secret_value() == "redis://:hunter2@127.0.0.1:9/0"
+        assert isinstance(settings.redis_password, SecretStr)
+        assert "hunter2" not in repr(settings)
+        assert "s3cret" not in repr(settings)
+        assert settings.connect_timeout_s == 2
+        assert settings.track_status
+    finally:
+        client.close()
+    # kafka_bootstrap, the field's own name, works too; a ClientSettings positionally as before.
+    assert AsyncClient(kafka_bootstrap="k:1").settings.kafka_bootstrap == "k:1"
+    assert AsyncClient(UNREACHABLE).settings is UNREACHABLE
+
+
+def test_keyword_clients_read_the_environment_for_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", "redis://cache:6380/1")
+    monkeypatch.setenv("CONVEYOR_KAFKA_BOOTSTRAP", "env-kafka:9092")
+    settings = AsyncClient(bootstrap="given:9092").settings
+    assert settings.kafka_bootstrap == "given:9092"  # keywords win
+    assert settings.redis_location == "redis://cache:6380/1"
+
+
+def test_an_unknown_keyword_names_the_valid_ones() -> None:
+    with pytest.raises(TypeError) as raised:
+        AsyncClient(bootstrap="k:1", redis="redis://r:1/0")  # type: ignore[call-arg]
+    message = str(raised.value)
+    assert "AsyncClient() got unexpected keyword arguments 'redis'" in message
+    assert "valid are: bootstrap, " in message
+    assert "redis_url" in message
+    assert "kafka_bootstrap" in message
+    with pytest.raises(TypeError, match=r"Client\(\) got unexpected keyword arguments 'kafka'"):
+        Client(kafka="k:1")  # type: ignore[call-arg]
+
+
+def test_settings_given_twice_are_refused() -> None:
+    with pytest.raises(TypeError, match="a ClientSettings and keyword settings"):
+        AsyncClient(UNREACHABLE, redis_url="redis://r:1/0")
+    with pytest.raises(TypeError, match="both bootstrap and kafka_bootstrap"):
+        AsyncClient(bootstrap="a:1", kafka_bootstrap="b:1")
+    with pytest.raises(TypeError, match="takes a ClientSettings as its only positional"):
+        AsyncClient("127.0.0.1:9092")  # type: ignore[arg-type]
+
+
+def test_a_bad_keyword_value_names_the_field() -> None:
+    with pytest.raises(ValidationError, match="redis_url"):
+        AsyncClient(redis_url="http://cache")
+    with pytest.raises(ValidationError, match="redis_max_connections"):
+        AsyncClient(redis_max_connections=0)
+
+
+def test_client_options_list_every_setting() -> None:
+    assert set(ClientOptions.__annotations__) == set(ClientSettings.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("raw", "fields", "tracked", "state", "sent_ms"),
+    [
+        (None, {}, False, "queued", None),  # untracked: queued or never sent, unknowable
+        (None, {}, True, "unknown", None),  # clients record sends, and none did
+        (None, {b"sent_ms": b"17"}, True, "queued", 17),
+        (None, {b"sent_ms": b"17"}, False, "queued", 17),
+        (None, {b"attempt": b"2", b"worker": b"w", b"started_ms": b"20"}, True, "running", None),
+        (None, {b"sent_ms": b"17", b"attempt": b"1", b"started_ms": b"20"}, True, "running", 17),
+    ],
+)
+def test_request_status_tells_unknown_from_queued_where_it_can(
+    raw: bytes | None, fields: dict[bytes, bytes], tracked: bool, state: str, sent_ms: int | None
+) -> None:
+    status = request_status("id1", raw, fields, tracked)
+    assert status.state == state
+    assert status.sent_ms == sent_ms
+    assert status.document()["state"] == state
+
+
+def test_no_result_messages_say_plainly_what_is_known() -> None:
+    unknown = _no_result(RequestStatus("id1", "unknown"), 5)
+    assert unknown.startswith("no request with id id1 is known")
+    untracked = _no_result(RequestStatus("id1", "queued"), 5)
+    assert "it may still be queued, or no request with this id was ever sent" in untracked
+    assert "CONVEYOR_TRACK_STATUS=true" in untracked
+    sent = _no_result(RequestStatus("id1", "queued", sent_ms=17), None)
+    assert "sent at 17 (epoch ms) and not started by any worker yet" in sent
+    running = _no_result(RequestStatus("id1", "running", worker="w", started_ms=20, attempt=2), 5)
+    assert "running on worker w since 20" in running
+
+
+def test_pool_exhaustion_names_the_pool_and_its_settings() -> None:
+    message = str(ConnectionsBusy(50, 30.0))
+    assert "all 50 Redis connections of this client stayed busy for 30 s" in message
+    assert "CONVEYOR_REDIS_MAX_CONNECTIONS" in message
+    assert "is it running" not in message
+    assert ConnectionsBusy.retriable
+
+
+def test_subscription_commands_keep_their_order_and_merge() -> None:
+    queue: list[tuple[Verb, str]] = [
+        ("SUBSCRIBE", "a"),
+        ("SUBSCRIBE", "b"),
+        ("UNSUBSCRIBE", "a"),
+        ("SUBSCRIBE", "a"),
+        *(("SUBSCRIBE", f"c{n}") for n in range(600)),
+    ]
+    commands = _commands(queue)
+    assert [(verb, len(channels)) for verb, channels in commands] == [
+        ("SUBSCRIBE", 2),
+        ("UNSUBSCRIBE", 1),
+        ("SUBSCRIBE", 500),
+        ("SUBSCRIBE", 101),
+    ]
+    assert commands[2][1][0] == "a"

@@ -126,10 +126,16 @@ def test_topics_service_creates_the_workers_topics(services: dict[str, Any]) -> 
     assert "--if-not-exists" in script
 
 
-def test_redis_keeps_nothing_on_disk(services: dict[str, Any]) -> None:
-    command = services["redis"]["command"]
+def test_redis_keeps_results_in_an_append_only_file(services: dict[str, Any]) -> None:
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "${REDIS_APPENDONLY:-yes}"
+    assert command[command.index("--appendfsync") + 1] == "everysec"
     assert command[command.index("--save") + 1] == ""
-    assert command[command.index("--appendonly") + 1] == "no"
+    # On a named volume, so the file outlives the container.
+    assert "redis-data:/data" in redis["volumes"]
+    document = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
+    assert "redis-data" in document["volumes"]
 
 
 def test_dockerfile_installs_the_worker_extra() -> None:
