@@ -74,7 +74,6 @@ class Query(NamedTuple):
     panel: str  # the panel's title
     ref_id: str
     expr: str
-    legend: str
 
 
 def load(path: Path = DASHBOARD) -> dict[str, Any]:
@@ -85,7 +84,7 @@ def load(path: Path = DASHBOARD) -> dict[str, Any]:
 def queries(dashboard: Mapping[str, Any]) -> list[Query]:
     """Every panel query, in panel order."""
     return [
-        Query(panel["title"], target["refId"], target["expr"], target.get("legendFormat", ""))
+        Query(panel["title"], target["refId"], target["expr"])
         for panel in dashboard["panels"]
         for target in panel.get("targets", [])
     ]

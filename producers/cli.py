@@ -25,7 +25,7 @@ COMMANDS = "conveyor_serve.commands"
 """Entry-point group of the commands other packages add, each a ``configure(parser)``."""
 PLUGGED_IN = {"worker": ("consume a model's requests and serve them", "worker")}
 """Commands found through ``COMMANDS``: their help, and the extra that installs them."""
-EXIT_NOT_INSTALLED = 5  # as workers.cli.EXIT_NOT_INSTALLED
+EXIT_NOT_INSTALLED = 5  # as workers.exits.EXIT_NOT_INSTALLED
 _GLOBAL = "global_"  # dest prefix of the connection options given before the command
 
 Configure = Callable[[argparse.ArgumentParser], None]

@@ -19,15 +19,18 @@ from aiokafka.errors import KafkaError
 from common.security import kafka_connect_failed, redis_connect_failed, redis_options
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
+from workers.config.profiles import tuned
 from workers.config.worker import WorkerSettings
 from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
+from workers.handlers.base import ImageModel
 from workers.intake.admission import Admission
 from workers.intake.references import Claims
 from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics
+from workers.model.compile_cache import use_compile_cache
 from workers.model.loader import load_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.observe.health import Check, HealthServer
@@ -78,7 +81,8 @@ async def run_worker(settings: WorkerSettings) -> None:
             )
         )
         facts = await _preflight(settings, topics)
-        runner = parts.runner = await asyncio.to_thread(_load_model, settings)
+        runner, settings = await asyncio.to_thread(_load_model, settings)
+        parts.runner = runner
         if stop.is_set():
             return
         handler = runner.handler
@@ -177,9 +181,11 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
     }
 
 
-def _load_model(settings: WorkerSettings) -> ModelRunner:
+def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
+    """The model, loaded and warmed up, and ``settings`` tuned for it (``tuned``)."""
     started = time.monotonic()
-    set_cuda_sync(resolve_device(settings.device), settings.cuda_sync)
+    device = resolve_device(settings.device)
+    set_cuda_sync(device, settings.cuda_sync)
     handler = load_handler(
         settings.model,
         device=settings.device,
@@ -193,7 +199,10 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
-    cuda = resolve_device(settings.device).type == "cuda"
+    cuda = device.type == "cuda"
+    settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))
+    if settings.compile:
+        use_compile_cache(settings, device)
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
     # recorded; docs/benchmarks.md).
@@ -207,7 +216,7 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
     runner = ModelRunner(
         handler,
         device=settings.device,
-        compile=settings.compile,
+        compile=bool(settings.compile),
         buckets=buckets,
         cuda_graphs=graphs,
     )
@@ -228,7 +237,7 @@ def _load_model(settings: WorkerSettings) -> ModelRunner:
         time.monotonic() - started,
         f"; CUDA graphs for {list(runner.graphed_sizes)}" if runner.graphed_sizes else "",
     )
-    return runner
+    return runner, settings
 
 
 @contextmanager

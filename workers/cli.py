@@ -33,30 +33,17 @@ from common.install import install_hint
 from common.security import ConnectFailed
 from schemas import Limits
 from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
+from workers.exits import (
+    EXIT_BAD_SETTINGS,
+    EXIT_CONFIG,
+    EXIT_DEVICE,
+    EXIT_ENVIRONMENT,
+    EXIT_NOT_INSTALLED,
+    EXIT_STATUSES,
+    EXIT_STOPPED,
+    EXIT_UNREACHABLE,
+)
 from workers.observe.logs import configure_logging
-
-EXIT_STOPPED = 0
-EXIT_BAD_SETTINGS = 2
-EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
-EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
-EXIT_NOT_INSTALLED = 5
-EXIT_ENVIRONMENT = 6
-EXIT_DEVICE = 7  # the model's device failed while serving: restart the worker
-
-EXIT_STATUSES: dict[int, str] = {
-    EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
-    EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
-    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs): "
-    "an operator must act",
-    EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
-    "handshake or the credentials",
-    EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
-    EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
-    "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
-    EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "
-    "of another worker under the same MPS server): restart it; the batches it held went "
-    "unanswered, to another worker",
-}
 
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "model": (
@@ -70,10 +57,12 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "channels_last",
         "decode",
         "compile",
+        "compile_cache",
         "cuda_graphs",
         "cuda_sync",
         "allow_pickle_models",
     ),
+    "processes and cards": ("processes", "gpus", "mps", "profile"),
     "batching": (
         "max_batch_size",
         "max_delay_ms",
@@ -141,6 +130,40 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""
 
+EXPERT = frozenset(
+    {
+        "channels_last",
+        "compile_cache",
+        "cuda_graphs",
+        "cuda_sync",
+        "stage_batches",
+        "stage_partial_batches",
+        "in_flight_target_ms",
+        "decode_threads",
+        "decode_memory_mb",
+        "event_loop",
+        "switch_interval_ms",
+        "session_timeout_ms",
+        "max_poll_interval_ms",
+        "rebalance_timeout_ms",
+        "max_drain_ms",
+        "fetch_buffers",
+        "permanent_error_grace_s",
+        "publishes_in_flight",
+        "transaction_timeout_ms",
+        "unready_after_s",
+        "preprocess",
+        "metrics_host",
+        "worker_id",
+        "group_instance_id",
+        "redis_replica_acks",
+        "s3_region",
+        "s3_addressing_style",
+    }
+)
+"""Tuning the profiles and defaults take care of: accepted as any flag, listed only by
+``--help-all`` (and in docs/settings.md, marked)."""
+
 NESTED = {"limits": Limits}
 """Fields set only through ``CONVEYOR_<FIELD>__<NAME>`` variables or a config file table."""
 
@@ -176,16 +199,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Give ``parser`` one flag per WorkerSettings field, in the sections of FLAG_GROUPS."""
+def add_arguments(parser: argparse.ArgumentParser, *, expert: bool = False) -> None:
+    """Give ``parser`` one flag per WorkerSettings field, in the sections of FLAG_GROUPS;
+    the ``EXPERT`` ones are accepted but listed only with ``expert`` (``--help-all``)."""
     parser.description = f"{_wrap(_DESCRIPTION)}\n\n{_wrap(PRECEDENCE)}"
+    if not expert:
+        parser.description += "\n\n" + _wrap(
+            f"--help-all lists {len(EXPERT)} more options: tuning that the profiles and "
+            "defaults take care of."
+        )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _epilog()
+    parser.add_argument(
+        "--help-all",
+        action=_HelpAll,
+        nargs=0,
+        help="show every option, the expert tuning included, and exit",
+    )
     fields = WorkerSettings.model_fields
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
         for name in names:
-            _add_flag(group, name, fields[name])
+            _add_flag(group, name, fields[name], shown=expert or name not in EXPERT)
     for name, model in NESTED.items():
         parser.add_argument_group(
             f"{name} (variables or config file only)", _nested_help(name, model)
@@ -193,7 +228,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group("other variables", _other_variables_help())
 
 
-def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help of the same command with every flag listed."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        full = argparse.ArgumentParser(prog=parser.prog, add_help=False)
+        add_arguments(full, expert=True)
+        full.print_help()
+        parser.exit()
+
+
+def _add_flag(
+    group: argparse._ArgumentGroup, name: str, info: FieldInfo, *, shown: bool = True
+) -> None:
     flag = "--" + name.replace("_", "-")
     default = default_text(info)
     help_text = plain(describe(name, info))
@@ -203,7 +256,7 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> Non
         help_text += f" (default: {default})"
     help_text += f" [env {env_name(name)}]"
     # argparse formats help with %: a literal percent sign must be doubled.
-    help_text = help_text.replace("%", "%%")
+    help_text = help_text.replace("%", "%%") if shown else argparse.SUPPRESS
     # default=None everywhere: an absent flag must not hide the variable or the file.
     if info.annotation in (bool, bool | None):
         group.add_argument(
@@ -286,12 +339,17 @@ def default_text(info: FieldInfo) -> str:
     return str(default)
 
 
-def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    given: dict[str, Any] = {
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags: field -> value as parsed."""
+    return {
         name: value
         for name, value in vars(args).items()
         if name in WorkerSettings.model_fields and value is not None
     }
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    given = _given(args)
     if "redis_url" in given:
         given["redis_url"] = SecretStr(given["redis_url"])
     return WorkerSettings(**given)
@@ -334,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
         # torch is imported only when a worker really starts, so the client-only
         # install has the rest of the command (and this command's --help).
         from workers.app import run_worker
+        from workers.fleet.supervisor import child_flags, planned, supervise
         from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
@@ -344,7 +403,10 @@ def run(args: argparse.Namespace) -> int:
             EXIT_NOT_INSTALLED,
         )
     try:
+        slots, cards = ([], []) if settings.processes == "1" else planned(settings)
         with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+            if len(slots) > 1:  # several processes: this one supervises them
+                return runner.run(supervise(settings, child_flags(_given(args)), slots, cards))
             runner.run(run_worker(settings))
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc), EXIT_BAD_SETTINGS)
@@ -376,3 +438,14 @@ def fields_in_groups() -> Iterator[str]:
     for names in FLAG_GROUPS.values():
         yield from names
     yield from NESTED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workers.cli``: the worker alone (a host's supervisor starts its processes so)."""
+    parser = argparse.ArgumentParser(prog="conveyor worker")
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

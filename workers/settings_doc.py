@@ -11,7 +11,7 @@ from pydantic.fields import FieldInfo
 
 from workers.cli import (
     ENVIRONMENT_ONLY,
-    EXIT_STATUSES,
+    EXPERT,
     FLAG_GROUPS,
     NESTED,
     PRECEDENCE,
@@ -21,6 +21,7 @@ from workers.cli import (
     env_name,
 )
 from workers.config.worker import WorkerSettings
+from workers.exits import EXIT_STATUSES
 
 
 def settings_reference() -> str:
@@ -34,6 +35,10 @@ def settings_reference() -> str:
         "",
         _md(PRECEDENCE),
         "",
+        "Settings marked *expert* are tuning that the profiles (`--profile`) and the "
+        "defaults take care of: `conveyor worker --help` leaves them out, `--help-all` "
+        "lists them.",
+        "",
     ]
     for title, names in FLAG_GROUPS.items():
         out += [f"## {title}", "", "| flag | variable | default | meaning |", "|---|---|---|---|"]
@@ -46,7 +51,7 @@ def settings_reference() -> str:
                 f"`{flag}`",
                 f"`{env_name(name)}`",
                 _md_default(info),
-                _md(describe(name, info)),
+                _md(describe(name, info)) + (" *(expert)*" if name in EXPERT else ""),
             )
             out.append("| " + " | ".join(cells) + " |")
         out.append("")

@@ -41,7 +41,7 @@ from demo.models.digits import DIGITS_VERSION, heldout_digits
 from producers import AsyncClient, ClientSettings, Status
 from producers.admin import create_model_topics
 from tests.conftest import REPO
-from workers.cli import EXIT_ENVIRONMENT
+from workers.exits import EXIT_ENVIRONMENT
 
 DOCKERFILE = REPO / "compose" / "Dockerfile.worker"
 COMPOSE = REPO / "compose" / "docker-compose.yml"

@@ -30,7 +30,7 @@ import producers
 import schemas
 import workers
 from common.install import DISTRIBUTION
-from workers.cli import EXIT_NOT_INSTALLED
+from workers.exits import EXIT_NOT_INSTALLED
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (schemas, common, workers, producers, demo)

@@ -15,7 +15,7 @@ import pytest
 from pydantic_settings import SettingsError
 
 from producers.cli import build_parser
-from workers import cli, settings_doc
+from workers import cli, exits, settings_doc
 from workers.config.worker import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,8 +56,9 @@ def test_help_is_grouped_in_order(help_text: str) -> None:
     titles = [*cli.FLAG_GROUPS, "limits (variables or config file only)", "other variables"]
     positions = [help_text.index(f"\n{title}:\n") for title in titles]
     assert positions == sorted(positions)
-    assert [*cli.FLAG_GROUPS][:6] == [
+    assert [*cli.FLAG_GROUPS][:7] == [
         "model",
+        "processes and cards",
         "batching",
         "Kafka",
         "Redis",
@@ -75,14 +76,16 @@ def test_help_shows_defaults_variables_and_plain_text(help_text: str) -> None:
     entry = section[section.index("--max-batch-size") : section.index("--max-delay-ms")]
     assert "(default: 32)" in entry
     assert "[env CONVEYOR_MAX_BATCH_SIZE]" in " ".join(entry.split())
-    assert "(default: min(8, CPU count))" in " ".join(help_text.split())  # not this host's count
+    # A computed default reads as its rule, not this host's value (an expert flag: --help-all).
+    everything = " ".join(help_all_text().split())
+    assert "(default: min(8, CPU count))" in everything
     model_section = help_text[help_text.index("\nmodel:\n") :]
     assert "(required)" in model_section.split("--model-name")[0]
     assert "{auto,float32,float16,bfloat16}" in help_text
     for name in ("MAX_PAYLOAD_BYTES", "MAX_PIXELS", "MAX_PARAMS_DEPTH"):
         assert f"CONVEYOR_LIMITS__{name}" in help_text
     assert "CONVEYOR_MODEL_DIR" in help_text
-    for code in cli.EXIT_STATUSES:
+    for code in exits.EXIT_STATUSES:
         assert f"\n  {code} " in help_text
 
 
@@ -164,7 +167,7 @@ def test_a_bad_value_in_the_file_is_a_validation_error(
     cli.add_arguments(parser)
     config = _config(tmp_path, 'model = "digits"\nmax_batch_size = 0\n')
     status = cli.run(parser.parse_args(["--config-file", str(config)]))
-    assert status == cli.EXIT_BAD_SETTINGS
+    assert status == exits.EXIT_BAD_SETTINGS
     assert "max_batch_size" in capsys.readouterr().err
 
 
@@ -174,7 +177,7 @@ def test_a_config_mistake_exits_with_one_line(
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--model", "digits", "--config-file", str(tmp_path / "no.toml")])
-    assert cli.run(args) == cli.EXIT_BAD_SETTINGS
+    assert cli.run(args) == exits.EXIT_BAD_SETTINGS
     err = capsys.readouterr().err
     assert err.startswith("conveyor worker: config file ")
     assert err.count("\n") == 1
@@ -194,3 +197,31 @@ def test_settings_reference_is_current() -> None:
     assert documented == settings_doc.settings_reference(), (
         "docs/settings.md is stale: run `make settings-doc` and commit the result"
     )
+
+
+def help_all_text() -> str:
+    parser = argparse.ArgumentParser(prog="conveyor worker", add_help=False)
+    cli.add_arguments(parser, expert=True)
+    return parser.format_help()
+
+
+def test_expert_flags_are_accepted_but_listed_only_by_help_all(help_text: str) -> None:
+    shown, listed = _options(help_text), _options(help_all_text())
+    for name in cli.EXPERT:
+        flag = "--" + name.replace("_", "-")
+        assert flag not in shown, flag
+        assert flag in listed, flag
+    assert "--help-all lists" in help_text
+    args = argparse.ArgumentParser()
+    cli.configure(args)
+    parsed = args.parse_args(["--model", "digits", "--stage-batches", "3", "--no-fetch-buffers"])
+    settings = cli.settings_from_args(parsed)
+    assert (settings.stage_batches, settings.fetch_buffers) == (3, False)
+    assert len(shown) < 50
+
+
+def _options(help_text: str) -> set[str]:
+    """The flags a help text lists as options (not the ones its descriptions mention)."""
+    return {
+        line.split()[0].rstrip(",") for line in help_text.splitlines() if line.startswith("  --")
+    }

@@ -107,7 +107,18 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
         "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
     )
-    compile: bool = Field(default=False, description="torch.compile the model")
+    compile: bool | None = Field(
+        default=None,
+        description="torch.compile the model (default: on for CUDA devices); the compiled "
+        "code is cached in --compile-cache, so the processes of a host and later starts "
+        "compile once",
+    )
+    compile_cache: Path | None = Field(
+        default=None,
+        description="folder of the compile cache (default: $XDG_CACHE_HOME/conveyor-serve/"
+        "compile, else ~/.cache/conveyor-serve/compile); one subfolder per model, weights, "
+        "torch version and GPU",
+    )
     cuda_graphs: bool | None = Field(
         default=None,
         description="replay the forward as CUDA graphs, one per batch-size bucket, recorded "
@@ -125,11 +136,45 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="allow model files that are unpickled on load (torch.export archives)",
     )
 
+    # One host: the processes, their cards, and the tuning they share.
+    processes: str = Field(
+        default="auto",
+        description="worker processes on this host: auto (on CUDA one a CPU core, at most "
+        "8 a card, as many as the card's memory holds; on the CPU one) or a number. More "
+        "than one runs a supervisor that starts them, merges their metrics, restarts a "
+        "crashed one and drains them all on SIGTERM (docs/operations.md)",
+    )
+    gpus: str = Field(
+        default="all", description="cards the processes spread over: all, or indices as 0,1"
+    )
+    mps: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="run each card's processes under an NVIDIA MPS server, so that their "
+        "kernels overlap: auto = when a card has several processes and no MPS server runs "
+        "already (the supervisor starts and stops its own); on = fail without one",
+    )
+    profile: Literal["throughput", "latency"] = Field(
+        default="throughput",
+        description="the tuning the other defaults follow: throughput fills the card; "
+        "latency keeps fewer batches queued in the model stage and closes them sooner "
+        "(docs/operations.md lists what each sets)",
+    )
+
     # Batching.
-    max_batch_size: int = Field(default=32, ge=1, le=4096)
-    """most requests in one batch (one forward pass)"""
-    max_delay_ms: float = Field(default=5.0, ge=0, le=60_000)
-    """longest the oldest request of a batch waits for the batch to fill"""
+    max_batch_size: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description="most requests in one batch (one forward pass); fixed-size image models "
+        "on a GPU default to 256",
+    )
+    max_delay_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=60_000,
+        description="longest the oldest request of a batch waits for the batch to fill "
+        "(the latency profile: 2)",
+    )
     stage_batches: int | None = Field(default=None, ge=1)
     """batches in the model stage at once, running ones included (default: 4 on a GPU, 2 on CPU)"""
     stage_partial_batches: int | None = Field(default=None, ge=1)
@@ -334,6 +379,25 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
             env_settings,
             ConfigFileSource(settings_cls, init_settings, env_settings),
         )
+
+    @field_validator("processes")
+    @classmethod
+    def _check_processes(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value == "auto":
+            return value
+        if not value.isdigit() or not 1 <= int(value) <= 512:
+            raise ValueError(f"processes must be auto or a number from 1 to 512, not {value!r}")
+        return str(int(value))
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: str) -> str:
+        value = value.strip().lower()
+        parts = [part.strip() for part in value.split(",")]
+        if value != "all" and not (parts and all(part.isdigit() for part in parts)):
+            raise ValueError(f"gpus must be all or card indices such as 0,1, not {value!r}")
+        return value if value == "all" else ",".join(parts)
 
     @field_validator("device")
     @classmethod

@@ -25,12 +25,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from workers.observe.metrics import Metrics
-
-__all__ = ["Check", "HealthServer", "Readiness"]
+__all__ = ["Check", "Exposition", "HealthServer", "Readiness"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +44,20 @@ _REASONS = {
 }
 _TEXT = "text/plain; charset=utf-8"
 _JSON = "application/json"
+
+
+class Exposition(Protocol):
+    """What ``/metrics`` serves: a worker's ``Metrics``, or a supervisor's merge of its
+    processes' (``workers.fleet``), which reads them first (``render`` may be async)."""
+
+    @property
+    def content_type(self) -> str: ...
+
+    def set_ready(self, ready: bool) -> None: ...
+
+    def set_loop_lag(self, seconds: float) -> None: ...
+
+    def render(self) -> bytes | Awaitable[bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +81,7 @@ class HealthServer:
 
     def __init__(
         self,
-        metrics: Metrics,
+        metrics: Exposition,
         checks: Mapping[str, Check],
         *,
         host: str,
@@ -217,7 +228,10 @@ class HealthServer:
     async def _route(self, path: str) -> _Response:
         if path == "/metrics":
             await self.readiness()  # keeps conveyor_ready current between probes
-            return _Response(200, self._metrics.content_type, self._metrics.render())
+            body = self._metrics.render()
+            if inspect.isawaitable(body):
+                body = await body
+            return _Response(200, self._metrics.content_type, body)
         if path == "/healthz":
             alive, why = self.liveness()
             return _text(200 if alive else 503, why + "\n")

@@ -1,0 +1,151 @@
+"""One ``conveyor worker --processes N`` on the CPU: a supervisor and its worker processes.
+
+The real broker and Redis, the supervisor as a real process with real children (no
+MPS, no GPU): they serve together behind one ``/readyz`` and one ``/metrics``; a
+child killed mid-backlog is started again and nothing is lost; SIGTERM drains every
+child; a topic with fewer partitions than processes is a clear exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
+from producers.testing import Fleet, WorkerProcess, count_results, produce, tally, until
+from producers.testing.net import http_get
+from schemas import topics_for
+from tests.faults import faulty
+from tests.harness import digit_requests
+from workers.exits import EXIT_CONFIG, EXIT_STOPPED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def children_of(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended meanwhile
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+async def host_metrics(host: WorkerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of the host's /metrics, by sample name."""
+    port = host.metrics_port()
+    assert port is not None
+    status, body = await http_get(port, "/metrics")
+    assert status == 200
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+@pytest.mark.timeout(240)
+async def test_one_command_runs_processes_that_serve_behind_one_port_and_drain_together(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    topics = topics_for(model_name)
+    await create_model_topics(client_settings, model_name, partitions=3)
+    host = workers.start("--processes", "3")
+    await host.until_ready(180)  # every process ready: the host's /readyz is 200
+    assert len(children_of(host.pid)) == 3
+
+    requests, ids = digit_requests(digits, 600, prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)
+    counted = await tally(kafka_bootstrap, redis_url, topics.results, ids, timeout_s=120)
+    assert counted.lost == 0, workers.logs()[-3000:]
+    assert counted.duplicate_visible == 0
+
+    samples = await host_metrics(host)
+    fleet = {labels["state"]: value for labels, value in samples["conveyor_fleet_processes"]}
+    assert fleet == {"wanted": 3.0, "running": 3.0, "ready": 3.0}
+    answered = [
+        (labels["process"], value)
+        for labels, value in samples["conveyor_requests_total"]
+        if labels["status"] == "ok"
+    ]
+    assert len({process for process, _ in answered}) == 3  # one series a process
+    assert sum(value for _, value in answered) == 600  # the host's total is their sum
+
+    host.signal(signal.SIGTERM)
+    assert await host.exited(90) == EXIT_STOPPED
+    log = host.log()
+    assert log.count("drained and stopping") == 3, log[-3000:]
+    assert "second SIGTERM" not in log  # each process got one signal: its drain ran to the end
+    assert "every worker process stopped" in log
+
+
+@pytest.mark.timeout(240)
+async def test_a_killed_process_is_started_again_and_nothing_is_lost(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    topics = topics_for(model_name)
+    await create_model_topics(client_settings, model_name, partitions=3)
+    host = workers.start(
+        "--processes", "2", "--max-batch-size", "8", model=faulty.SPEC,
+        env={"CONVEYOR_TEST_SLOW_MS": "40"},
+    )  # fmt: skip
+    await host.until_ready(180)
+    first = children_of(host.pid)
+    assert len(first) == 2
+
+    requests, ids = digit_requests(digits, 600, prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)
+
+    async def some_answered() -> bool:
+        return await count_results(redis_url, ids) >= 60
+
+    await until(some_answered, "a tenth of the backlog answered", 60, host.log, [host])
+    victim = first[0]
+    os.kill(victim, signal.SIGKILL)  # mid-backlog: its batches in flight go unanswered
+
+    async def replaced() -> bool:
+        now = children_of(host.pid)
+        return len(now) == 2 and victim not in now
+
+    await until(replaced, "the killed process is started again", 60, host.log, [host])
+    counted = await tally(kafka_bootstrap, redis_url, topics.results, ids, timeout_s=150)
+    assert counted.lost == 0, host.log()[-3000:]
+    assert counted.duplicate_visible == 0
+    samples = await host_metrics(host)
+    [(_, restarts)] = samples["conveyor_fleet_restarts_total"]
+    assert restarts == 1.0
+    assert "starting it again" in host.log()
+
+
+@pytest.mark.timeout(120)
+async def test_fewer_partitions_than_processes_is_a_clear_exit(
+    client_settings: ClientSettings, model_name: str, workers: Fleet
+) -> None:
+    await create_model_topics(client_settings, model_name, partitions=2)
+    host = workers.start("--processes", "3")
+    status = await host.exited(60)
+    assert status == EXIT_CONFIG
+    log = host.log()
+    assert f"conveyor.{model_name}.requests has 2 partitions for 3 processes" in log
+    assert "Add partitions" in log
+    assert "--partitions 3" in log
+    assert "loaded its model" not in log  # refused before any process started

@@ -1,0 +1,170 @@
+"""The pure parts of one command per host: the plan, the metrics merge, the children's
+flags, MPS detection and the profiles (tests/integration/test_fleet.py runs the processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers.config.profiles import GPU_IMAGE_BATCH, tuned
+from workers.config.worker import WorkerSettings
+from workers.fleet import mps, plan
+from workers.fleet.exposition import merge
+from workers.fleet.plan import Card, Slot
+from workers.fleet.supervisor import child_flags
+
+H100 = Card(0, "NVIDIA H100 80GB HBM3", 81559, 500)
+
+
+def cards(n: int) -> list[Card]:
+    return [Card(k, H100.name, H100.memory_mb, H100.used_mb) for k in range(n)]
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cores", "gpus", "per_card"),
+    [(16, 1, 8), (8, 1, 8), (4, 1, 4), (1, 1, 1), (32, 2, 8), (64, 4, 8), (12, 4, 3), (2, 4, 1)],
+)
+def test_auto_is_one_process_a_core_at_most_eight_a_card(
+    cores: int, gpus: int, per_card: int
+) -> None:
+    assert plan.per_card(None, gpus, cores) == per_card
+    placed = plan.slots(None, cards(gpus), cores)
+    assert len(placed) == per_card * gpus
+    assert {s.card for s in placed} == set(range(gpus))
+
+
+def test_an_explicit_count_spreads_card_by_card() -> None:
+    placed = plan.slots(5, cards(2), cores=64)
+    assert [(s.card, s.number) for s in placed] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+
+
+def test_on_the_cpu_auto_is_one_process_and_a_count_is_that_many() -> None:
+    assert plan.slots(None, [], cores=16) == [Slot(None, 0)]
+    assert [s.device for s in plan.slots(3, [], cores=16)] == ["cpu"] * 3
+
+
+def test_names_are_stable_per_card_and_number() -> None:
+    assert Slot(1, 3).name("pod-7") == "pod-7-1-3"
+    assert Slot(None, 0).name("host") == "host-cpu-0"
+    assert Slot(2, 0).device == "cuda:2"
+
+
+def test_the_cards_chosen() -> None:
+    four = cards(4)
+    assert plan.chosen_cards("all", "auto", four) == four
+    assert plan.chosen_cards("2,0", "cuda", four) == [four[2], four[0]]
+    assert plan.chosen_cards("all", "cuda:3", four) == [four[3]]
+    assert plan.chosen_cards("all", "cpu", four) == []
+    with pytest.raises(ValueError, match=r"no GPU 5 on this host \(visible: 0, 1, 2, 3\)"):
+        plan.chosen_cards("1,5", "cuda", four)
+
+
+def test_memory_measured_on_the_first_process_caps_the_count() -> None:
+    card = Card(0, "small", memory_mb=24_000, used_mb=1_000)
+    assert plan.fit_in_memory(card, first_mb=5_000, wanted=8) == 4  # (21,600 - 1,000) // 5,000
+    assert plan.fit_in_memory(card, first_mb=1_000, wanted=8) == 8
+    assert plan.fit_in_memory(card, first_mb=50_000, wanted=8) == 1  # one runs whatever it costs
+    assert plan.fit_in_memory(card, first_mb=0, wanted=8) == 8  # nothing measured
+
+
+def test_decode_threads_share_the_cores() -> None:
+    assert plan.decode_threads(16, 8) == 2
+    assert plan.decode_threads(4, 8) == 1
+
+
+# -- the children's flags -------------------------------------------------------------------
+
+
+def test_children_get_the_users_flags_and_secrets_as_variables() -> None:
+    flags, env = child_flags(
+        {
+            "model": "torchvision:resnet50",
+            "max_batch_size": "128",
+            "compile": False,
+            "channels_last": True,
+            "redis_url": "redis://:hunter2@redis:6379/0",
+            "kafka_password": "s3cret",
+            "processes": "auto",  # the supervisor's own: each child is one
+            "metrics_port": "9406",  # the host's port: each child takes a private one
+            "group_instance_id": "pod-0",  # each child gets pod-0-<card>-<n>
+        }
+    )
+    assert flags == [
+        *("--model", "torchvision:resnet50", "--max-batch-size", "128"),
+        *("--no-compile", "--channels-last"),
+    ]
+    assert env == {
+        "CONVEYOR_REDIS_URL": "redis://:hunter2@redis:6379/0",
+        "CONVEYOR_KAFKA_PASSWORD": "s3cret",
+    }
+
+
+# -- the merged /metrics --------------------------------------------------------------------
+
+
+def _exposition(answered: float) -> str:
+    registry = CollectorRegistry()
+    counter = Counter("conveyor_requests", "Requests answered.", ["model"], registry=registry)
+    counter.labels("m").inc(answered)
+    return generate_latest(registry).decode()
+
+
+def test_merged_metrics_keep_each_process_apart_and_sum_in_queries() -> None:
+    text = merge([("h-0-0", _exposition(5)), ("h-0-1", _exposition(7)), ("h-0-2", None)])
+    [family] = [
+        f for f in text_string_to_metric_families(text.decode()) if f.name == "conveyor_requests"
+    ]
+    totals = {s.labels["process"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert totals == {"h-0-0": 5.0, "h-0-1": 7.0}  # the one that did not answer is left out
+    assert text.decode().count("# TYPE conveyor_requests_total counter") == 1
+
+
+# -- MPS --------------------------------------------------------------------------------------
+
+
+def test_an_mps_server_already_running_is_found_by_its_pipes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mps, "SYSTEM_PIPES", tmp_path / "system")
+    monkeypatch.setenv(mps.PIPE_VARIABLE, str(tmp_path / "mine"))
+    assert mps.running_server() is None
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "control").touch()
+    assert mps.running_server() == tmp_path / "mine"
+
+
+def test_without_the_control_program_mps_is_unavailable_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(mps.MpsUnavailable, match="nvidia-cuda-mps-control is not on PATH"):
+        mps.MpsServer.start()
+
+
+# -- profiles ---------------------------------------------------------------------------------
+
+
+def test_profiles_fill_in_only_what_was_not_given() -> None:
+    given = WorkerSettings(model="digits", profile="latency", stage_batches=3)
+    latency = tuned(given, cuda=True, fixed_size_images=True)
+    assert latency.stage_batches == 3  # given: the profile leaves it
+    assert latency.stage_partial_batches == 1
+    assert latency.max_delay_ms == 2.0
+    assert latency.compile is True
+    assert latency.max_batch_size == GPU_IMAGE_BATCH
+
+    throughput = tuned(WorkerSettings(model="digits"), cuda=True, fixed_size_images=False)
+    assert throughput.max_batch_size == 32  # a model of variable-size images keeps 32
+    assert throughput.stage_batches is None  # the model stage's own default (4 on a GPU)
+
+    cpu = tuned(
+        WorkerSettings(model="digits", max_batch_size=64), cuda=False, fixed_size_images=True
+    )
+    assert cpu.compile is False
+    assert cpu.max_batch_size == 64

@@ -1,0 +1,47 @@
+"""Profiles: the tuning ``--profile throughput|latency`` chooses for the settings left unset.
+
+A setting given as a flag, a ``CONVEYOR_*`` variable or a key of the config file
+always wins; a profile only fills in what the user did not say. What each sets:
+
+| setting | throughput (default) | latency |
+|---|---|---|
+| ``max_delay_ms`` | 5 | 2 |
+| ``stage_batches`` (batches in the model stage) | 4 on a GPU, 2 on the CPU | 2 |
+| ``stage_partial_batches`` | 2 | 1 |
+
+and, for both, on a CUDA device: ``compile`` on (cached per host, so a restart
+does not compile again), and ``max_batch_size`` 256 for fixed-size image models
+(classification and embeddings; other models keep 32). docs/operations.md
+"Sizing" has the measurements these follow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.config.worker import WorkerSettings
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "throughput": {},  # the declared defaults are the throughput ones
+    "latency": {"max_delay_ms": 2.0, "stage_batches": 2, "stage_partial_batches": 1},
+}
+"""Per profile: the values it gives settings that were left unset."""
+
+GPU_IMAGE_BATCH = 256
+"""``max_batch_size`` of a fixed-size image model on a GPU, unless set."""
+
+
+def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> WorkerSettings:
+    """``settings`` with the profile's values, and the device's, for every setting left unset.
+
+    ``cuda``: the model runs on a CUDA device; ``fixed_size_images``: its handler takes
+    images fitted to one size (a classifier or an embedder), cheap per image, so large
+    batches keep the card busy.
+    """
+    given = settings.model_fields_set
+    update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
+    if "compile" not in given:
+        update["compile"] = cuda
+    if cuda and fixed_size_images and "max_batch_size" not in given:
+        update["max_batch_size"] = GPU_IMAGE_BATCH
+    return settings.model_copy(update=update)

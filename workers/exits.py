@@ -1,0 +1,33 @@
+"""Exit statuses of ``conveyor worker``, for supervisors and scripts (docs/settings.md).
+
+Shared by the worker process (``workers.cli``) and the supervisor of a host's processes
+(``workers.fleet``), which restarts a process after some and stops the host after others.
+"""
+
+from __future__ import annotations
+
+EXIT_STOPPED = 0
+EXIT_BAD_SETTINGS = 2
+EXIT_CONFIG = 3  # topics missing or access refused: retrying does not help
+EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
+EXIT_NOT_INSTALLED = 5
+EXIT_ENVIRONMENT = 6
+EXIT_DEVICE = 7  # the model's device failed while serving: restart the worker
+
+EXIT_STATUSES: dict[int, str] = {
+    EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
+    EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
+    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs): "
+    "an operator must act",
+    EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
+    "handshake or the credentials",
+    EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
+    EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
+    "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
+    EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "
+    "of another worker under the same MPS server): restart it; the batches it held went "
+    "unanswered, to another worker",
+}
+
+PERMANENT = frozenset({EXIT_BAD_SETTINGS, EXIT_CONFIG, EXIT_NOT_INSTALLED, EXIT_ENVIRONMENT})
+"""Statuses that starting the process again cannot change: an operator must act."""
