@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import io
@@ -62,6 +61,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,7 +69,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -95,6 +95,7 @@ from bench.stats import (
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import (
+    WORKER_COMMAND,
     Fleet,
     WorkerConfig,
     WorkerProcess,
@@ -112,6 +113,7 @@ from schemas.fastpath import FastMeta
 from workers.decode.gpu import BatchDecoder, DecodeOption
 from workers.decode.images import ImageSpec, crop_box, decode_image
 from workers.decode.jpeg import READ_MODES, decode_jpegs
+from workers.fleet import plan
 from workers.handlers.base import Handler, ImageClassifier
 from workers.model.inference import Inference
 from workers.model.loader import load_handler
@@ -119,7 +121,18 @@ from workers.model.runner import ModelRunner, compile_forward, resolve_device
 from workers.offsets import OffsetTracker
 from workers.types import Item, Outcome
 
-STAGES = ("forward", "decode", "overlap", "naive", "checks", "pipeline", "e2e", "kill", "detect")
+STAGES = (
+    "forward",
+    "decode",
+    "overlap",
+    "naive",
+    "checks",
+    "pipeline",
+    "e2e",
+    "ready",
+    "kill",
+    "detect",
+)
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
 PLOT_FILE = "gpu-bench.png"
@@ -840,55 +853,46 @@ def stage_e2e(
     args: argparse.Namespace,
     checkpoint: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Each layout of ``--e2e-configs`` (workers x GPUs) on each corpus; repeats per run.
-    ``checkpoint`` gets the rows so far after each (a run cut short keeps them)."""
+    """Each layout of ``--e2e-configs`` (processes a card x cards) on each corpus: the one
+    command per host (``conveyor worker``, a supervisor and its processes), repeats per
+    layout. ``checkpoint`` gets the rows so far after each (a run cut short keeps them)."""
     _pin_services(args)
     out: dict[str, Any] = {}
-    with mps_daemon(args.mps):
-        for layout in args.e2e_configs.split(","):
-            workers, gpus = (int(n) for n in layout.lower().split("x"))
-            for corpus in corpora:
-                key = f"{layout} {corpus.name}"
-                out[key] = asyncio.run(_e2e_one(cfg, corpus, args, workers, gpus))
-                out[key]["mps"] = args.mps
-                print(f"  e2e {key}: {json.dumps(_rounded(out[key]))}", flush=True)
-                checkpoint(out)
+    variant = "".join(
+        f"/{value}"
+        for value, default in ((args.profile, "throughput"), (args.worker_decode, "auto"))
+        if value != default
+    )  # e.g. autox1/latency/gpu-hw: rows of several calls merge side by side
+    for layout in args.e2e_configs.split(","):
+        per_card, gpus = parse_layout(layout)
+
+        def done(corpus: Corpus, row: dict[str, Any], layout: str = layout + variant) -> None:
+            key = f"{layout} {corpus.name}"
+            out[key] = row
+            print(f"  e2e {key}: {json.dumps(_rounded(row))}", flush=True)
+            checkpoint(out)
+
+        asyncio.run(_e2e_one(cfg, corpora, args, per_card, gpus, done))
     return out
 
 
-@contextlib.contextmanager
-def mps_daemon(enabled: bool) -> Iterator[None]:
-    """An MPS control daemon of this run's own while the block runs (``--mps``): its pipe
-    and log directories are fresh, so only the processes started inside the block (they
-    inherit the environment) share its server, and other users of the card are left alone.
-    Without MPS the workers on one card take turns on it (time slices): one worker's
-    decode kernels never run beside another's forward."""
-    if not enabled:
-        yield
-        return
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH")
-    root = Path(tempfile.mkdtemp(prefix="conveyor-mps-"))
-    env = {
-        "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
-        "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
-    }
-    for path in env.values():
-        Path(path).mkdir()
-    subprocess.run([control, "-d"], env=os.environ | env, stdin=subprocess.DEVNULL, check=True)
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    print(f"  MPS control daemon started ({root})", flush=True)
-    try:
-        yield
-    finally:
-        subprocess.run([control], input=b"quit\n", env=os.environ | env, check=False)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def parse_layout(layout: str) -> tuple[int | None, int]:
+    """``PxG``: P processes a card (``auto``: the command's own choice) on G cards."""
+    per_card, _, gpus = layout.lower().partition("x")
+    if not gpus.isdigit() or not (per_card == "auto" or per_card.isdigit()):
+        raise SystemExit(f"layout {layout!r}: write PROCESSESxCARDS, e.g. autox1, 8x2")
+    return (None if per_card == "auto" else int(per_card)), int(gpus)
+
+
+def expected_processes(per_card: int | None, gpus: int, args: argparse.Namespace) -> int:
+    """How many processes the one command will run for a layout: what ``processes auto``
+    decides from the cores it may use (the workers' ones with ``--pin``) and the cards."""
+    if per_card is not None:
+        return per_card * max(gpus, 1)
+    if gpus == 0:
+        return 1
+    cores = len(_worker_cores(args)) if args.pin else len(_cores())
+    return plan.per_card(None, gpus, cores) * gpus
 
 
 def _pin_services(args: argparse.Namespace) -> None:
@@ -976,127 +980,168 @@ def _pin_all_threads(pid: int, cores: set[int]) -> None:
 
 
 async def _e2e_one(
-    cfg: Config, corpus: Corpus, args: argparse.Namespace, workers: int, gpus: int
-) -> dict[str, Any]:
-    """Start the workers, wait until every one is ready and the group is stable, then
-    produce backlogs (in parallel producer processes) and time the steady state."""
+    cfg: Config,
+    corpora: Sequence[Corpus],
+    args: argparse.Namespace,
+    per_card: int | None,
+    gpus: int,
+    done: Callable[[Corpus, dict[str, Any]], None],
+) -> None:
+    """Start the one command (a partition for each of its processes) and wait until the
+    host is ready and the group settled; then, corpus by corpus, produce backlogs (in
+    parallel producer processes), time the steady state, and the latency at half that
+    rate. ``done`` gets each corpus's row."""
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
-    model = f"gpubench{corpus.width}x{corpus.height}w{workers}g{gpus}r{run}"
+    processes = expected_processes(per_card, gpus, args)
+    partitions = args.partitions or processes
+    model = f"gpubench{layout_name(per_card, gpus)}r{run}"
     # "append": the broker stamps each request when it appends it, so the paced load's
     # latency runs from the request being in Kafka; the producers' own lag is
     # reported beside it (acknowledged after due).
     stamp = {"append": "LogAppendTime", "due": "CreateTime"}[args.latency_from]
     await create_model_topics(
-        settings, model, args.partitions, configs={"requests": {"message.timestamp.type": stamp}}
+        settings, model, partitions, configs={"requests": {"message.timestamp.type": stamp}}
     )
     fleet = _fleet(cfg, model, args)
-    mix = ",".join(_worker_decode(args, k) for k in range(workers))
-    row: dict[str, Any] = {
-        "workers": workers,
-        "gpus": gpus,
-        "compiled": cfg.compile,
-        "decode": mix,
-        "latency_from": args.latency_from,
-    }
     try:
-        procs = [_start_worker(fleet, cfg, args, k, workers, gpus) for k in range(workers)]
-        # Ready means it owns partitions; ready again a second later: the group has settled.
-        row["ready_s"] = await until_all_ready(procs, args.ready_timeout, settle_s=1.0)
-        runs = []
-        for repeat in range(args.repeats):
-            prefix = f"{run}-b{repeat}"
-            samplers: list[subprocess.Popen[bytes]] = []
-
-            def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
-                if args.profile_s and args.profile_phase == "backlog" and repeat == 1:
-                    samplers.append(_profile(args, procs[0].pid, workers, gpus, corpus))
-
-            with UtilizationSampler(gpus) as gpu:
-                produced = await _produce_parallel(
-                    args, model, corpus, prefix, cfg.e2e_count, on_visible=sample
-                )
-                results = await _await_results(prefix, cfg.e2e_count, args, procs)
-            for sampler in samplers:
-                sampler.wait(timeout=args.profile_s + 30)
-            runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
-            print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
-        rates = sorted(r["img_s"] for r in runs)
-        row.update(
-            {
-                "runs": runs,
-                "img_s": statistics.median(rates),
-                "img_s_min": rates[0],
-                "img_s_max": rates[-1],
-                "gpu_util_pct": statistics.median(r["gpu_util_pct"] for r in runs),
-                "mean_batch": statistics.median(r["mean_batch"] for r in runs),
+        started = time.monotonic()
+        host = _start_host(fleet, cfg, args, per_card, gpus)
+        # Ready: every process owns partitions; ready again a second later: settled.
+        await until_all_ready([host], args.ready_timeout, settle_s=1.0)
+        ready_s = time.monotonic() - started
+        for n, corpus in enumerate(corpora):
+            row: dict[str, Any] = {
+                "processes": len(host.children()) or 1,
+                "gpus": gpus,
+                "partitions": partitions,
+                "compiled": cfg.device.type == "cuda" and "--no-compile" not in args.worker_options,
+                "profile": args.profile,
+                "decode": args.worker_decode,
+                "latency_from": args.latency_from,
+                "ready_s": ready_s if n == 0 else math.nan,  # the host's start, once
+                "command": " ".join(host.config.argv()[len(WORKER_COMMAND) :]),
             }
-            | {key: statistics.median(r[key] for r in runs) for key in MODEL_STAGE_KEYS}
-        )
-        # Latency at about half the peak, open loop (each record stamped when due).
-        paced_rate = min(row["img_s"] / 2, args.paced_max_rate)
-        count = max(int(paced_rate * args.paced_s), 1)
-        paced_samplers: list[subprocess.Popen[bytes]] = []
-        cores_at_go: dict[int, tuple[int, int]] = {}
-
-        def sample_paced() -> None:
-            cores_at_go.update(_core_times())
-            if args.profile_s and args.profile_phase == "paced":
-                paced_samplers.append(_profile(args, procs[0].pid, workers, gpus, corpus))
-
-        sent = await _paced_parallel(
-            args, model, corpus, f"{run}-p", count, paced_rate, on_go=sample_paced
-        )
-        achieved = sent["rate"]
-        # While the paced load was sent: a group near 100% queues everything it serves.
-        cores_busy = _cores_busy(cores_at_go, _core_times(), args)
-        paced = await _await_results(f"{run}-p", count, args, procs)
-        for sampler in paced_samplers:
-            sampler.wait(timeout=args.profile_s + 30)
-        summary = latency_summary(paced)
-        row.update(
-            {
-                "paced_rate": achieved,
-                "paced_target": paced_rate,
-                # Producers that fell behind their rate (``paced_processes``): their own
-                # lag would count as the workers' latency, so the row reports none.
-                "paced_kept_up": achieved >= 0.95 * paced_rate,
-                "p50_ms": summary["p50_ms"],
-                "p99_ms": summary["p99_ms"],
-                "paced_compute_p99_ms": summary["compute_p99_ms"],  # per batch
-                "paced_mean_batch": summary["mean_batch_size"],
-                "paced_cores_busy_pct": cores_busy,
-                "in_worker_p50_ms": summary["in_worker_p50_ms"],
-                "in_worker_p99_ms": summary["in_worker_p99_ms"],
-                "acked_p50_ms": sent["acked_p50_ms"],
-                "acked_p99_ms": sent["acked_p99_ms"],
-            }
-            | {key: value for key, value in summary.items() if key.startswith(LATENCY_PARTS)}
-        )
-        print(
-            f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)} (worst producer);"
-            f" in the worker {row['in_worker_p50_ms']:.1f}/{row['in_worker_p99_ms']:.1f} ms,"
-            f" batches of {row['paced_mean_batch']:.1f}, compute p99"
-            f" {row['paced_compute_p99_ms']:.1f} ms; cores busy (%)"
-            f" {json.dumps({k: round(v, 1) for k, v in cores_busy.items()})}",
-            flush=True,
-        )
+            load = _Load(model, f"{run}{n}", partitions, host, per_card, gpus)
+            row.update(await _backlogs(cfg, corpus, args, load))
+            row.update(await _paced(corpus, args, load, row["img_s"]))
+            done(corpus, row)
     finally:
         await fleet.aclose()
         await delete_model_topics(settings, model)
+
+
+async def _backlogs(
+    cfg: Config, corpus: Corpus, args: argparse.Namespace, load: _Load
+) -> dict[str, Any]:
+    """``--repeats`` backlogs, each produced at once: the steady state's median and spread."""
+    runs = []
+    for repeat in range(args.repeats):
+        prefix = f"{load.run}-b{repeat}"
+        samplers: list[subprocess.Popen[bytes]] = []
+
+        def sample(repeat: int = repeat, samplers: list[Any] = samplers) -> None:
+            if args.profile_s and args.profile_phase == "backlog" and repeat == 1:
+                samplers.append(_profile(args, load.host, load.per_card, load.gpus, corpus))
+
+        with UtilizationSampler(load.gpus) as gpu:
+            produced = await _produce_parallel(
+                args, load.model, corpus, prefix, cfg.e2e_count, load.partitions, on_visible=sample
+            )
+            results = await _await_results(prefix, cfg.e2e_count, args, [load.host])
+        for sampler in samplers:
+            sampler.wait(timeout=args.profile_s + 30)
+        runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
+        print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
+    rates = sorted(r["img_s"] for r in runs)
+    return {
+        "runs": runs,
+        "img_s": statistics.median(rates),
+        "img_s_min": rates[0],
+        "img_s_max": rates[-1],
+        "gpu_util_pct": statistics.median(r["gpu_util_pct"] for r in runs),
+        "mean_batch": statistics.median(r["mean_batch"] for r in runs),
+    } | {key: statistics.median(r[key] for r in runs) for key in MODEL_STAGE_KEYS}
+
+
+@dataclass(frozen=True)
+class _Load:
+    """Where a layout's load goes: its model's topics, its run id, the host serving it."""
+
+    model: str
+    run: str
+    partitions: int
+    host: WorkerProcess
+    per_card: int | None
+    gpus: int
+
+
+async def _paced(
+    corpus: Corpus, args: argparse.Namespace, load: _Load, peak: float
+) -> dict[str, Any]:
+    """Latency at about half the peak, open loop (each record stamped when due)."""
+    model, run, partitions, host = load.model, load.run, load.partitions, load.host
+    per_card, gpus = load.per_card, load.gpus
+    paced_rate = min(peak / 2, args.paced_max_rate)
+    count = max(int(paced_rate * args.paced_s), 1)
+    paced_samplers: list[subprocess.Popen[bytes]] = []
+    cores_at_go: dict[int, tuple[int, int]] = {}
+
+    def sample_paced() -> None:
+        cores_at_go.update(_core_times())
+        if args.profile_s and args.profile_phase == "paced":
+            paced_samplers.append(_profile(args, host, per_card, gpus, corpus))
+
+    sent = await _paced_parallel(
+        args, model, corpus, f"{run}-p", count, paced_rate, partitions, on_go=sample_paced
+    )
+    achieved = sent["rate"]
+    # While the paced load was sent: a group near 100% queues everything it serves.
+    cores_busy = _cores_busy(cores_at_go, _core_times(), args)
+    paced = await _await_results(f"{run}-p", count, args, [host])
+    for sampler in paced_samplers:
+        sampler.wait(timeout=args.profile_s + 30)
+    summary = latency_summary(paced)
+    row = {
+        "paced_rate": achieved,
+        "paced_target": paced_rate,
+        # Producers that fell behind their rate (``paced_processes``): their own
+        # lag would count as the workers' latency, so the row reports none.
+        "paced_kept_up": achieved >= 0.95 * paced_rate,
+        "p50_ms": summary["p50_ms"],
+        "p99_ms": summary["p99_ms"],
+        "paced_compute_p99_ms": summary["compute_p99_ms"],  # per batch
+        "paced_mean_batch": summary["mean_batch_size"],
+        "paced_cores_busy_pct": cores_busy,
+        "in_worker_p50_ms": summary["in_worker_p50_ms"],
+        "in_worker_p99_ms": summary["in_worker_p99_ms"],
+        "acked_p50_ms": sent["acked_p50_ms"],
+        "acked_p99_ms": sent["acked_p99_ms"],
+        # The goal: p99 within 5 ms + 2 x the p99 batch compute (docs/benchmarks.md).
+        "latency_bound_ms": 5.0 + 2 * summary["compute_p99_ms"],
+    } | {key: value for key, value in summary.items() if key.startswith(LATENCY_PARTS)}
+    print(
+        f"[bench] {run} latency parts at {achieved:.0f}/s: {parts_line(row)} (worst producer);"
+        f" in the worker {row['in_worker_p50_ms']:.1f}/{row['in_worker_p99_ms']:.1f} ms,"
+        f" batches of {row['paced_mean_batch']:.1f}, compute p99"
+        f" {row['paced_compute_p99_ms']:.1f} ms; cores busy (%)"
+        f" {json.dumps({k: round(v, 1) for k, v in cores_busy.items()})}",
+        flush=True,
+    )
     return row
 
 
-def layout_name(workers: int, gpus: int) -> str:
-    return f"{workers}x{gpus}"
+def layout_name(per_card: int | None, gpus: int) -> str:
+    return f"{'auto' if per_card is None else per_card}x{gpus}"
 
 
 def _profile(
-    args: argparse.Namespace, pid: int, workers: int, gpus: int, corpus: Corpus
+    args: argparse.Namespace, host: WorkerProcess, per_card: int | None, gpus: int, corpus: Corpus
 ) -> subprocess.Popen[bytes]:
-    """``--profile-s`` seconds of py-spy samples of worker ``pid``, named by layout, corpus
-    and ``--profile-phase``."""
-    name = f"pyspy-{layout_name(workers, gpus)}-{corpus.name}-{args.profile_phase}.txt"
+    """``--profile-s`` seconds of py-spy samples of the host's first worker process (the
+    supervisor itself when it runs just one), named by layout, corpus and phase."""
+    name = f"pyspy-{layout_name(per_card, gpus)}-{corpus.name}-{args.profile_phase}.txt"
+    pid = next(iter(host.children()), host.pid)
     return _sample(pid, args.out / name, args.profile_s)
 
 
@@ -1128,6 +1173,7 @@ async def _produce_parallel(
     corpus: Corpus,
     prefix: str,
     count: int,
+    partitions: int,
     on_visible: Callable[[], None] | None = None,
 ) -> float:
     """The backlog from ``--producers`` processes at once (one Python producer cannot keep
@@ -1139,7 +1185,9 @@ async def _produce_parallel(
     (which read ``read_committed``) see the whole backlog at once, so what is timed
     is their rate, not the producers'.
     """
-    procs = await _producers(args, "--produce", model, corpus, prefix, count, args.producers)
+    procs = await _producers(
+        args, "--produce", model, corpus, prefix, count, partitions, args.producers
+    )
     await _all_say(procs, b"ready")  # each once its records are built
     started = time.perf_counter()
     await _tell_all(procs, b"go")
@@ -1167,6 +1215,7 @@ async def _paced_parallel(
     prefix: str,
     count: int,
     rate: float,
+    partitions: int,
     on_go: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """``count`` requests open loop at ``rate`` in all, from as many producer processes as
@@ -1177,7 +1226,15 @@ async def _paced_parallel(
     mean_bytes = statistics.fmean(len(image) for image in corpus.images)
     processes = min(count, paced_processes(rate, mean_bytes))
     procs = await _producers(
-        args, "--produce-paced", model, corpus, prefix, count, processes, f",{rate / processes}"
+        args,
+        "--produce-paced",
+        model,
+        corpus,
+        prefix,
+        count,
+        partitions,
+        processes,
+        f",{rate / processes}",
     )
     await _all_say(procs, b"ready")
     on_go()
@@ -1231,6 +1288,7 @@ async def _producers(
     corpus: Corpus,
     prefix: str,
     count: int,
+    partitions: int,
     processes: int,
     more: str = "",
 ) -> list[asyncio.subprocess.Process]:
@@ -1242,7 +1300,7 @@ async def _producers(
         spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
         command = [
             sys.executable, "-m", "bench.gpu", mode, spec + more,
-            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(args.partitions),
+            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(partitions),
         ]  # fmt: skip
         first += n
         proc = await asyncio.create_subprocess_exec(
@@ -1346,41 +1404,80 @@ def _mean_batch(results: Sequence[Any]) -> float:
 
 
 def _fleet(cfg: Config, model: str, args: argparse.Namespace) -> Fleet:
-    """The workers of one layout (``_start_worker`` starts each); logs in ``--out``."""
-    options = (
-        "--weights", "random", "--max-batch-size", str(cfg.max_batch),
-        "--max-in-flight", str(cfg.max_batch * 16),
-        "--dtype", "float16", "--channels-last",
-        "--metrics-host", "127.0.0.1", "--result-ttl-s", "3600",
-        *(["--compile"] if cfg.compile else []),
-    )  # fmt: skip
+    """The one command of a layout (``_start_host`` starts it); its log in ``--out``.
+
+    Only what a user with no weights file must say, and what the bench needs of its
+    ports: every tuning is the command's default (``--profile``, ``--worker-decode`` and
+    ``--worker-options`` change them)."""
+    options = ("--weights", "random", "--metrics-host", "127.0.0.1", "--result-ttl-s", "3600")
     config = WorkerConfig(
         model, args.kafka_bootstrap, args.redis_url, model=cfg.model, options=options
     )
     return Fleet(config, args.out / "workers" / model)
 
 
-def _start_worker(
-    fleet: Fleet, cfg: Config, args: argparse.Namespace, index: int, workers: int, gpus: int
+def _start_host(
+    fleet: Fleet, cfg: Config, args: argparse.Namespace, per_card: int | None, gpus: int
 ) -> WorkerProcess:
-    """Worker ``index`` of ``workers``, on card ``index % gpus``; the worker cores shared."""
-    device = cfg.device
-    if device.type == "cuda":
-        device = torch.device("cuda", index % gpus)
-    threads = max(1, len(_worker_cores(args)) // workers) if args.pin else cfg.threads // workers
-    flags = (
-        "--decode", _worker_decode(args, index), "--decode-threads", str(max(1, threads)),
-        *shlex.split(args.worker_options),
-    )  # fmt: skip
-    worker = fleet.start(*flags, device=str(device), metrics_port=args.metrics_port + index)
+    """``conveyor worker`` for ``per_card`` processes a card on the first ``gpus`` cards;
+    with ``--pin`` it starts on the workers' cores, and its processes inherit them."""
+    flags: list[str] = []
+    if cfg.device.type == "cuda":
+        flags += ["--gpus", ",".join(str(n) for n in range(gpus))]
+    if per_card is not None:
+        flags += ["--processes", str(per_card * max(gpus, 1))]
+    if args.profile != "throughput":
+        flags += ["--profile", args.profile]
+    if args.worker_decode != "auto":
+        flags += ["--decode", args.worker_decode]
+    if args.mps != "auto":
+        flags += ["--mps", args.mps]
+    if args.compile_cache is not None:
+        flags += ["--compile-cache", str(args.compile_cache)]
+    flags += shlex.split(args.worker_options)
+    device = "cuda" if cfg.device.type == "cuda" else "cpu"
+    mine = os.sched_getaffinity(0)
     if args.pin:
-        os.sched_setaffinity(worker.pid, _worker_cores(args))  # its threads inherit it
-    return worker
+        os.sched_setaffinity(0, _worker_cores(args))  # the command inherits it, then its children
+    try:
+        return fleet.start(*flags, device=device, metrics_port=args.metrics_port)
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
-def _worker_decode(args: argparse.Namespace, index: int) -> str:
-    """Worker ``index``'s decoder: ``--worker-decode``'s list, cycled."""
-    return str(args.worker_decode[index % len(args.worker_decode)])
+# -- time to ready: cold and warm compile cache -----------------------------------------------
+
+
+def stage_ready(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """For each count of ``--ready-processes`` on one card: the one command started with an
+    empty compile cache (cold: its first process compiles), stopped, started again on
+    the same cache (warm); seconds from start to the host's /readyz 200."""
+    return asyncio.run(_ready_rows(cfg, args))
+
+
+async def _ready_rows(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    rows: dict[str, Any] = {}
+    for text in args.ready_processes.split(","):
+        per_card = None if text.strip() == "auto" else int(text)
+        processes = expected_processes(per_card, 1, args)
+        model = f"gpuready{processes}r{uuid.uuid4().hex[:8]}"
+        await create_model_topics(settings, model, processes)
+        cache = Path(tempfile.mkdtemp(prefix="conveyor-compile-"))
+        timed = argparse.Namespace(**{**vars(args), "compile_cache": cache})
+        try:
+            for start in ("cold", "warm"):
+                async with _fleet(cfg, model, timed) as fleet:
+                    started = time.monotonic()
+                    host = _start_host(fleet, cfg, timed, per_card, 1)
+                    await until_all_ready([host], args.ready_timeout)
+                    seconds = time.monotonic() - started
+                rows[f"{text.strip()}x1 {start}"] = {"processes": processes, "ready_s": seconds}
+                print(f"  ready {processes} processes, {start} cache: {seconds:.1f} s", flush=True)
+        finally:
+            await delete_model_topics(settings, model)
+            shutil.rmtree(cache, ignore_errors=True)
+    return rows
 
 
 # -- the kill test: a GPU worker SIGKILLed mid-run loses nothing ----------------------------
@@ -1391,34 +1488,41 @@ def stage_kill(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace)
 
 
 async def _kill_one(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
-    """A backlog, a worker SIGKILLed once a third is answered, a new worker: every request
-    answered once in Redis, the reply topic agreeing with it (lost 0, duplicate-visible 0),
-    counted as the fault tests count (``producers.testing.tally``). Under ``--mps`` a
-    second worker shares the card with the one killed and must go on serving."""
+    """The one command with two processes on a card (under its MPS server), one of them
+    SIGKILLed once a third of a backlog is answered: the supervisor starts it again and
+    every request is answered once in Redis, the reply topic agreeing with it (lost 0,
+    duplicate-visible 0, counted as the fault tests count: ``producers.testing.tally``)."""
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpukill{run}"
-    await create_model_topics(settings, model, args.partitions)
+    partitions = 2
+    await create_model_topics(settings, model, partitions)
     count = cfg.e2e_count
     prefix = f"{run}-k"
     ids = [f"{prefix}-{n}" for n in range(count)]
-    await _produce_parallel(args, model, corpus, prefix, count)
-    workers = 2 if args.mps else 1
+    await _produce_parallel(args, model, corpus, prefix, count, partitions)
     try:
-        with mps_daemon(args.mps):
-            async with _fleet(cfg, model, args) as fleet:
-                first = [_start_worker(fleet, cfg, args, n, workers, 1) for n in range(workers)]
-                # Every 7th of the first third keeps the poll cheap while the GPU works.
-                await first[0].unless_it_dies(
-                    until_answered(args.redis_url, ids[: count // 3 : 7], count // 21)
-                )
-                first[0].kill()
-                second = _start_worker(fleet, cfg, args, 0, workers, 1)
-                await _await_results(prefix, count, args, [second, *first[1:]])
+        async with _fleet(cfg, model, args) as fleet:
+            host = _start_host(fleet, cfg, args, 2, 1)
+            await until_all_ready([host], args.ready_timeout)
+            # Every 7th of the first third keeps the poll cheap while the GPU works.
+            await host.unless_it_dies(
+                until_answered(args.redis_url, ids[: count // 3 : 7], count // 21)
+            )
+            victims = host.children()
+            if victims:
+                os.kill(victims[0], signal.SIGKILL)
+            await _await_results(prefix, count, args, [host])
+            await until_all_ready([host], args.ready_timeout)  # the killed one is back
+            log = host.log()
         counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
     finally:
         await delete_model_topics(settings, model)
-    row = dataclasses.asdict(counted) | {"workers": workers, "mps": args.mps}
+    row = dataclasses.asdict(counted) | {
+        "processes": 2,
+        "killed": bool(victims),
+        "started_again": "starting it again" in log,
+    }
     print(f"  kill: {json.dumps(row)}", flush=True)
     return row
 
@@ -1441,13 +1545,13 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     forward = results.get("forward", {})
     e2e = results.get("e2e", {})
     for name in ("640x480", "224x224"):
-        one = e2e.get(f"1x1 {name}", {})
         naive = results.get("naive", {}).get(name, {})
         decode = results.get("decode", {}).get(name, {})
         pipeline = results.get("pipeline", {}).get(f"gpu-decode {name}", {})
         for layout, row in sorted((k.split()[0], v) for k, v in e2e.items() if k.endswith(name)):
             ceiling = min(_model_ceiling(forward, row), decode.get("best", math.nan))
             worker = row.get("img_s", math.nan)
+            one = e2e.get(f"{layout.partition('x')[0]}x1 {name}", {})  # the same, on one card
             kept_up = row.get("paced_kept_up", True)
             rows.append(
                 {
@@ -1460,6 +1564,8 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "e2e_max": row.get("img_s_max", math.nan),
                     "p50_ms": row.get("p50_ms", math.nan) if kept_up else math.nan,
                     "p99_ms": row.get("p99_ms", math.nan) if kept_up else math.nan,
+                    "bound_ms": row.get("latency_bound_ms", math.nan),
+                    "profile": row.get("profile", "-"),
                     "gpu_util_pct": row.get("gpu_util_pct", math.nan),
                     "ceiling_img_s": ceiling * row.get("gpus", 1),
                     "vs_naive": worker / naive.get("img_s", math.nan),
@@ -1481,6 +1587,8 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "e2e_max": math.nan,
                     "p50_ms": math.nan,
                     "p99_ms": math.nan,
+                    "bound_ms": math.nan,
+                    "profile": "-",
                     "gpu_util_pct": math.nan,
                     "ceiling_img_s": ceiling,
                     "vs_naive": math.nan,
@@ -1496,25 +1604,26 @@ def print_table(rows: Sequence[dict[str, Any]], card: str, model: str) -> None:
         return
     print(f"\nConveyor GPU benchmark on {card} ({model}, random weights)")
     header = (
-        f"{'images':>8} {'layout':>6} {'naive/s':>8} {'pipe/s':>8} {'worker/s':>9} "
-        f"{'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'GPU %':>6} {'ceiling/s':>10} "
-        f"{'×naive':>7} {'×ceil':>6} {'×1x1':>5}"
+        f"{'images':>8} {'layout':>7} {'profile':>10} {'naive/s':>8} {'worker/s':>9} "
+        f"{'(min-max)':>13} {'p50 ms':>7} {'p99 ms':>7} {'bound':>6} {'GPU %':>6} "
+        f"{'ceiling/s':>10} {'×naive':>7} {'×ceil':>6} {'×1card':>6}"
     )
     print(header)
     for r in rows:
         spread = f"{r['e2e_min']:,.0f}-{r['e2e_max']:,.0f}"
         print(
-            f"{r['images']:>8} {r['layout']:>6} {r['naive_img_s']:>8,.0f} "
-            f"{r['pipeline_img_s']:>8,.0f} {r['e2e_img_s']:>9,.0f} {spread:>13} "
-            f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['gpu_util_pct']:>6.0f} "
-            f"{r['ceiling_img_s']:>10,.0f} {r['vs_naive']:>7.1f} {r['vs_ceiling']:>6.2f} "
-            f"{r['vs_one']:>5.2f}"
+            f"{r['images']:>8} {r['layout']:>7} {r['profile']:>10} {r['naive_img_s']:>8,.0f} "
+            f"{r['e2e_img_s']:>9,.0f} {spread:>13} "
+            f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['bound_ms']:>6.1f} "
+            f"{r['gpu_util_pct']:>6.0f} {r['ceiling_img_s']:>10,.0f} {r['vs_naive']:>7.1f} "
+            f"{r['vs_ceiling']:>6.2f} {r['vs_one']:>6.2f}"
         )
     print(
-        "layout: worker processes x GPUs; worker/s: median of the repeats' steady state; "
-        "goals: 1x1 ≥ 30× naive and ≥ 0.8× ceiling (min of forward at the batch size and "
-        "the best decode+resize), 2 GPUs ≥ 1.8× 1x1; p50/p99 at half the peak, nan where "
-        "the paced producer fell behind its rate"
+        "layout: processes a card x cards of one `conveyor worker`; worker/s: median of the "
+        "repeats' steady state; goals: one card ≥ 0.9× ceiling (min of the forward at the "
+        "batch size and the best decode+resize) and ≥ 30× naive, 2 cards ≥ 1.9× one, 4 ≥ "
+        "3.6×; p99 at half the peak ≤ bound (5 ms + 2 × p99 batch compute), nan where the "
+        "paced producers fell behind their rate"
     )
 
 
@@ -1609,33 +1718,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--mps",
-        action="store_true",
-        help="e2e: run the workers under an MPS control daemon of the benchmark's own, so "
-        "that several workers on one card run their kernels at once (needs "
-        "nvidia-cuda-mps-control; docs/operations.md)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="e2e, kill, ready: the command's --mps (auto: its own MPS server for cards with "
+        "several processes)",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=("throughput", "latency"),
+        default="throughput",
+        help="e2e: the command's --profile",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="e2e, kill: the command's --compile-cache (default: its own default folder)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--e2e-count", type=int, default=24576, help="backlog per repeat")
     parser.add_argument("--kafka-bootstrap", help="broker for e2e; e2e is skipped without it")
     parser.add_argument("--redis-url", help="Redis for e2e; e2e is skipped without it")
-    parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument(
-        "--workers", type=int, default=1, help="e2e: worker processes in one consumer group"
+        "--partitions",
+        type=int,
+        default=0,
+        help="e2e: partitions of the request topic (default: one for each process)",
     )
-    parser.add_argument("--gpus", type=int, default=1, help="e2e: cards the workers spread over")
     parser.add_argument(
         "--worker-decode",
         default="auto",
-        type=_decode_mix,
-        help="auto, cpu, gpu or gpu-hw; a comma-separated list is cycled over the workers "
-        "(gpu,gpu-hw: every other worker on the hardware JPEG engine)",
+        choices=get_args(DecodeOption),
+        help="e2e: the command's --decode (auto: its default, nvJPEG on CUDA)",
     )
     parser.add_argument(
         "--e2e-configs",
-        default="1x1",
-        help="e2e layouts, comma-separated WORKERSxGPUS: 1x1 (one process per GPU), 2x1 "
-        "(two complete workers sharing a GPU), 2x2 (one per GPU on two GPUs)",
+        default="autox1",
+        help="e2e layouts, comma-separated PROCESSESxCARDS: autox1 (the command's own count "
+        "on one card), autox2, 8x1 (eight processes on one card), 1x1",
+    )
+    parser.add_argument(
+        "--ready-processes",
+        default="1,auto",
+        help="ready: processes on one card to time the start of, cold and warm",
     )
     parser.add_argument("--repeats", type=int, default=3, help="e2e backlogs per layout")
     parser.add_argument("--producers", type=int, default=8, help="e2e producer processes")
@@ -1644,7 +1769,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="pin broker and Redis, the producers and the workers to cores of their own",
     )
-    parser.add_argument("--metrics-port", type=int, default=19400, help="first worker's port")
+    parser.add_argument("--metrics-port", type=int, default=19400, help="the host's port")
     parser.add_argument(
         "--worker-options",
         default="",
@@ -1718,15 +1843,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)  # fmt: skip
 
 
-def _decode_mix(text: str) -> tuple[str, ...]:
-    """``--worker-decode``: the decode backends to cycle over the workers."""
-    mix = tuple(part.strip() for part in text.split(",") if part.strip())
-    options = get_args(DecodeOption)
-    if not mix or any(part not in options for part in mix):
-        raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(options)}")
-    return mix
-
-
 def make_config(args: argparse.Namespace) -> Config:
     device = resolve_device(args.device)
     if args.quick:
@@ -1752,7 +1868,7 @@ def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    for stage in ("e2e", "kill"):
+    for stage in ("e2e", "ready", "kill"):
         if stage in stages and not (args.kafka_bootstrap and args.redis_url):
             print(f"{stage} skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
             stages.remove(stage)
@@ -1840,6 +1956,8 @@ def _run_stage(
         return stage_overlap(cfg, corpora)
     if stage == "kill":
         return stage_kill(cfg, corpora, args)
+    if stage == "ready":
+        return stage_ready(cfg, args)
     if stage == "detect":
         return stage_detect(
             str(cfg.device),

@@ -143,6 +143,18 @@ class WorkerProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def children(self) -> list[int]:
+        """The pids of its live child processes (a host's worker processes), from /proc."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # a process that ended meanwhile
+            if int(fields[1]) == self.pid and fields[0] not in ("Z", "X"):
+                found.append(int(stat.parent.name))
+        return sorted(found)
+
     def signal(self, signum: signal.Signals) -> None:
         self._process().send_signal(signum)
 

@@ -25,7 +25,7 @@ def test_quick_cpu_bench_writes_every_section(
     argv = [sys.executable, "-m", "bench.cpu", "--quick", "--out", str(tmp_path)]
     argv += ["--log-dir", str(tmp_path / "logs")]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=340)
 
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "cpu-bench.json").read_text())
@@ -72,21 +72,25 @@ def test_fetch_bench_reads_every_record_each_way(kafka_bootstrap: str, tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_gpu_bench_end_to_end_runs_on_the_cpu(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """bench.gpu's e2e stage (transactional backlogs, paced producer processes, latency
-    parts) with a tiny model on the CPU, so it works when a GPU call comes."""
-    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "e2e"]
+    """bench.gpu's e2e stage (the one command per host, transactional backlogs, paced
+    producer processes, latency parts) and its kill stage with a tiny model on the CPU, so
+    they work when a GPU call comes."""
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "e2e,kill"]
     argv += ["--model", "tests.unit.test_gpu_bench_smoke:TinyClassifier"]
-    argv += ["--corpora", "224x224", "--e2e-configs", "1x1", "--out", str(tmp_path)]
+    argv += ["--corpora", "224x224", "--e2e-configs", "2x1", "--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--profile-s", "1", "--profile-phase", "paced"]
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=340)
 
     assert done.returncode == 0, done.stdout + done.stderr
-    (row,) = json.loads((tmp_path / "gpu-bench.json").read_text())["e2e"].values()
+    results = json.loads((tmp_path / "gpu-bench.json").read_text())
+    (row,) = results["e2e"].values()
+    assert (row["processes"], row["partitions"]) == (2, 2)  # a partition for each process
+    assert "--processes 2" in row["command"]
     assert len(row["runs"]) == 3
     assert all(run["img_s"] > 0 for run in row["runs"])
     assert 0 <= row["acked_p50_ms"] <= row["acked_p99_ms"]
@@ -98,8 +102,12 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     assert row["paced_mean_batch"] >= 1
     (busy,) = row["paced_cores_busy_pct"].values()  # not pinned: one group, every core
     assert 0 < busy <= 100
-    # py-spy sampled the worker while the paced load ran (the latency's profile).
-    assert "conveyor-" in (tmp_path / "pyspy-1x1-224x224-paced.txt").read_text()
+    # py-spy sampled a worker process while the paced load ran (the latency's profile).
+    assert "conveyor-" in (tmp_path / "pyspy-2x1-224x224-paced.txt").read_text()
+    kill = results["kill"]
+    assert (kill["lost"], kill["duplicate_visible"]) == (0, 0)
+    assert kill["killed"]
+    assert kill["started_again"]
 
 
 @pytest.mark.timeout(120)

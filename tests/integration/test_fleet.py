@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,19 +24,6 @@ from tests.harness import digit_requests
 from workers.exits import EXIT_CONFIG, EXIT_STOPPED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def children_of(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # a process that ended meanwhile
-        if int(fields[1]) == pid and fields[0] not in "ZX":
-            found.append(int(stat.parent.name))
-    return sorted(found)
 
 
 async def host_metrics(host: WorkerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -66,7 +52,7 @@ async def test_one_command_runs_processes_that_serve_behind_one_port_and_drain_t
     await create_model_topics(client_settings, model_name, partitions=3)
     host = workers.start("--processes", "3")
     await host.until_ready(180)  # every process ready: the host's /readyz is 200
-    assert len(children_of(host.pid)) == 3
+    assert len(host.children()) == 3
 
     requests, ids = digit_requests(digits, 600, prefix=model_name)
     await produce(kafka_bootstrap, topics.requests, requests)
@@ -109,7 +95,7 @@ async def test_a_killed_process_is_started_again_and_nothing_is_lost(
         env={"CONVEYOR_TEST_SLOW_MS": "40"},
     )  # fmt: skip
     await host.until_ready(180)
-    first = children_of(host.pid)
+    first = host.children()
     assert len(first) == 2
 
     requests, ids = digit_requests(digits, 600, prefix=model_name)
@@ -123,7 +109,7 @@ async def test_a_killed_process_is_started_again_and_nothing_is_lost(
     os.kill(victim, signal.SIGKILL)  # mid-backlog: its batches in flight go unanswered
 
     async def replaced() -> bool:
-        now = children_of(host.pid)
+        now = host.children()
         return len(now) == 2 and victim not in now
 
     await until(replaced, "the killed process is started again", 60, host.log, [host])

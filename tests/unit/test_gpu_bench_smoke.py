@@ -146,13 +146,17 @@ def test_each_layout_is_held_to_the_forward_it_ran() -> None:
     assert rows["2x1"]["vs_ceiling"] == pytest.approx(0.7)
 
 
-def test_worker_decode_mix_is_cycled_over_the_workers() -> None:
-    from bench.gpu import parse_args
+def test_layouts_name_processes_a_card_and_cards() -> None:
+    from bench.gpu import expected_processes, parse_args, parse_layout
 
-    assert parse_args([]).worker_decode == ("auto",)
-    assert parse_args(["--worker-decode", "gpu,gpu-hw"]).worker_decode == ("gpu", "gpu-hw")
-    with pytest.raises(SystemExit):
-        parse_args(["--worker-decode", "gpu,nvjpeg"])
+    assert parse_layout("autox2") == (None, 2)
+    assert parse_layout("8x1") == (8, 1)
+    with pytest.raises(SystemExit, match="PROCESSESxCARDS"):
+        parse_layout("8")
+    args = parse_args(["--pin"])
+    # auto counts as the command does: one process a worker core, at most 8 a card.
+    assert expected_processes(3, 2, args) == 6
+    assert expected_processes(None, 1, args) >= 1
 
 
 def test_paced_load_is_spread_by_bytes_and_by_records() -> None:
@@ -171,11 +175,11 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
     second layout failing) leaves the first in gpu-bench.json for --previous."""
     import bench.gpu
 
-    async def one_layout(*args: Any) -> dict[str, Any]:
-        workers = args[3]
-        if workers == 2:
+    async def one_layout(*args: Any) -> None:
+        _cfg, corpora, _args, per_card, _gpus, done = args
+        if per_card == 2:
             raise RuntimeError("cut short")
-        return {"workers": workers, "gpus": 1, "img_s": 123.0}
+        done(corpora[0], {"processes": per_card, "gpus": 1, "img_s": 123.0})
 
     monkeypatch.setattr(bench.gpu, "_e2e_one", one_layout)
     argv = ["--device", "cpu", "--quick", "--model", f"{__name__}:TinyClassifier",
@@ -185,42 +189,6 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
     with pytest.raises(RuntimeError, match="cut short"):
         main(argv)
     results = json.loads((tmp_path / "gpu-bench.json").read_text())
-    first = {"workers": 1, "gpus": 1, "img_s": 123.0, "mps": False}
+    first = {"processes": 1, "gpus": 1, "img_s": 123.0}
     assert results["e2e"] == {"1x1 224x224": first}
     assert results["meta"]["model"].endswith("TinyClassifier")
-
-
-def test_mps_daemon_is_the_runs_own_and_is_told_to_quit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """--mps: workers started inside the block see the daemon's own pipe directory (so
-    no other user's processes join its server), and it is told to quit afterwards, the
-    environment as it was."""
-    import os
-
-    from bench.gpu import mps_daemon
-
-    calls = tmp_path / "calls"
-    control = tmp_path / "nvidia-cuda-mps-control"
-    control.write_text(
-        f'#!/bin/sh\necho "$* pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\ncat >> {calls}\n'
-    )
-    control.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    with mps_daemon(True):
-        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-        assert Path(pipe).is_dir()
-        assert Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
-    assert calls.read_text().splitlines() == [f"-d pipe={pipe}", f" pipe={pipe}", "quit"]
-    with mps_daemon(False):
-        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
-
-
-def test_mps_needs_its_control_program(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from bench.gpu import mps_daemon
-
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(SystemExit, match="nvidia-cuda-mps-control"), mps_daemon(True):
-        pass

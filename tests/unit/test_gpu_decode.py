@@ -366,3 +366,21 @@ def test_the_engine_gets_batches_padded_to_a_power_of_two() -> None:
     from workers.decode.jpeg import engine_count
 
     assert [engine_count(n) for n in (1, 2, 3, 5, 8, 9, 200, 256)] == [1, 2, 4, 8, 8, 16, 256, 256]
+
+
+def test_only_the_largest_batches_go_to_the_hardware_engine() -> None:
+    """The engine takes a batch as large (padded) as the largest it has seen; smaller ones,
+    which under a light load vary from batch to batch, go to nvJPEG."""
+    from workers.decode.jpeg import LargestBatches
+
+    takes = LargestBatches()
+    warm_up = [takes(n) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert all(warm_up)  # each size the largest so far: the engine warms up on every one
+    assert [takes(n) for n in (256, 200, 129, 128, 37, 1)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]

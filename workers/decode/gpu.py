@@ -130,7 +130,7 @@ class BatchDecoder:
         if not encoded:
             return None
         data = [items[n] for n in encoded]
-        if self._hardware is None or device.type != "cuda":
+        if self._hardware is None or device.type != "cuda" or not self._hardware.takes(len(data)):
             return self._assemble(items, encoded, decode_each(data, self._mode, device), device)
         with self._hardware.decode_batch(data, device) as pixels:
             if not isinstance(pixels, torch.Tensor):

@@ -179,7 +179,8 @@ class HardwareJpeg:
     image; ``decode`` hands each image over through DLPack (on an H100 that cut the
     engine's rate on 224x224 images by 40%) and serves batches of mixed sizes. The decoder
     orders its work on the current stream (its ``cuda_stream``), so later work on it sees
-    the images. Batches reach the engine padded to a power of two (``engine_count``).
+    the images. Batches reach the engine padded to a power of two (``engine_count``), and
+    only the largest ones (``takes``): smaller batches go to nvJPEG.
 
     EXIF orientation is ignored, as Pillow's and nvJPEG's paths ignore it.
     """
@@ -203,6 +204,7 @@ class HardwareJpeg:
             color_spec=color, allow_any_depth=False, apply_exif_orientation=False
         )
         self._rings: OrderedDict[tuple[int, int, int, int], _Ring] = OrderedDict()
+        self.takes = LargestBatches()
 
     def decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         """Decoded (C, H, W) images, each its own tensor; ``None`` where the engine and
@@ -282,6 +284,26 @@ class HardwareJpeg:
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class LargestBatches:
+    """Which batches go to the engine: one as large as the largest it has seen (a full
+    batch, under load; warm-up runs every size up to the largest).
+
+    The engine's cost follows the batch sizes it is handed more than the images in them:
+    sizes that changed from call to call stalled it for 0.4 s (one H100, sizes 1-64 at
+    random), and eight workers at half the peak, each handing it batches of a few dozen
+    images padded to the next power of two, held requests 2.6 s at the median
+    (docs/benchmarks.md). A smaller batch is decoded with nvJPEG instead, which costs
+    what its images cost; full batches, where the engine is fastest, stay on it."""
+
+    def __init__(self) -> None:
+        self.largest = 0  # padded (``engine_count``)
+
+    def __call__(self, count: int) -> bool:
+        padded = engine_count(count)
+        self.largest = max(self.largest, padded)
+        return padded == self.largest
 
 
 def engine_count(count: int) -> int:
