@@ -30,7 +30,7 @@ from workers.intake.references import Claims
 from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics
-from workers.model.compile_cache import use_compile_cache
+from workers.model.compile_cache import mark_warm, use_compile_cache
 from workers.model.loader import load_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.observe.health import Check, HealthServer
@@ -201,8 +201,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
     )
     cuda = device.type == "cuda"
     settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))
-    if settings.compile:
-        use_compile_cache(settings, device)
+    cache = use_compile_cache(settings, device) if settings.compile else None
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
     # recorded; docs/benchmarks.md).
@@ -229,6 +228,8 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         }
     )
     runner.warm_up(sizes)
+    if cache is not None:
+        mark_warm(cache)
     log.info(
         "model %s (%s) loaded and warmed up for batch sizes %s in %.1f s%s",
         settings.model,

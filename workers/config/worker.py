@@ -42,6 +42,10 @@ MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
 """Folder of the demo models' artifacts, read by ``demo.models``. Not a field:
 the loader takes the artifact's path, and this only moves its default."""
 
+COMPILE_CACHE_WARM_MARK = "warm"
+"""A file a worker leaves in its compile cache folder once it has compiled and warmed up
+its model: a host's supervisor starts the other processes at once when it is there."""
+
 DEFAULT_METRICS_HOST = "0.0.0.0"  # probes and scrapers come from outside the container
 # Not 9400: NVIDIA's dcgm-exporter, found on most GPU nodes, listens there.
 DEFAULT_METRICS_PORT = 9406

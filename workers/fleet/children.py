@@ -19,12 +19,14 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from workers.fleet.plan import Slot
 
 log = logging.getLogger(__name__)
 
 _METRICS_LINE = re.compile(rb"metrics and health on http://[^:\s]+:(\d+)")
+_CACHE_LINE = re.compile(rb"compile cache: (\S+)")
 _HTTP_TIMEOUT_S = 5.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -41,6 +43,7 @@ class Child:
         self.env = dict(env)
         self.json = json
         self.port: int | None = None
+        self.compile_cache: Path | None = None  # the folder its log names, once it does
         self.started_at = 0.0
         self.starts = 0
         self._proc: asyncio.subprocess.Process | None = None
@@ -118,6 +121,10 @@ class Child:
                 found = _METRICS_LINE.search(line)
                 if found:
                     self.port = int(found.group(1))
+            elif self.compile_cache is None:
+                cached = _CACHE_LINE.search(line)
+                if cached:
+                    self.compile_cache = Path(cached.group(1).decode(errors="replace"))
             if self.json and line.startswith(b"{"):
                 out.write(field + line[1:] if line[1:2] != b"}" else line)
             else:

@@ -51,7 +51,7 @@ from aiokafka.errors import KafkaError
 
 from common.security import kafka_connect_failed, kafka_options
 from schemas import consumer_group, topics_for
-from workers.config.worker import WorkerSettings
+from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
 from workers.exits import EXIT_DEVICE, EXIT_ENVIRONMENT, EXIT_STOPPED, PERMANENT
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
@@ -339,7 +339,7 @@ async def _start_all(
         state.stop.set()
         return
     log.info(
-        "first process %s loaded its model in %.1f s; starting %d more",
+        "first process %s ready to share its compiled model after %.1f s; starting %d more",
         first.name,
         time.monotonic() - started,
         len(rest),
@@ -349,12 +349,18 @@ async def _start_all(
 
 
 async def _until_loaded(child: Child, state: _State) -> bool:
-    """Whether ``child`` loaded and warmed up its model (its /readyz says so) before it
-    exited or the host was told to stop."""
+    """Whether ``child`` loaded and warmed up its model (its /readyz says so), or found its
+    compile cache warm (nothing left to compile first), before it exited or the host was
+    told to stop."""
     deadline = time.monotonic() + FIRST_START_TIMEOUT_S
     while time.monotonic() < deadline and not state.stop.is_set():
         if not child.running:
             return False
+        if (
+            child.compile_cache is not None
+            and (child.compile_cache / COMPILE_CACHE_WARM_MARK).exists()
+        ):
+            return True
         if child.port is not None and await _model_loaded(child.port):
             return True
         await asyncio.sleep(_POLL_S)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from workers.config.worker import WorkerSettings
+from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,14 @@ def use_compile_cache(settings: WorkerSettings, device: torch.device) -> Path:
     os.environ[INDUCTOR_CACHE_VARIABLE] = str(folder)
     log.info("compile cache: %s", folder)
     return folder
+
+
+def mark_warm(folder: Path) -> None:
+    """Say that ``folder`` holds a whole compilation of the model (best effort)."""
+    try:
+        (folder / COMPILE_CACHE_WARM_MARK).touch()
+    except OSError:
+        return  # a read-only cache still serves; only the next host's start is slower
 
 
 def _file_identity(path: str | None) -> object:
