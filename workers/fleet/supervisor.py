@@ -304,8 +304,8 @@ def _child(
     if "decode_threads" not in settings.model_fields_set:
         overrides += ["--decode-threads", str(threads)]
     env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
-    # Each process's share of the cores for torch's own threads (unless set): sixteen
-    # processes each with a thread a core loaded their models 2x slower than eight.
+    # Each process's share of the cores for torch's own threads (unless set): otherwise
+    # every process starts one a core, and the host's processes load their models at once.
     env.setdefault("OMP_NUM_THREADS", str(threads))
     return Child(
         slot,
