@@ -9,22 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Collection, Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
 import pytest
-import torch
 
 from producers.testing import until
-from schemas import ContentType, DataRef, ErrorCode, Status, decode_result, encode_request
+from schemas import ContentType, ErrorCode, Status, decode_result, encode_request
+from tests.fakes import (
+    POISON,
+    TOPIC,
+    FakeRecord,
+    FakeSink,
+    FakeSource,
+    FakeState,
+    FakeStore,
+    FakeTransactions,
+    GatedEcho,
+    HeldSink,
+    Key,
+    RevokedOnFetch,
+)
 from workers.batching.batcher import CloseReason
 from workers.config.worker import WorkerSettings
-from workers.intake.admission import CANCELLED, Admission, RequestState
-from workers.intake.payload_stores import Fault, PayloadStore
+from workers.intake.admission import Admission, RequestState
+from workers.intake.payload_stores import PayloadStore
 from workers.intake.references import Claims
 from workers.model.runner import ModelRunner
 from workers.observe.metrics import Metrics
@@ -32,160 +44,9 @@ from workers.pipeline import Pipeline
 from workers.publish.answers import Answers
 from workers.types import (
     Committed,
-    Outbox,
     PartitionCommit,
-    PublishReport,
-    Revoked,
-    TopicPartition,
     TransactionalSink,
 )
-
-TOPIC = "conveyor.t.requests"
-POISON = 255
-
-
-class EchoModel:
-    """Each payload's first byte, echoed; a first byte of 255 makes forward raise.
-
-    ``gate`` (when set) holds every forward after the first ``hold_after`` calls until
-    it is opened; ``entered`` counts calls, ``seen`` the items forward ran on.
-    """
-
-    name = "echo"
-    version = "echo-v1"
-
-    def __init__(self, hold_after: int = 0) -> None:
-        self.gate: threading.Event | None = None
-        self.hold_after = hold_after
-        self.calls = 0
-        self.entered = threading.Semaphore(0)
-        self.seen = 0
-
-    def example_item(self) -> torch.Tensor:
-        return torch.zeros(1, dtype=torch.uint8)
-
-    def preprocess(
-        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
-    ) -> torch.Tensor:
-        return torch.tensor([payload[0]], dtype=torch.uint8)
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.entered.release()
-        if self.gate is not None and self.calls > self.hold_after:
-            assert self.gate.wait(10), "the test never opened the gate"
-        if bool((batch == POISON).any()):
-            raise RuntimeError("poison in this batch")
-        self.seen += len(batch)
-        return batch
-
-    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [int(row[0]) for row in outputs]
-
-
-@dataclass(frozen=True)
-class FakeRecord:
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int
-    key: bytes | None
-    value: bytes | None
-    headers: Sequence[tuple[str, bytes | None]]
-    checksum: int | None = None
-
-
-Key = int | TopicPartition  # a partition of TOPIC, or (topic, partition)
-
-
-def _tp(key: Key) -> TopicPartition:
-    return (TOPIC, key) if isinstance(key, int) else key
-
-
-@dataclass
-class FakeSource:
-    """Partitions of records; fetch hands them out in order, a few at a time.
-
-    Partitions are keyed by number (partitions of TOPIC) or by (topic, partition);
-    ``position`` and ``committed`` use the same keys.
-    """
-
-    partitions: dict[Key, list[FakeRecord]]
-    position: dict[Key, int] = field(default_factory=dict)
-    committed: dict[Key, int] = field(default_factory=dict)
-    paused_seen: list[bool] = field(default_factory=list)
-    paused: frozenset[str] = frozenset()
-    revoke_handler: Revoked | None = None
-    restarted: list[TopicPartition] = field(default_factory=list)
-
-    async def fetch(
-        self, timeout_ms: int, max_records: int
-    ) -> Mapping[TopicPartition, Sequence[FakeRecord]]:
-        await asyncio.sleep(0)
-        out: dict[TopicPartition, list[FakeRecord]] = {}
-        for key, records in self.partitions.items():
-            if _tp(key)[0] in self.paused:
-                continue
-            start = self.position.get(key, 0)
-            chunk = records[start : start + max(1, max_records // 4)]
-            if chunk:
-                out[_tp(key)] = chunk
-                self.position[key] = start + len(chunk)
-        if not out:
-            await asyncio.sleep(timeout_ms / 1000)
-        return out
-
-    def set_paused(self, topics: AbstractSet[str]) -> None:
-        self.paused = frozenset(topics)
-        self.paused_seen.append(bool(topics))
-
-    async def commit(self, positions: Mapping[TopicPartition, int]) -> bool:
-        for key in self.partitions:
-            if _tp(key) in positions:
-                self.committed[key] = positions[_tp(key)]
-        return True
-
-    def on_revoke(self, handler: Revoked) -> None:
-        self.revoke_handler = handler
-
-    async def restart(self, partitions: Collection[TopicPartition]) -> None:
-        """Fetch again from the committed positions."""
-        for key in list(self.partitions):
-            if _tp(key) in partitions:
-                self.restarted.append(_tp(key))
-                self.position[key] = self.committed.get(key, 0)
-
-    def lag(self) -> Mapping[TopicPartition, int]:
-        return {}
-
-    async def revoke(self, partition: Key) -> None:
-        """As a rebalance does: the pipeline drains, then the partition is gone."""
-        assert self.revoke_handler is not None
-        await self.revoke_handler({_tp(partition)})
-        del self.partitions[partition]
-
-
-@dataclass
-class FakeSink:
-    outboxes: list[Outbox] = field(default_factory=list)
-    stored: dict[str, bytes] = field(default_factory=dict)
-
-    async def publish(self, outbox: Outbox) -> PublishReport:
-        await asyncio.sleep(0)
-        duplicates = 0
-        for request_id, value in zip(outbox.ids, outbox.values, strict=True):
-            if request_id in self.stored:
-                duplicates += 1
-            else:
-                self.stored[request_id] = value
-        self.outboxes.append(outbox)
-        return PublishReport(duplicates)
-
-    def published_ids(self) -> list[str]:
-        return [i for box in self.outboxes for i in box.ids]
-
-    def status(self, request_id: str) -> Status:
-        return decode_result(self.stored[request_id]).status
 
 
 def records(
@@ -206,7 +67,7 @@ def records(
 
 def make(
     source: FakeSource,
-    model: EchoModel,
+    model: GatedEcho,
     *,
     stores: Mapping[str, PayloadStore] | None = None,
     state: RequestState | None = None,
@@ -261,7 +122,7 @@ async def run_until(pipeline: Pipeline, done: Any, timeout: float = 10) -> None:
 
 async def test_every_record_is_answered_once_in_partition_order() -> None:
     source = FakeSource({0: records(0, 40), 1: records(1, 40)})
-    model = EchoModel()
+    model = GatedEcho()
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics)
     await run_until(pipeline, lambda: len(sink.stored) == 80)
@@ -281,7 +142,7 @@ async def test_every_record_is_answered_once_in_partition_order() -> None:
 
 async def test_results_carry_their_reply_topic_partition_and_timings() -> None:
     source = FakeSource({2: records(2, 3)})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     await run_until(pipeline, lambda: len(sink.stored) == 3)
     box = sink.outboxes[0]
     assert box.partitions[0] == 2
@@ -296,7 +157,7 @@ async def test_results_carry_their_reply_topic_partition_and_timings() -> None:
 
 async def test_stop_drains_what_was_fetched() -> None:
     source = FakeSource({0: records(0, 30)})
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()
     pipeline, sink = make(source, model)
     stop = asyncio.Event()
@@ -312,7 +173,7 @@ async def test_stop_drains_what_was_fetched() -> None:
 
 async def test_a_finished_batch_is_published_while_the_next_one_runs() -> None:
     source = FakeSource({0: records(0, 16)})
-    model = EchoModel(hold_after=1)
+    model = GatedEcho(hold_after=1)
     model.gate = threading.Event()
     pipeline, sink = make(source, model)
     stop = asyncio.Event()
@@ -336,7 +197,7 @@ async def test_while_the_model_stage_is_full_no_further_batch_closes(
     stage_batches: int, closed: int
 ) -> None:
     source = FakeSource({0: records(0, 24)})
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()  # the first batch stays in the model
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics, stage_batches=stage_batches)
@@ -360,7 +221,7 @@ async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_o
     partial: int, closed: int
 ) -> None:
     source = FakeSource({0: records(0, 1)})
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()  # every batch stays in the model until the end
     metrics = Metrics("t")
     pipeline, sink = make(
@@ -388,7 +249,7 @@ async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_o
 async def test_expired_requests_never_reach_the_model() -> None:
     past = datetime.now(UTC) - timedelta(seconds=5)
     source = FakeSource({0: records(0, 5, deadline=past) + records(0, 5, first=5)})
-    model = EchoModel()
+    model = GatedEcho()
     pipeline, sink = make(source, model)
     await run_until(pipeline, lambda: len(sink.stored) == 10)
     assert [sink.status(f"p0-{n}") for n in range(10)] == [Status.expired] * 5 + [Status.ok] * 5
@@ -398,7 +259,7 @@ async def test_expired_requests_never_reach_the_model() -> None:
 
 async def test_backpressure_pauses_fetching_at_the_in_flight_cap() -> None:
     source = FakeSource({0: records(0, 200)})
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()
     pipeline, sink = make(source, model, max_in_flight=16)
     stop = asyncio.Event()
@@ -417,7 +278,7 @@ async def test_backpressure_pauses_fetching_at_the_in_flight_cap() -> None:
 
 async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
     source = FakeSource({0: records(0, 24), 1: records(1, 24)})
-    model = EchoModel()
+    model = GatedEcho()
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics)
     stop = asyncio.Event()
@@ -440,26 +301,9 @@ async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
         await asyncio.wait_for(task, 10)
 
 
-@dataclass
-class RevokedOnFetch(FakeSource):
-    """Revokes partition ``key`` as soon as a fetch hands out its records, before the
-    pipeline has taken them (as a rebalance may, right after ``getmany`` returned)."""
-
-    key: Key = 1
-    revoking: asyncio.Task[None] | None = None
-
-    async def fetch(
-        self, timeout_ms: int, max_records: int
-    ) -> Mapping[TopicPartition, Sequence[FakeRecord]]:
-        out = await super().fetch(timeout_ms, max_records)
-        if self.revoking is None and _tp(self.key) in out:
-            self.revoking = asyncio.create_task(self.revoke(self.key))
-        return out
-
-
 async def test_a_revocation_drains_records_fetched_but_not_yet_taken() -> None:
     source = RevokedOnFetch({0: records(0, 8), 1: records(1, 8)})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
@@ -478,7 +322,7 @@ async def test_a_revocation_drains_records_fetched_but_not_yet_taken() -> None:
 
 async def test_a_drain_past_its_bound_hands_the_rest_back_uncommitted() -> None:
     source = FakeSource({0: records(0, 20)})
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()
     metrics = Metrics("t")
     pipeline, _sink = make(
@@ -517,7 +361,7 @@ async def test_bad_records_get_error_results_and_dead_letters(
         bad.topic, 0, bad.offset, 0, bad.key, bad.value, headers_change(list(bad.headers))
     )
     source = FakeSource({0: good})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     await run_until(pipeline, lambda: len(sink.stored) == 3)
     result = decode_result(sink.stored["p0-1"])
     assert result.error is not None
@@ -537,7 +381,7 @@ async def test_error_results_go_to_ce_replyto_with_a_checked_traceparent() -> No
         headers += [("ce_replyto", b"my.replies"), ("traceparent", traceparent)]
         good[n] = FakeRecord(r.topic, 0, r.offset, 0, r.key, r.value, headers)
     source = FakeSource({0: good})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     await run_until(pipeline, lambda: len(sink.stored) == 3)
     sent = {
         request_id: (reply_to, dict(headers))
@@ -571,7 +415,7 @@ def lane_records(topic: str, partition: int, count: int, prefix: str) -> list[Fa
 
 async def test_a_high_lane_request_overtakes_a_low_lane_backlog() -> None:
     source = FakeSource({0: lane_records(TOPIC, 0, 200, "low")})
-    model = EchoModel(hold_after=1)
+    model = GatedEcho(hold_after=1)
     model.gate = threading.Event()
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics, lanes="high:8", max_in_flight=64)
@@ -617,7 +461,7 @@ async def test_a_saturated_high_lane_still_lets_the_low_lane_through() -> None:
             0: lane_records(TOPIC, 0, 40, "low"),
         }
     )
-    pipeline, sink = make(source, EchoModel(), lanes="high:3")
+    pipeline, sink = make(source, GatedEcho(), lanes="high:3")
     await run_until(pipeline, lambda: sum(1 for i in sink.stored if i.startswith("low-")) == 40)
     published = sink.published_ids()
     last_low = max(published.index(f"low-{n}") for n in range(40))
@@ -662,7 +506,7 @@ def outcome_order(sink: FakeSink, stream: str) -> list[tuple[int, Status]]:
 async def serve_held(
     pipeline: Pipeline,
     source: FakeSource,
-    model: EchoModel,
+    model: GatedEcho,
     sink: FakeSink,
     fetched: dict[Key, int],
 ) -> None:
@@ -688,7 +532,7 @@ async def serve_held(
 
 async def test_waiting_frames_are_superseded_by_newer_ones_and_order_is_kept() -> None:
     source = FakeSource({0: frames(0, "cam", 60), 1: frames(1, "other", 60)})
-    model = EchoModel(hold_after=1)
+    model = GatedEcho(hold_after=1)
     model.gate = threading.Event()
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics)
@@ -716,7 +560,7 @@ async def test_frames_are_all_answered_without_the_mode() -> None:
     source = FakeSource(
         {0: frames(0, "cam", 30, supersede=None) + frames(0, "cam2", 10, supersede=False, first=30)}
     )
-    model = EchoModel(hold_after=1)
+    model = GatedEcho(hold_after=1)
     model.gate = threading.Event()
     pipeline, sink = make(source, model)
     await serve_held(pipeline, source, model, sink, {0: 40})
@@ -728,7 +572,7 @@ async def test_the_worker_setting_turns_the_mode_on_for_frames_that_do_not_say()
     source = FakeSource(
         {0: frames(0, "cam", 30, supersede=None) + frames(0, "keep", 10, supersede=False, first=30)}
     )
-    model = EchoModel(hold_after=1)
+    model = GatedEcho(hold_after=1)
     model.gate = threading.Event()
     pipeline, sink = make(source, model, supersede_frames=True)
     await serve_held(pipeline, source, model, sink, {0: 40})
@@ -738,39 +582,6 @@ async def test_the_worker_setting_turns_the_mode_on_for_frames_that_do_not_say()
 
 
 # -- exactly-once delivery -------------------------------------------------------------------
-
-
-@dataclass
-class FakeTransactions:
-    """Commits what it is given (as the broker would, offsets into ``source.committed``);
-    loses the next transaction of partitions in ``lose``."""
-
-    source: FakeSource
-    committed: list[PartitionCommit] = field(default_factory=list)
-    lose: set[TopicPartition] = field(default_factory=set)
-    closed: list[TopicPartition] = field(default_factory=list)
-
-    async def publish(self, parts: Sequence[PartitionCommit]) -> tuple[list[Committed], int]:
-        await asyncio.sleep(0)
-        ended = []
-        for part in parts:
-            if part.partition in self.lose:
-                self.lose.discard(part.partition)
-                ended.append(Committed.LOST)
-                continue
-            self.committed.append(part)
-            self.source.committed[part.partition[1]] = part.position
-            ended.append(Committed.YES)
-        return ended, 0
-
-    async def close(self, partitions: Collection[TopicPartition]) -> None:
-        self.closed.extend(partitions)
-
-    async def aclose(self) -> None:
-        pass
-
-    def ids(self) -> list[str]:
-        return [i for part in self.committed for i in part.outbox.ids]
 
 
 def check_exactly_once(txns: FakeTransactions, partitions: dict[int, int]) -> None:
@@ -799,7 +610,7 @@ async def test_exactly_once_commits_each_partition_in_order_with_its_position() 
     source = FakeSource({0: bad, 1: records(1, 30)})
     txns = FakeTransactions(source)
     metrics = Metrics("t")
-    pipeline, sink = make(source, EchoModel(), metrics=metrics, transactions=txns)
+    pipeline, sink = make(source, GatedEcho(), metrics=metrics, transactions=txns)
     await run_until(pipeline, lambda: len(txns.ids()) == 60)
     check_exactly_once(txns, {0: 30, 1: 30})
     assert sink.outboxes == []  # nothing went the at-least-once way
@@ -811,7 +622,7 @@ async def test_exactly_once_commits_each_partition_in_order_with_its_position() 
 async def test_a_lost_transaction_reads_its_partition_again_from_the_committed_position() -> None:
     source = FakeSource({0: records(0, 40, first=0), 1: records(1, 40)})
     txns = FakeTransactions(source, lose={(TOPIC, 0)})
-    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    pipeline, _ = make(source, GatedEcho(), transactions=txns)
     await run_until(pipeline, lambda: len(txns.ids()) == 80)
     assert source.restarted == [(TOPIC, 0)]
     check_exactly_once(txns, {0: 40, 1: 40})
@@ -820,7 +631,7 @@ async def test_a_lost_transaction_reads_its_partition_again_from_the_committed_p
 async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> None:
     source = FakeSource({0: records(0, 24), 1: records(1, 24)})
     txns = FakeTransactions(source)
-    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    pipeline, _ = make(source, GatedEcho(), transactions=txns)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
@@ -840,19 +651,6 @@ async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> Non
 
 
 # -- payloads by reference, cancellation, status --------------------------------------
-
-
-@dataclass
-class MemoryStore:
-    """A payload store of the claims port, in memory (the adapters have their own tests)."""
-
-    objects: dict[str, bytes]
-
-    async def sizes(self, refs: Sequence[DataRef]) -> list[int | Fault | None]:
-        return [len(self.objects[r.key]) if r.key in self.objects else None for r in refs]
-
-    async def read(self, refs: Sequence[DataRef], max_bytes: int) -> list[bytes | Fault | None]:
-        return [self.objects.get(r.key) for r in refs]
 
 
 def referenced(partition: int, first: int, count: int) -> list[FakeRecord]:
@@ -876,7 +674,7 @@ async def test_referenced_payloads_are_served_in_partition_order_among_inline_on
     stored = {f"conveyor:data:p0-{n}": bytes([100 + n]) for n in range(4, 8)}
     del stored["conveyor:data:p0-6"]  # one of them was never stored
     source = FakeSource({0: mixed})
-    pipeline, sink = make(source, EchoModel(), stores={"redis": MemoryStore(stored)})
+    pipeline, sink = make(source, GatedEcho(), stores={"redis": FakeStore(stored)})
     await run_until(pipeline, lambda: len(sink.stored) == 12)
     outputs = {i: decode_result(v).outputs for i, v in sink.stored.items()}
     assert [outputs[f"p0-{n}"] for n in (4, 5, 7)] == [104, 105, 107]  # the stored bytes
@@ -890,36 +688,16 @@ async def test_referenced_payloads_are_served_in_partition_order_among_inline_on
 
 async def test_a_worker_without_stores_refuses_references() -> None:
     source = FakeSource({0: referenced(0, 0, 2)})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     await run_until(pipeline, lambda: len(sink.stored) == 2)
     assert {decode_result(v).error.code for v in sink.stored.values()} == {  # type: ignore[union-attr]
         ErrorCode.dataref_denied
     }
 
 
-@dataclass
-class FakeState:
-    """Cancellations and attempt counts, as the Redis script keeps them."""
-
-    cancelled: set[str] = field(default_factory=set)
-    attempts: dict[str, int] = field(default_factory=dict)
-    sizes: list[int] = field(default_factory=list)  # ids per call
-
-    async def start(self, ids: Sequence[str]) -> list[int]:
-        self.sizes.append(len(ids))
-        out = []
-        for request_id in ids:
-            if request_id in self.cancelled:
-                out.append(CANCELLED)
-            else:
-                self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
-                out.append(self.attempts[request_id])
-        return out
-
-
 async def test_cancelled_requests_are_answered_without_reaching_the_model() -> None:
     source = FakeSource({0: records(0, 40, first=100)})
-    model = EchoModel()
+    model = GatedEcho()
     state = FakeState(cancelled={f"p0-{n}" for n in range(100, 140, 2)})
     metrics = Metrics("t")
     pipeline, sink = make(source, model, state=state, metrics=metrics)
@@ -940,7 +718,7 @@ async def test_cancelled_requests_are_answered_without_reaching_the_model() -> N
 async def test_results_carry_the_attempt_the_state_counted() -> None:
     source = FakeSource({0: records(0, 3, first=100)})
     state = FakeState(attempts={"p0-101": 2})  # started twice before, by workers that died
-    pipeline, sink = make(source, EchoModel(), state=state)
+    pipeline, sink = make(source, GatedEcho(), state=state)
     await run_until(pipeline, lambda: len(sink.stored) == 3)
     assert [decode_result(sink.stored[f"p0-{n}"]).attempt for n in (100, 101, 102)] == [1, 3, 1]
 
@@ -960,7 +738,7 @@ async def test_a_state_store_that_fails_lets_the_batch_run(error: Exception) -> 
 
     source = FakeSource({0: records(0, 5, first=100)})
     metrics = Metrics("t")
-    pipeline, sink = make(source, EchoModel(), state=Down(), metrics=metrics)
+    pipeline, sink = make(source, GatedEcho(), state=Down(), metrics=metrics)
     await run_until(pipeline, lambda: len(sink.stored) == 5)
     assert {decode_result(v).status for v in sink.stored.values()} == {Status.ok}
     assert b"conveyor_admission_failures_total" in metrics.render()
@@ -979,33 +757,12 @@ async def test_a_failed_device_stops_the_worker_with_its_batch_unanswered(
         workers.model.inference, "device_error", lambda device: RuntimeError("CUDA error: lost")
     )
     source = FakeSource({0: records(0, 40)})
-    pipeline, sink = make(source, EchoModel())
+    pipeline, sink = make(source, GatedEcho())
     with pytest.raises(DeviceLost, match="CUDA error: lost"):
         await asyncio.wait_for(pipeline.run(asyncio.Event()), 10)
     assert "p0-13" not in sink.stored
     assert all(sink.status(i) is Status.ok for i in sink.stored)
     assert source.committed.get(0, 0) <= 13
-
-
-@dataclass
-class HeldSink(FakeSink):
-    """Holds every publish until ``release`` is set; counts the calls in progress."""
-
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    fail_with: Exception | None = None
-    in_progress: int = 0
-    most: int = 0
-
-    async def publish(self, outbox: Outbox) -> PublishReport:
-        self.in_progress += 1
-        self.most = max(self.most, self.in_progress)
-        try:
-            await self.release.wait()
-            if self.fail_with is not None:
-                raise self.fail_with
-            return await super().publish(outbox)
-        finally:
-            self.in_progress -= 1
 
 
 @pytest.mark.parametrize("in_flight", [1, 4])
@@ -1014,7 +771,7 @@ async def test_publishes_overlap_up_to_the_setting(in_flight: int) -> None:
     results; at most ``publishes_in_flight`` wait at a time, every record answered once."""
     source = FakeSource({p: records(p, 40) for p in range(4)})
     held = HeldSink()
-    pipeline, sink = make(source, EchoModel(), sink=held, publishes_in_flight=in_flight)
+    pipeline, sink = make(source, GatedEcho(), sink=held, publishes_in_flight=in_flight)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     async with asyncio.timeout(10):
@@ -1037,7 +794,7 @@ async def test_a_configuration_error_of_an_overlapping_publish_ends_the_worker()
     from workers.publish.errors import PublishConfigError
 
     held = HeldSink(fail_with=PublishConfigError("Redis refused this worker's writes"))
-    pipeline, _ = make(FakeSource({0: records(0, 40)}), EchoModel(), sink=held)
+    pipeline, _ = make(FakeSource({0: records(0, 40)}), GatedEcho(), sink=held)
     held.release.set()
     with pytest.raises(PublishConfigError, match="refused"):  # itself, not in a group
         await asyncio.wait_for(pipeline.run(asyncio.Event()), 10)
@@ -1061,7 +818,7 @@ async def test_exactly_once_transactions_never_overlap() -> None:
                 self.in_progress -= 1
 
     txns = Counted(source)
-    pipeline, _ = make(source, EchoModel(), transactions=txns)
+    pipeline, _ = make(source, GatedEcho(), transactions=txns)
     await run_until(pipeline, lambda: len(txns.ids()) == 90)
     check_exactly_once(txns, dict.fromkeys(range(3), 30))
     assert txns.most == 1
