@@ -75,7 +75,8 @@ class FakeSource:
     """Partitions of records; fetch hands them out in order, a few at a time.
 
     Partitions are keyed by number (partitions of TOPIC) or by (topic, partition);
-    ``position`` and ``committed`` use the same keys.
+    ``position`` and ``committed`` use the same keys. While a revocation's handler
+    runs, fetch hands out nothing, as the Kafka consumer does during a rebalance.
     """
 
     partitions: dict[Key, list[FakeRecord]]
@@ -84,6 +85,7 @@ class FakeSource:
     paused_seen: list[bool] = field(default_factory=list)
     paused: frozenset[str] = frozenset()
     revoke_handler: Revoked | None = None
+    rebalancing: bool = False
     restarted: list[TopicPartition] = field(default_factory=list)
 
     async def fetch(
@@ -92,7 +94,7 @@ class FakeSource:
         await asyncio.sleep(0)
         out: dict[TopicPartition, list[FakeRecord]] = {}
         for key, records in self.partitions.items():
-            if topic_partition(key)[0] in self.paused:
+            if self.rebalancing or topic_partition(key)[0] in self.paused:
                 continue
             start = self.position.get(key, 0)
             chunk = records[start : start + max(1, max_records // 4)]
@@ -129,7 +131,11 @@ class FakeSource:
     async def revoke(self, partition: Key) -> None:
         """As a rebalance does: the pipeline drains, then the partition is gone."""
         assert self.revoke_handler is not None
-        await self.revoke_handler({topic_partition(partition)})
+        self.rebalancing = True
+        try:
+            await self.revoke_handler({topic_partition(partition)})
+        finally:
+            self.rebalancing = False
         del self.partitions[partition]
 
 
@@ -301,7 +307,7 @@ class GatedEcho:
     """Each payload's first byte, echoed; a first byte of POISON makes forward raise.
 
     ``gate`` (when set) holds every forward after the first ``hold_after`` calls until
-    it is opened; ``entered`` counts calls, ``seen`` the items forward ran on.
+    it is opened; ``calls`` counts the forwards begun, ``seen`` the items forward ran on.
     """
 
     name = "echo"
@@ -311,7 +317,6 @@ class GatedEcho:
         self.gate: threading.Event | None = None
         self.hold_after = hold_after
         self.calls = 0
-        self.entered = threading.Semaphore(0)
         self.seen = 0
 
     def example_item(self) -> torch.Tensor:
@@ -324,7 +329,6 @@ class GatedEcho:
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        self.entered.release()
         if self.gate is not None and self.calls > self.hold_after:
             assert self.gate.wait(10), "the test never opened the gate"
         if bool((batch == POISON).any()):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+from producers.testing import until
 from schemas import ContentType, encode_request
 from tests.fakes import POISON, TOPIC, FakeRecord, FakeSink, FakeSource, GatedEcho
 from workers.batching.batcher import CloseReason
@@ -92,9 +93,7 @@ async def run_until(pipeline: Pipeline, done: Callable[[], bool], timeout: float
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        async with asyncio.timeout(timeout):
-            while not done():
-                await asyncio.sleep(0.01)
+        await until(done, "the scenario's end", timeout)
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout)

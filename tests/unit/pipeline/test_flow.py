@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import orjson
 
+from producers.testing import until
 from schemas import ErrorCode, Status, decode_result
 from tests.fakes import FakeSource, GatedEcho
 from tests.unit.pipeline.harness import make, records, run_until
@@ -59,7 +60,7 @@ async def test_stop_drains_what_was_fetched() -> None:
     pipeline, sink = make(source, model)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
-    await asyncio.to_thread(model.entered.acquire, True, 5)  # a batch is in the model
+    await until(lambda: model.calls >= 1, "a batch in the model", 5)
     stop.set()
     model.gate.set()
     await asyncio.wait_for(task, 10)
@@ -87,9 +88,7 @@ async def test_backpressure_pauses_fetching_at_the_in_flight_cap() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        async with asyncio.timeout(5):
-            while True not in source.paused_seen:
-                await asyncio.sleep(0.01)
+        await until(lambda: True in source.paused_seen, "fetching paused", 5)
         assert source.position[0] <= 16 + 8  # at most one fetch past the cap
     finally:
         model.gate.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from producers.testing import until
 from schemas import ContentType, ErrorCode, Status, decode_result, encode_request
 from tests.fakes import TOPIC, FakeRecord, FakeSink, FakeSource, GatedEcho, Key
 from tests.unit.pipeline.harness import make
@@ -55,14 +56,14 @@ async def serve_held(
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
-        async with asyncio.timeout(5):  # everything fetched while the model is held
-            while any(source.position.get(key, 0) < n for key, n in fetched.items()):
-                await asyncio.sleep(0.01)
+        await until(lambda: model.calls >= 1, "the first batch in the model", 5)
+        await until(  # everything fetched while the model is held
+            lambda: all(source.position.get(key, 0) >= n for key, n in fetched.items()),
+            f"{fetched} fetched",
+            5,
+        )
         model.gate.set()
-        async with asyncio.timeout(10):
-            while len(sink.stored) < sum(fetched.values()):
-                await asyncio.sleep(0.01)
+        await until(lambda: len(sink.stored) >= sum(fetched.values()), "every frame answered", 10)
     finally:
         model.gate.set()
         stop.set()

@@ -29,7 +29,7 @@ async def test_while_the_model_stage_is_full_no_further_batch_closes(
     task = asyncio.create_task(pipeline.run(stop))
 
     try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        await until(lambda: model.calls >= 1, "a batch in the model", 5)
         await asyncio.sleep(0.2)  # time enough for more batches, were there room
         assert closed_batches(metrics) == closed
         model.gate.set()
@@ -55,7 +55,7 @@ async def test_beyond_its_share_of_partial_batches_the_stage_takes_only_a_full_o
     task = asyncio.create_task(pipeline.run(stop))
 
     try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)  # one in the stage
+        await until(lambda: model.calls >= 1, "one batch in the stage", 5)
         source.partitions[0].extend(records(0, 3, first=1))
         await asyncio.sleep(0.2)  # the three timed out long ago
         assert closed_batches(metrics) == closed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from producers.testing import until
 from schemas import ContentType, encode_request
 from tests.fakes import TOPIC, FakeRecord, FakeSource, GatedEcho
 from tests.unit.pipeline.harness import make, run_until
@@ -38,27 +39,25 @@ async def test_a_high_lane_request_overtakes_a_low_lane_backlog() -> None:
     task = asyncio.create_task(pipeline.run(stop))
     try:
         # The low lane fills the in-flight budget and pauses; the high lane does not.
-        async with asyncio.timeout(5):
-            while TOPIC not in source.paused:
-                await asyncio.sleep(0.01)
+        await until(lambda: TOPIC in source.paused, "the low lane paused", 5)
         assert HIGH not in source.paused
         source.partitions[(HIGH, 0)] = lane_records(HIGH, 0, 3, "high")
-        async with asyncio.timeout(5):
-            while source.position.get((HIGH, 0), 0) < 3:
-                await asyncio.sleep(0.01)
+        await until(lambda: source.position.get((HIGH, 0), 0) >= 3, "the high lane fetched", 5)
         answered_before = len(sink.published_ids())  # the model is held meanwhile
         model.gate.set()
-        async with asyncio.timeout(5):
-            while not all(f"high-{n}" in sink.stored for n in range(3)):
-                await asyncio.sleep(0.001)
+        await until(
+            lambda: all(f"high-{n}" in sink.stored for n in range(3)), "the high lane answered", 5
+        )
         published = sink.published_ids()
         last_high = max(published.index(f"high-{n}") for n in range(3))
         overtaken_by = [i for i in published[answered_before:last_high] if i.startswith("low-")]
         # Ahead of the high requests: the batch on the model and the one queued behind it.
         assert len(overtaken_by) <= 2 * 8
-        async with asyncio.timeout(10):
-            while sum(1 for i in sink.stored if i.startswith("low-")) < 200:
-                await asyncio.sleep(0.01)
+        await until(
+            lambda: sum(1 for i in sink.stored if i.startswith("low-")) >= 200,
+            "the low lane answered",
+            10,
+        )
     finally:
         model.gate.set()
         stop.set()

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from producers.testing import until
 from tests.fakes import FakeSource, GatedEcho, HeldSink
 from tests.unit.pipeline.harness import make, records
 
@@ -21,11 +22,9 @@ async def test_a_finished_batch_is_published_while_the_next_one_runs() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        for _ in range(2):  # the first batch ran, the second is held in the model
-            assert await asyncio.to_thread(model.entered.acquire, True, 5)
-        async with asyncio.timeout(5):
-            while len(sink.stored) < model.seen:
-                await asyncio.sleep(0.01)
+        # The first batch ran, the second is held in the model.
+        await until(lambda: model.calls >= 2, "a second batch in the model", 5)
+        await until(lambda: len(sink.stored) >= model.seen, "the first batch published", 5)
         assert 0 < len(sink.stored) < 16
     finally:
         model.gate.set()
@@ -43,16 +42,12 @@ async def test_publishes_overlap_up_to_the_setting(in_flight: int) -> None:
     pipeline, sink = make(source, GatedEcho(), sink=held, publishes_in_flight=in_flight)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
-    async with asyncio.timeout(10):
-        while held.in_progress < in_flight:
-            await asyncio.sleep(0.01)
+    await until(lambda: held.in_progress >= in_flight, f"{in_flight} publishes waiting", 10)
     await asyncio.sleep(0.1)  # batches keep finishing meanwhile
     assert held.most == in_flight
     assert source.committed == {}  # nothing acknowledged, nothing committed
     held.release.set()
-    async with asyncio.timeout(10):
-        while len(sink.stored) < 160:
-            await asyncio.sleep(0.01)
+    await until(lambda: len(sink.stored) >= 160, "every record answered", 10)
     stop.set()
     await asyncio.wait_for(task, 10)
     assert len(sink.published_ids()) == 160

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from producers.testing import until
 from tests.fakes import FakeSource, GatedEcho, RevokedOnFetch
 from tests.unit.pipeline.harness import make, records
 from workers.observe.metrics import Metrics
@@ -16,24 +17,28 @@ from workers.observe.metrics import Metrics
 async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
     source = FakeSource({0: records(0, 24), 1: records(1, 24)})
     model = GatedEcho()
+    model.gate = threading.Event()  # what was fetched is in flight when the revocation comes
     metrics = Metrics("t")
     pipeline, sink = make(source, model, metrics=metrics)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        async with asyncio.timeout(5):
-            while source.position.get(1, 0) == 0:
-                await asyncio.sleep(0.001)
+        await until(lambda: source.position.get(1, 0) > 0, "partition 1 fetched", 5)
         fetched = source.position[1]
-        await source.revoke(1)
+        revoking = asyncio.create_task(source.revoke(1))
+        model.gate.set()
+        await revoking
         # Everything fetched from partition 1 was answered before it went away.
         assert all(f"p1-{n}" in sink.stored for n in range(fetched))
         assert source.committed[1] == fetched
         assert metrics.totals().handed_back == 0
-        async with asyncio.timeout(5):
-            while len([i for i in sink.stored if i.startswith("p0-")]) < 24:
-                await asyncio.sleep(0.01)
+        await until(
+            lambda: len([i for i in sink.stored if i.startswith("p0-")]) >= 24,
+            "partition 0 answered",
+            5,
+        )
     finally:
+        model.gate.set()
         stop.set()
         await asyncio.wait_for(task, 10)
 
@@ -44,10 +49,9 @@ async def test_a_revocation_drains_records_fetched_but_not_yet_taken() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        async with asyncio.timeout(5):
-            while source.revoking is None:
-                await asyncio.sleep(0.001)
-            await source.revoking
+        await until(lambda: source.revoking is not None, "the revocation begun", 5)
+        assert source.revoking is not None
+        await asyncio.wait_for(source.revoking, 5)
         fetched = source.position[1]
         assert fetched > 0
         assert all(f"p1-{n}" in sink.stored for n in range(fetched))
@@ -68,7 +72,7 @@ async def test_a_drain_past_its_bound_hands_the_rest_back_uncommitted() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        assert await asyncio.to_thread(model.entered.acquire, True, 5)
+        await until(lambda: model.calls >= 1, "a batch in the model", 5)
         await source.revoke(0)  # the model is stuck: the drain gives up after 200 ms
         assert metrics.totals().handed_back > 0
         assert 0 not in source.committed  # nothing was finished, nothing committed

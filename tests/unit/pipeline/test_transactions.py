@@ -6,9 +6,11 @@ its drain, and never two transactions at once.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from producers.testing import until
 from tests.fakes import TOPIC, FakeRecord, FakeSource, FakeTransactions, GatedEcho
 from tests.unit.pipeline.harness import make, records, run_until
 from workers.observe.metrics import Metrics
@@ -62,21 +64,22 @@ async def test_a_lost_transaction_reads_its_partition_again_from_the_committed_p
 async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> None:
     source = FakeSource({0: records(0, 24), 1: records(1, 24)})
     txns = FakeTransactions(source)
-    pipeline, _ = make(source, GatedEcho(), transactions=txns)
+    model = GatedEcho()
+    model.gate = threading.Event()  # what was fetched is in flight when the revocation comes
+    pipeline, _ = make(source, model, transactions=txns)
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        async with asyncio.timeout(5):
-            while source.position.get(1, 0) == 0:
-                await asyncio.sleep(0.001)
+        await until(lambda: source.position.get(1, 0) > 0, "partition 1 fetched", 5)
         fetched = source.position[1]
-        await source.revoke(1)
+        revoking = asyncio.create_task(source.revoke(1))
+        model.gate.set()
+        await revoking
         assert txns.closed == [(TOPIC, 1)]
         assert source.committed[1] == fetched  # drained and committed in transactions
-        async with asyncio.timeout(5):
-            while source.committed.get(0) != 24:
-                await asyncio.sleep(0.01)
+        await until(lambda: source.committed.get(0) == 24, "partition 0 committed", 5)
     finally:
+        model.gate.set()
         stop.set()
         await asyncio.wait_for(task, 10)
 
