@@ -405,12 +405,18 @@ class TinyClassifier(ImageClassifier):
 
 @dataclass
 class FakeClock:
-    """A monotonic clock that moves only when a test moves ``now``."""
+    """A monotonic clock that moves only when a test moves ``now`` or the code under test
+    waits (``wait``, each wait recorded in ``waits``)."""
 
     now: float
+    waits: list[float] = field(default_factory=list)
 
     def __call__(self) -> float:
         return self.now
+
+    def wait(self, seconds: float) -> None:
+        self.waits.append(round(seconds, 6))
+        self.now += seconds
 
 
 class FakeTransport(asyncio.Transport):
