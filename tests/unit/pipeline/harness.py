@@ -1,6 +1,6 @@
 """The real pipeline, in-process, behind the fake record source and result sink of
-tests/fakes.py, and what its tests share: requests to fetch, the wiring, a run until a
-condition holds.
+tests/fakes.py, and what its tests share: requests to fetch, the wiring, a revocation
+while records are in flight, a run until a condition holds.
 
 The model is ``GatedEcho``, whose forward can be held (a gate) or fail on a poison
 value, so the tests see ordering, draining, revocation, expiry, bisection and
@@ -16,7 +16,7 @@ from typing import Any
 
 from producers.testing import until
 from schemas import ContentType, encode_request
-from tests.fakes import POISON, TOPIC, FakeRecord, FakeSink, FakeSource, GatedEcho
+from tests.fakes import POISON, TOPIC, FakeRecord, FakeSink, FakeSource, GatedEcho, Key
 from workers.batching.batcher import CloseReason
 from workers.config.worker import WorkerSettings
 from workers.intake.admission import Admission, RequestState
@@ -86,6 +86,19 @@ def closed_batches(metrics: Metrics, *reasons: CloseReason) -> float:
         read("conveyor_batches_total", {"model": "t", "reason": reason}) or 0.0
         for reason in reasons or tuple(CloseReason)
     )
+
+
+async def revoke_in_flight(source: FakeSource, model: GatedEcho, partition: Key) -> int:
+    """Revoke ``partition`` once records of it were fetched, while ``model``'s closed gate
+    holds them in flight, opening the gate as the revocation begins. Returns the
+    partition's fetched position when it was revoked."""
+    await until(lambda: source.position.get(partition, 0) > 0, f"{partition} fetched", 5)
+    fetched = source.position[partition]
+    revoking = asyncio.create_task(source.revoke(partition))
+    assert model.gate is not None
+    model.gate.set()
+    await revoking
+    return fetched
 
 
 async def run_until(pipeline: Pipeline, done: Callable[[], bool], timeout: float = 10) -> None:

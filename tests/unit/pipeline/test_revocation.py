@@ -10,7 +10,7 @@ import threading
 
 from producers.testing import until
 from tests.fakes import FakeSource, GatedEcho, RevokedOnFetch
-from tests.unit.pipeline.harness import make, records
+from tests.unit.pipeline.harness import make, records, revoke_in_flight
 from workers.observe.metrics import Metrics
 
 
@@ -23,11 +23,7 @@ async def test_revoke_drains_commits_and_forgets_the_partition() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        await until(lambda: source.position.get(1, 0) > 0, "partition 1 fetched", 5)
-        fetched = source.position[1]
-        revoking = asyncio.create_task(source.revoke(1))
-        model.gate.set()
-        await revoking
+        fetched = await revoke_in_flight(source, model, 1)
         # Everything fetched from partition 1 was answered before it went away.
         assert all(f"p1-{n}" in sink.stored for n in range(fetched))
         assert source.committed[1] == fetched

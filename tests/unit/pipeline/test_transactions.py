@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from producers.testing import until
 from tests.fakes import TOPIC, FakeRecord, FakeSource, FakeTransactions, GatedEcho
-from tests.unit.pipeline.harness import make, records, run_until
+from tests.unit.pipeline.harness import make, records, revoke_in_flight, run_until
 from workers.observe.metrics import Metrics
 from workers.types import Committed, PartitionCommit
 
@@ -70,11 +70,7 @@ async def test_exactly_once_revoke_closes_the_partition_after_its_drain() -> Non
     stop = asyncio.Event()
     task = asyncio.create_task(pipeline.run(stop))
     try:
-        await until(lambda: source.position.get(1, 0) > 0, "partition 1 fetched", 5)
-        fetched = source.position[1]
-        revoking = asyncio.create_task(source.revoke(1))
-        model.gate.set()
-        await revoking
+        fetched = await revoke_in_flight(source, model, 1)
         assert txns.closed == [(TOPIC, 1)]
         assert source.committed[1] == fetched  # drained and committed in transactions
         await until(lambda: source.committed.get(0) == 24, "partition 0 committed", 5)
