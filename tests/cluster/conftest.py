@@ -24,7 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 
 from producers.settings import ClientSettings
-from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin, plain_url
+from producers.testing import CLUSTER_SCHEME, Fleet, WorkerConfig, kafka_admin, plain_url, until
 from tests.conftest import REPO, require_listening
 from tests.harness import TEST_WORKER_OPTIONS
 
@@ -75,13 +75,13 @@ class KafkaCluster:
     async def until_fully_replicated(self, timeout: float = 90) -> None:
         """Wait until every partition of every topic has all its replicas in sync:
         the step a rolling restart waits for before it stops the next broker."""
-        deadline = time.monotonic() + timeout
-        while True:
-            lagging = await self._under_replicated()
-            if not lagging:
-                return
-            assert time.monotonic() < deadline, f"under-replicated after {timeout} s: {lagging}"
-            await asyncio.sleep(0.5)  # polling interval, not a wait for readiness
+        lagging: list[str] = []
+
+        async def in_sync() -> bool:
+            lagging[:] = await self._under_replicated()
+            return not lagging
+
+        await until(in_sync, "every replica in sync", timeout, lambda: f"lagging: {lagging}")
 
     async def _under_replicated(self) -> list[str]:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)

@@ -22,7 +22,7 @@ from producers.client import AsyncClient
 from producers.cluster_results import ClusterResultReader
 from producers.errors import ResultTimeout
 from producers.settings import ClientSettings
-from producers.testing import Fleet, plain_url, read_results, until_answered
+from producers.testing import Fleet, plain_url, read_results, until, until_answered
 from schemas import Result, encode_result, ok_result, result_key
 from tests.cluster.conftest import KafkaCluster, RedisClusterNodes
 from tests.harness import check, setup_model, submit_paced, tally_scenario
@@ -164,8 +164,11 @@ async def test_waits_and_writes_follow_a_manual_failover(
         # The replica takes over its primary's slots: the old primary, a replica now,
         # drops its shard subscriptions and answers MOVED to the writes routed to it.
         await replica.cluster("FAILOVER")
-        while (await _shard_of(seed, result_key(ids[0])))[0] != replica_port:
-            await asyncio.sleep(0.1)  # polling the cluster's view, not a wait for readiness
+
+        async def promoted() -> bool:
+            return (await _shard_of(seed, result_key(ids[0])))[0] == replica_port
+
+        await until(promoted, "the replica serves its primary's slots", 60)
         for start in range(0, 60, 20):
             chunk = ids[start : start + 20]
             written = await store.write_first(chunk, [_document(i, "w") for i in chunk])
@@ -191,9 +194,13 @@ async def until_subscribed(channel: str, port: int) -> None:
     """Wait until ``port``'s node counts a sharded subscriber on ``channel``."""
     node = aioredis.Redis(port=port)
     try:
-        # The raw reply ([channel, count]); redis-py leaves execute_command untyped.
-        while not (await node.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1]:  # type: ignore[no-untyped-call]
-            await asyncio.sleep(0.05)  # polling the server's count, not a wait for readiness
+
+        async def subscribed() -> bool:
+            # The raw reply ([channel, count]); redis-py leaves execute_command untyped.
+            reply = await node.execute_command("PUBSUB", "SHARDNUMSUB", channel)  # type: ignore[no-untyped-call]
+            return bool(reply[1])
+
+        await until(subscribed, f"a sharded subscriber on {channel} at {port}", 30)
     finally:
         await node.aclose()
 
@@ -233,8 +240,11 @@ async def test_primary_killed_mid_run_replica_promoted(
             await seed.aclose()
             seed = aioredis.Redis(port=nodes.port + 2)
         nodes.kill(victim)
-        while (await _shard_of(seed, result_key(ids[-1])))[0] == victim_port:
-            await asyncio.sleep(0.2)  # polling the cluster's view, not a wait for readiness
+
+        async def failed_over() -> bool:
+            return (await _shard_of(seed, result_key(ids[-1])))[0] != victim_port
+
+        await until(failed_over, "a replica serves the killed primary's slots", 120)
         # The killed primary comes back as a replica of the promoted one (as a restarted
         # pod would): until then its shard has no replica to acknowledge writes.
         await asyncio.to_thread(nodes.start, victim)

@@ -80,7 +80,7 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     producer processes, latency parts) and its kill stage with a tiny model on the CPU, so
     they work when a GPU call comes."""
     argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "e2e,kill"]
-    argv += ["--model", "tests.unit.test_gpu_bench_smoke:TinyClassifier"]
+    argv += ["--model", "tests.fakes:TinyClassifier"]
     argv += ["--corpora", "224x224", "--e2e-configs", "2x1", "--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--profile-s", "1", "--profile-phase", "paced"]

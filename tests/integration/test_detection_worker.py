@@ -30,7 +30,7 @@ from producers.settings import ClientSettings
 from producers.testing import Fleet, WorkerProcess, wait_for_results
 from schemas import Status, topics_for
 from schemas.outputs import DetectionOutput
-from tests.unit.test_served_equals_direct import Agreement, calibrate_detector, photo_like
+from tests.served_direct import Agreement, calibrate_detector, photo_like
 
 ARCH = "fasterrcnn_mobilenet_v3_large_320_fpn"
 LABELS = ["background", "circle", "square", "triangle", "star"]

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from producers import AsyncClient, ClientSettings, ContentType
 from producers.admin import create_model_topics
 from producers.cli import main
-from producers.testing import Fleet, produce, requests, wait_for_results
+from producers.testing import Fleet, produce, requests, until, wait_for_results
 from schemas import (
     OutgoingRecord,
     Result,
@@ -120,7 +120,11 @@ async def test_rebuild_restores_every_result_as_it_was(
     async with AsyncClient(client_settings) as client:
         # Subscribed before the rebuild: woken by its PUBLISH, as by a worker's.
         waiter = asyncio.create_task(client.wait(ids[-1], timeout=60))
-        await asyncio.sleep(0.2)
+
+        async def subscribed() -> bool:
+            return bool(await redis.pubsub_channels(result_key(ids[-1])))
+
+        await until(subscribed, "the wait subscribed", 10)
         first = await _rebuild(connection, model_name, capsys)
         assert (await waiter).id == ids[-1]
     rebuilt, rebuilt_ttls = await _snapshot(redis, keys)

@@ -160,8 +160,12 @@ async def test_readyz_503_until_serving_then_200(
     )
     await holder.start()
     try:
-        while not holder.assignment():
-            await holder.getmany(timeout_ms=100)
+
+        async def holds_it() -> bool:
+            await holder.getmany(timeout_ms=100)  # the holder joins its group while it fetches
+            return bool(holder.assignment())
+
+        await until(holds_it, "the holder owns the partition", 30)
         worker, port = _start(workers, "--worker-id", f"z-{model_name}")
         probes: list[_Probe] = []
 

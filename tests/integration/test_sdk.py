@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing, suppress
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ from producers import (
 )
 from producers.admin import create_model_topics
 from producers.subscriber import Listener, SharedSubscriber
+from producers.testing import until
 from schemas import cancel_key, encode_result, ok_result, result_key, topics_for
 
 
@@ -94,28 +95,41 @@ class _Publisher:
         Redis handles a client's disconnect and our CLIENT LIST in whichever order
         their sockets' events come, so a count taken at once may be stale.
         """
-        for _ in range(200):
+
+        async def count() -> int:
             clients = await self.redis.client_list()
-            count = sum(1 for client in clients if client.get("name") == name)
-            if count == expected:
-                break
-            await asyncio.sleep(0.01)
-        return count
+            return sum(1 for client in clients if client.get("name") == name)
+
+        return await _settled(count, expected)
 
     async def channels(self, expected: int) -> int:
         """Channels of this test's ids that clients subscribe to, once they number
         ``expected`` or after 2 s (commands of other connections land in their own time)."""
-        for _ in range(200):
-            count = len(await self.redis.pubsub_channels(f"{result_key(self.uid)}*"))
-            if count == expected:
-                break
-            await asyncio.sleep(0.01)
-        return count
+
+        async def count() -> int:
+            return len(await self.redis.pubsub_channels(f"{result_key(self.uid)}*"))
+
+        return await _settled(count, expected)
 
     async def close(self) -> None:
         if self.written:
             await self.redis.delete(*self.written)
         await self.redis.aclose()
+
+
+async def _settled(count: Callable[[], Awaitable[int]], expected: int) -> int:
+    """``count()`` once it is ``expected``, or as it stands after 2 s, for the caller's
+    assertion to show."""
+    seen = -1
+
+    async def reached() -> bool:
+        nonlocal seen
+        seen = await count()
+        return seen == expected
+
+    with suppress(TimeoutError):
+        await until(reached, f"a count of {expected}", 2)
+    return seen
 
 
 def _accuracy(results: Sequence[tuple[int, int]]) -> float:

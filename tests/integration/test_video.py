@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from contextlib import aclosing
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -33,7 +32,7 @@ from producers.video import (
 )
 from schemas import Status, encode_result, ok_result, result_headers, topics_for
 from tests.conftest import CreateTopic
-from tests.unit.test_video_source import every_40_ms, parser, write_video
+from tests.videos import collect, every_40_ms, stream_parser, write_video
 
 FRAMES = 200  # 20 s sampled at 10 fps
 
@@ -52,11 +51,6 @@ def settings(kafka_bootstrap: str, redis_url: str) -> ClientSettings:
 async def send(settings: ClientSettings, video: Path, model: str, stream_id: str) -> int:
     with VideoSource(video, fps=Fraction(10)) as source:
         return await stream_video(settings, source, model=model, stream_id=stream_id)
-
-
-async def collect(reader: AsyncStreamReader, count: int) -> list[FrameResult]:
-    async with aclosing(reader.results(count)) as results:
-        return [frame async for frame in results]
 
 
 def assert_complete_and_ok(stream_id: str, frames: Sequence[FrameResult], count: int) -> None:
@@ -107,7 +101,7 @@ async def test_stream_command_waits_and_prints_results_in_frame_order(
     uid: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    args = parser().parse_args(
+    args = stream_parser().parse_args(
         [
             "stream",
             str(video),

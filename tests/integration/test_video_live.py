@@ -31,9 +31,8 @@ from producers.video import (
 )
 from schemas import Status, topics_for
 from tests.conftest import CreateTopic
-from tests.integration.test_video import collect
 from tests.live_video import LiveVideoServer
-from tests.unit.test_video_source import every_40_ms, parser, write_video
+from tests.videos import collect, every_40_ms, stream_parser, write_video
 
 OUTAGE_S = 1.5  # how long the source is down
 
@@ -154,7 +153,7 @@ async def test_stream_command_reads_a_live_url_and_waits_for_the_results(
     argv = ["stream", "URL", "--model", served_model, "--stream-id", f"cli-live-{uid}"]
     with LiveVideoServer(free_port()) as server:
         argv[1] = server.url
-        args = parser().parse_args(
+        args = stream_parser().parse_args(
             [*argv, "--fps", "10", "--max-frames", "15", "--wait", "--timeout", "60"]
         )
         status = await run_stream(args, settings)

@@ -9,48 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from schemas import ContentType, DataRef, ErrorCode, decode_request, encode_request, parse_dataref
+from tests.fakes import FakeRecord, FakeStore, Prepared
 from workers.intake.ingest import _from_meta
-from workers.intake.payload_stores import Fault, PayloadStore, StoreOutage
-from workers.intake.references import ByteBudget, Claims
+from workers.intake.payload_stores import Fault, PayloadStore
+from workers.intake.references import Claims
 from workers.observe.metrics import Metrics
 from workers.offsets import OffsetTracker
 from workers.types import Item, Refusal
 
 PREFIX = "conveyor:data:"
-
-
-@dataclass
-class FakeStore:
-    """Objects by key; ``outages`` calls fail first; records what was asked and held."""
-
-    objects: dict[str, bytes] = field(default_factory=dict)
-    outages: int = 0
-    reads: list[list[str]] = field(default_factory=list)
-    budget: ByteBudget | None = None
-    peak_held: int = 0
-
-    async def sizes(self, refs: Sequence[DataRef]) -> list[int | Fault | None]:
-        self._maybe_fail()
-        return [len(self.objects[r.key]) if r.key in self.objects else None for r in refs]
-
-    async def read(self, refs: Sequence[DataRef], max_bytes: int) -> list[bytes | Fault | None]:
-        self._maybe_fail()
-        self.reads.append([r.key for r in refs])
-        if self.budget is not None:
-            self.peak_held = max(self.peak_held, self.budget.used)
-        await asyncio.sleep(0)
-        return [self.objects.get(r.key) for r in refs]
-
-    def _maybe_fail(self) -> None:
-        if self.outages:
-            self.outages -= 1
-            raise StoreOutage("connection refused")
 
 
 def item(request_id: str, dataref: str | None = None, expires: datetime | None = None) -> Item:
@@ -64,20 +36,8 @@ def item(request_id: str, dataref: str | None = None, expires: datetime | None =
     )
     meta = decode_request(record.headers, record.key, record.value, 0).meta
     span = OffsetTracker[str]().open("p", 0, 0, 1)
-    fake = _Record(record.key, record.value, record.headers)
+    fake = FakeRecord("t", 0, 0, key=record.key, value=record.value, headers=record.headers)
     return Item(fake, span, _from_meta(meta), 0.0, 0.0, None)
-
-
-@dataclass(frozen=True)
-class _Record:
-    key: bytes
-    value: bytes
-    headers: list[tuple[str, bytes]]
-    topic: str = "t"
-    partition: int = 0
-    offset: int = 0
-    timestamp: int = 0
-    checksum: None = None
 
 
 def claims(stores: dict[str, PayloadStore], **options: object) -> Claims:
@@ -91,19 +51,6 @@ def claims(stores: dict[str, PayloadStore], **options: object) -> Claims:
         **options,
     }
     return Claims(stores, **settings)  # type: ignore[arg-type]
-
-
-class Prepared:
-    """The pipeline's preprocess, recorded: which items with which payloads."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[tuple[str, bytes]]] = []
-
-    async def __call__(
-        self, items: list[Item], payloads: list[bytes]
-    ) -> tuple[list[Item], list[Refusal]]:
-        self.calls.append([(i.meta.id, p) for i, p in zip(items, payloads, strict=True)])
-        return items, []
 
 
 def codes(refused: list[Refusal]) -> dict[str | None, ErrorCode]:

@@ -280,6 +280,7 @@ async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from producers.sender import RequestSender
+    from producers.testing import until
     from schemas import encode_request
 
     made = _recorded_producers(monkeypatch)
@@ -287,8 +288,7 @@ async def test_a_send_cancelled_while_connecting_leaves_no_producer_open(
         sender = RequestSender(ClientSettings(kafka_bootstrap=bootstrap, connect_timeout_s=30))
         record = encode_request(PNG, request_id="r1", content_type=ContentType.PNG, source="t")
         sending = asyncio.create_task(sender.send("digits", "conveyor.digits.requests", [record]))
-        while not made:
-            await asyncio.sleep(0.01)  # until the producer exists and is connecting
+        await until(lambda: bool(made), "the producer exists and is connecting", 5)
         await asyncio.sleep(0.2)
         sending.cancel()
         with pytest.raises(asyncio.CancelledError):

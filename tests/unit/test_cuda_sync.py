@@ -5,29 +5,11 @@ measures the real waits on one."""
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any
-
 import pytest
 import torch
 
+from tests.fakes import FakeRuntime
 from workers.decode import cuda_sync
-
-
-class FakeRuntime:
-    """cudaSetDeviceFlags / cudaGetDeviceFlags over one stored value."""
-
-    def __init__(self, reports: int | None = None) -> None:
-        self.flags = 0
-        self.reports = reports  # what cudaGetDeviceFlags says, if not the stored value
-
-    def cudaSetDeviceFlags(self, flags: ctypes.c_uint) -> int:
-        self.flags = flags.value
-        return 0
-
-    def cudaGetDeviceFlags(self, out: Any) -> int:
-        out._obj.value = self.flags if self.reports is None else self.reports
-        return 0
 
 
 @pytest.fixture

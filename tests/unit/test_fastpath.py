@@ -24,7 +24,7 @@ from schemas import (
     encode_result,
 )
 from schemas.fastpath import ResultEncoder, parse_request
-from tests.unit.test_schemas_properties import (
+from tests.strategies import (
     VALID,
     aware_datetimes,
     ids,

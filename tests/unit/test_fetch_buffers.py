@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import _imaging
 
+from tests.fakes import FakeTransport
 from workers.kafka.fetch_buffers import (
     IMAGE_BLOCK_BYTES,
     MAX_FETCH_BYTES,
@@ -23,24 +24,6 @@ from workers.kafka.fetch_buffers import (
 )
 
 LIMIT = 64
-
-
-class FakeTransport(asyncio.Transport):
-    """Records pause_reading / resume_reading, as a socket transport would obey them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.paused = False
-        self.pauses = 0
-
-    def pause_reading(self) -> None:
-        assert not self.paused
-        self.paused = True
-        self.pauses += 1
-
-    def resume_reading(self) -> None:
-        assert self.paused
-        self.paused = False
 
 
 def reader() -> tuple[FrameReader, FakeTransport]:

@@ -1,8 +1,8 @@
 """bench.gpu runs its CPU-capable stages end to end, so the script cannot rot between GPU runs.
 
-The model is a tiny image classifier (below) served through the same loader spec
-form users have, so the smoke test exercises every code path of the stages in
-seconds; the real run uses ResNet-50 on a GPU.
+The model is a tiny image classifier (``tests.fakes.TinyClassifier``) served through
+the same loader spec form users have, so the smoke test exercises every code path of
+the stages in seconds; the real run uses ResNet-50 on a GPU.
 """
 
 from __future__ import annotations
@@ -12,43 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from bench.gpu import main, summarize, synthetic_jpeg
-from schemas import DEFAULT_LIMITS, Limits
-from workers.handlers.base import ImageClassifier
-from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
-
-
-class TinyClassifier(ImageClassifier):
-    """A 10-class conv net on ImageNet-sized input that costs milliseconds on a CPU."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        dtype: torch.dtype,
-        channels_last: bool,
-        limits: Limits = DEFAULT_LIMITS,
-        decode: Any = "auto",
-    ) -> None:
-        module = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 4, 8, stride=8), torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(), torch.nn.Linear(4, 10),
-        )  # fmt: skip
-        super().__init__(
-            module,
-            name="tiny",
-            version="tiny:random-weights",
-            labels=[str(i) for i in range(10)],
-            image=IMAGENET_IMAGE,
-            mean=IMAGENET_MEAN,
-            std=IMAGENET_STD,
-            device=device,
-            dtype=dtype,
-            channels_last=channels_last,
-            limits=limits,
-            decode=decode,
-        )
 
 
 def test_synthetic_jpegs_have_photo_like_sizes() -> None:
@@ -76,7 +41,7 @@ def test_pinned_cores_split_services_producers_and_workers(
 def test_quick_cpu_run_writes_results_a_plot_and_a_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    model = f"{__name__}:TinyClassifier"
+    model = "tests.fakes:TinyClassifier"
     stages = "a,b,c,checks,overlap,pipeline,d"  # d (e2e) is skipped: no --kafka-bootstrap
     assert main(["--device", "cpu", "--quick", "--model", model, "--stages", stages,
                  "--out", str(tmp_path)]) == 0  # fmt: skip
@@ -109,7 +74,7 @@ def test_quick_cpu_run_writes_results_a_plot_and_a_table(
 def test_quick_cpu_run_of_the_detection_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    model = f"{__name__}:TinyClassifier"
+    model = "tests.fakes:TinyClassifier"
     # One detector: the second (SSDlite, 320x320 fixed) takes the same path at more cost.
     assert main(["--device", "cpu", "--quick", "--model", model, "--stages", "detect",
                  "--detectors", "fasterrcnn_mobilenet_v3_large_fpn",
@@ -182,7 +147,7 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
         done(corpora[0], {"processes": per_card, "gpus": 1, "img_s": 123.0})
 
     monkeypatch.setattr(bench.gpu, "_e2e_one", one_layout)
-    argv = ["--device", "cpu", "--quick", "--model", f"{__name__}:TinyClassifier",
+    argv = ["--device", "cpu", "--quick", "--model", "tests.fakes:TinyClassifier",
             "--stages", "e2e", "--kafka-bootstrap", "127.0.0.1:1", "--redis-url",
             "redis://127.0.0.1:1", "--corpora", "224x224", "--e2e-configs", "1x1,2x1",
             "--out", str(tmp_path)]  # fmt: skip

@@ -11,7 +11,6 @@ on a GPU, nvJPEG's IDCT and chroma upsampling add a level or two more, which
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from PIL import Image
 
 from schemas import ContentType, ContractError, ErrorCode, Limits
+from tests.fakes import Echo
 from workers.decode import jpeg as device_jpeg
 from workers.decode.gpu import BatchDecoder
 from workers.decode.images import ImageSpec
@@ -245,31 +245,6 @@ def test_auto_precision_is_float32_and_contiguous_on_a_cpu() -> None:
 # -- the runner: collate hook, prepare/infer, buckets ---------------------------------------
 
 
-class Rows:
-    """Results echo each item's row sum; records the batch sizes forward saw."""
-
-    name = "rows"
-    version = "rows-v1"
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def example_item(self) -> torch.Tensor:
-        return torch.zeros(2)
-
-    def preprocess(
-        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
-    ) -> torch.Tensor:
-        return torch.tensor([float(b) for b in payload])
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        self.sizes.append(len(batch))
-        return batch.sum(dim=1)
-
-    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [float(v) for v in outputs]
-
-
 def test_batch_buckets_are_powers_of_two_up_to_the_maximum() -> None:
     assert batch_buckets(256) == (8, 16, 32, 64, 128, 256)
     assert batch_buckets(100) == (8, 16, 32, 64, 100)
@@ -278,15 +253,15 @@ def test_batch_buckets_are_powers_of_two_up_to_the_maximum() -> None:
 
 
 def test_a_padded_batch_gives_the_unpadded_results() -> None:
-    handler = Rows()
+    handler = Echo()
     runner = ModelRunner(handler, "cpu", buckets=(4, 8))
-    items = [torch.tensor([float(n), 1.0]) for n in range(5)]
+    items = [torch.tensor([n, 1]) for n in range(5)]
 
     results = runner.run(items, [{}] * 5)
 
-    assert handler.sizes == [8]  # padded up to the bucket
-    assert results == [n + 1.0 for n in range(5)]  # padding stripped
-    assert ModelRunner(Rows(), "cpu").run(items, [{}] * 5) == results
+    assert handler.batch_sizes == [8]  # padded up to the bucket
+    assert results == [{"out": [10 * n, 10], "params": {}} for n in range(5)]  # padding stripped
+    assert ModelRunner(Echo(), "cpu").run(items, [{}] * 5) == results
 
 
 def test_padding_leaves_a_real_models_outputs_unchanged() -> None:
@@ -301,9 +276,9 @@ def test_padding_leaves_a_real_models_outputs_unchanged() -> None:
 
 
 def test_warm_up_runs_every_bucket_once() -> None:
-    handler = Rows()
+    handler = Echo()
     ModelRunner(handler, "cpu", buckets=batch_buckets(32)).warm_up([1, 3, 32])
-    assert handler.sizes == [8, 16, 32]
+    assert handler.batch_sizes == [8, 16, 32]
 
 
 def test_runner_builds_batches_with_the_handlers_collate() -> None:

@@ -19,8 +19,9 @@ import yaml
 
 from bench.dashboard import DASHBOARD, DATASOURCES, expr_metrics, load, queries
 from bench.promql import parse
-from tests.unit.test_compose_file import COMPOSE_DIR
+from tests.conftest import REPO
 
+COMPOSE_DIR = REPO / "compose"
 GRID_COLUMNS = 24
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "text"}
 

@@ -12,7 +12,7 @@ import pytest
 
 from schemas import ErrorCode
 from schemas.fastpath import FastMeta
-from tests.unit.test_pipeline import POISON, EchoModel
+from tests.fakes import POISON, GatedEcho
 from workers.handlers.base import ImageClassifier
 from workers.model.inference import PIPELINED_SLOTS, SLOTS, Inference
 from workers.model.runner import ModelRunner
@@ -49,7 +49,7 @@ async def run_batches(inference: Inference, batches: list[list[Item]]) -> list[O
 @pytest.mark.parametrize("pipelined", [False, True])
 async def test_every_item_is_answered_and_the_poison_fails_alone(pipelined: bool) -> None:
     inference = Inference(
-        ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+        ModelRunner(GatedEcho(), device="cpu"), lambda _: None, pipelined=pipelined
     )
     batches = [items([1, 2, 3]), items([4, POISON, 6]), items([7])]
     try:
@@ -65,7 +65,7 @@ async def test_every_item_is_answered_and_the_poison_fails_alone(pipelined: bool
 
 @pytest.mark.parametrize("pipelined", [False, True])
 async def test_items_past_their_deadline_never_reach_the_model(pipelined: bool) -> None:
-    model = EchoModel()
+    model = GatedEcho()
     inference = Inference(ModelRunner(model, device="cpu"), lambda _: None, pipelined=pipelined)
     try:
         outcomes = await run_batches(inference, [items([1, 2], deadline_in=-1.0), items([3])])
@@ -110,14 +110,6 @@ async def test_the_pipeline_splits_postprocess_and_gives_the_serial_results() ->
     assert len(results[True]) == 12
 
 
-class SlowCollate(EchoModel):
-    """Echo, with a collate (the GPU handlers decode there) that takes COLLATE_S."""
-
-    def collate(self, tensors: Any, device: Any) -> None:
-        time.sleep(COLLATE_S)
-        return None  # the runner then stacks the tensors itself
-
-
 COLLATE_S = 0.05
 
 
@@ -125,6 +117,14 @@ COLLATE_S = 0.05
 async def test_a_batch_time_in_the_model_counts_its_collate(pipelined: bool) -> None:
     """Both paths time a batch from its collate on (on a GPU: decode and upload), so
     ``inference_ms`` means the same on either and ``queue_ms`` is only the wait."""
+
+    class SlowCollate(GatedEcho):
+        """Echo, with a collate (the GPU handlers decode there) that takes COLLATE_S."""
+
+        def collate(self, tensors: Any, device: Any) -> None:
+            time.sleep(COLLATE_S)
+            return None  # the runner then stacks the tensors itself
+
     inference = Inference(
         ModelRunner(SlowCollate(), device="cpu"), lambda _: None, pipelined=pipelined
     )
@@ -152,7 +152,7 @@ async def test_a_batch_that_broke_the_device_is_not_answered(
 
     monkeypatch.setattr(workers.model.inference, "device_error", broken)
     inference = Inference(
-        ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+        ModelRunner(GatedEcho(), device="cpu"), lambda _: None, pipelined=pipelined
     )
     try:
         outcomes = await run_batches(inference, [items([1, 2]), items([3, POISON]), items([5])])
@@ -178,7 +178,7 @@ def test_a_working_device_is_not_reported_broken() -> None:
 async def test_the_stage_takes_at_most_its_batches_and_the_next_waits(
     pipelined: bool, batches: int
 ) -> None:
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()  # every forward waits until the gate opens
     inference = Inference(
         ModelRunner(model, device="cpu"), lambda _: None, pipelined=pipelined, batches=batches
@@ -206,7 +206,7 @@ async def test_the_stage_takes_at_most_its_batches_and_the_next_waits(
 async def test_partial_batches_join_while_fewer_than_their_share_are_in_the_stage(
     batches: int, partial: int | None, takes: int
 ) -> None:
-    model = EchoModel()
+    model = GatedEcho()
     model.gate = threading.Event()
     inference = Inference(
         ModelRunner(model, device="cpu"),
@@ -231,13 +231,13 @@ async def test_partial_batches_join_while_fewer_than_their_share_are_in_the_stag
 
 def test_a_stage_without_room_for_a_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="room for a batch"):
-        Inference(ModelRunner(EchoModel(), device="cpu"), lambda _: None, batches=0)
+        Inference(ModelRunner(GatedEcho(), device="cpu"), lambda _: None, batches=0)
 
 
 async def test_the_default_stage_holds_four_batches_pipelined_and_two_serially() -> None:
     for pipelined, expected in ((True, PIPELINED_SLOTS), (False, SLOTS)):
         inference = Inference(
-            ModelRunner(EchoModel(), device="cpu"), lambda _: None, pipelined=pipelined
+            ModelRunner(GatedEcho(), device="cpu"), lambda _: None, pipelined=pipelined
         )
         try:
             for _ in range(expected):

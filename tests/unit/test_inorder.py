@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from schemas import ContentType, ErrorCode
 from schemas.fastpath import FastMeta
+from tests.fakes import FakeRecord
 from workers.delivery.inorder import InOrder
 from workers.offsets import OffsetTracker, Span
 from workers.types import BatchTiming, Item, Outcome, Refusal, TopicPartition
@@ -14,18 +12,6 @@ from workers.types import BatchTiming, Item, Outcome, Refusal, TopicPartition
 TP0: TopicPartition = ("t", 0)
 TP1: TopicPartition = ("t", 1)
 TIMING = BatchTiming(0.0, 1.0, 1.0, 1)
-
-
-@dataclass(frozen=True)
-class Rec:
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int = 0
-    key: bytes | None = None
-    value: bytes | None = b"x"
-    headers: Sequence[tuple[str, bytes | None]] = ()
-    checksum: int | None = None
 
 
 def fetch(
@@ -38,7 +24,7 @@ def fetch(
 
 def item(tp: TopicPartition, span: Span, offset: int) -> Item:
     meta = FastMeta(f"{tp[0]}{tp[1]}-{offset}", ContentType.TEXT, {}, *([None] * 6))
-    return Item(Rec(tp[0], tp[1], offset), span, meta, 0.0, 0.0, None)
+    return Item(FakeRecord(tp[0], tp[1], offset), span, meta, 0.0, 0.0, None)
 
 
 def ok(items: list[Item]) -> Outcome:

@@ -12,19 +12,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Status
+from tests.fakes import FakeClock
 from workers.batching.batcher import CloseReason
 from workers.observe.instruments import BulkHistogram, RateMeter, drain_seconds
 from workers.observe.metrics import Metrics, cuda_memory_allocated
 
 MODEL = {"model": "digits"}
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -170,7 +163,7 @@ def test_lag_of_revoked_partitions_disappears() -> None:
 
 
 def test_drain_estimate_is_lag_over_recent_throughput() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     metrics = Metrics("digits", clock=clock, rate_window_s=10)
     topic = "conveyor.digits.requests"
     for _ in range(10):  # 200 answers a second for 10 seconds

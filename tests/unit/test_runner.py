@@ -10,42 +10,11 @@ import torch
 
 from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
+from tests.fakes import Echo
 from workers.handlers.base import ImageClassifier
 from workers.model.runner import ModelRunner, resolve_device, static_input
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
-
-
-class Echo:
-    """A handler whose result for an item is exactly its input and its params."""
-
-    name = "echo"
-    version = "echo-v1"
-
-    def __init__(self) -> None:
-        self.batch_sizes: list[int] = []
-
-    def example_item(self) -> torch.Tensor:
-        return torch.zeros(3, dtype=torch.int64)
-
-    def preprocess(
-        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
-    ) -> torch.Tensor:
-        return torch.tensor(list(payload), dtype=torch.int64)
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        self.batch_sizes.append(len(batch))
-        return batch * 10
-
-    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [
-            {"out": row, "params": dict(p)} for row, p in zip(outputs.tolist(), params, strict=True)
-        ]
-
-
-class Lossy(Echo):
-    def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return super().postprocess(outputs, params)[:-1]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +78,12 @@ def test_params_and_tensors_must_pair_up() -> None:
 
 
 def test_a_handler_that_drops_results_is_caught() -> None:
+    class Lossy(Echo):
+        def postprocess(
+            self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]
+        ) -> list[Any]:
+            return super().postprocess(outputs, params)[:-1]
+
     runner = ModelRunner(Lossy(), "cpu")
     with pytest.raises(RuntimeError, match="returned 1 results for a batch of 2"):
         runner.run([torch.zeros(3, dtype=torch.int64)] * 2, [{}, {}])
@@ -143,29 +118,30 @@ def test_forward_runs_in_inference_mode() -> None:
     assert seen == [True]
 
 
-class Sizes(Echo):
-    """A handler whose items differ in size: ``collate`` hands ``forward`` a list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[list[int]] = []
-
-    def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        return [item.to(device) for item in items]
-
-    def forward(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[override]
-        self.seen.append([len(item) for item in batch])
-        return [item.sum() for item in batch]
-
-    def postprocess(  # a list per batch, not a tensor: what forward gave it
-        self,
-        outputs: list[torch.Tensor],  # type: ignore[override]
-        params: Sequence[Mapping[str, Any]],
-    ) -> list[Any]:
-        return [int(total) for total in outputs]
-
-
 def test_a_list_built_by_collate_reaches_forward_as_it_is_never_padded() -> None:
+    class Sizes(Echo):
+        """A handler whose items differ in size: ``collate`` hands ``forward`` a list."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[list[int]] = []
+
+        def collate(
+            self, items: Sequence[torch.Tensor], device: torch.device
+        ) -> list[torch.Tensor]:
+            return [item.to(device) for item in items]
+
+        def forward(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[override]
+            self.seen.append([len(item) for item in batch])
+            return [item.sum() for item in batch]
+
+        def postprocess(  # a list per batch, not a tensor: what forward gave it
+            self,
+            outputs: list[torch.Tensor],  # type: ignore[override]
+            params: Sequence[Mapping[str, Any]],
+        ) -> list[Any]:
+            return [int(total) for total in outputs]
+
     handler = Sizes()
     runner = ModelRunner(handler, "cpu", buckets=(8,))
     items = [torch.arange(n, dtype=torch.int64) for n in (3, 1, 4)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -14,92 +14,28 @@ from schemas import (
     ContractError,
     ErrorCode,
     ErrorInfo,
-    Header,
     Limits,
     Request,
     RequestMeta,
     Result,
     Status,
-    Timings,
     decode_request,
     decode_result,
     encode_request,
     encode_result,
     is_valid_request_id,
 )
-
-ids = st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True)
-texts = st.text(st.characters(codec="utf-8"), max_size=40)
-topics = st.from_regex(r"[A-Za-z0-9._-]{1,249}", fullmatch=True).filter(
-    lambda name: name not in (".", "..")
+from tests.strategies import (
+    aware_datetimes,
+    ids,
+    json_values,
+    params,
+    record_headers,
+    texts,
+    timings,
+    topics,
+    traceparents,
 )
-traceparents = st.from_regex(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", fullmatch=True).filter(
-    lambda value: "-" + "0" * 32 + "-" not in value and "-" + "0" * 16 + "-" not in value
-)
-offsets = st.integers(min_value=-23 * 3600, max_value=23 * 3600).map(
-    lambda seconds: timezone(timedelta(seconds=seconds))
-)
-aware_datetimes = st.datetimes(
-    min_value=datetime(1000, 1, 2), max_value=datetime(9999, 12, 30), timezones=offsets
-)
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | texts
-)
-
-
-def json_values(depth: int) -> st.SearchStrategy[Any]:
-    if depth == 0:
-        return scalars
-    inner = json_values(depth - 1)
-    return scalars | st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3)
-
-
-# The top-level object is depth 1, so values may nest 7 more within the default of 8.
-params = st.dictionaries(texts, json_values(7), max_size=4)
-
-# Header values that get past the first checks, so the random part reaches deep code.
-interesting = st.sampled_from(
-    [
-        b"1.0",
-        b"conveyor.request.v1",
-        b"image/png",
-        b"image/png; charset=utf-8",
-        b"req-1",
-        b"2025-01-31T12:00:00Z",
-        b"9999-12-31T23:59:59-23:59",
-        b"{}",
-        b'{"a":[[[[[[[[[]]]]]]]]]}',
-        b"18446744073709551616",
-        b"true",
-        b"false",
-        b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        b"\xff",
-        b"",
-    ]
-)
-header_names = st.sampled_from([h.value for h in Header]) | texts
-header_values = st.none() | interesting | st.binary(max_size=80)
-VALID = [
-    ("ce_specversion", b"1.0"),
-    ("ce_id", b"req-1"),
-    ("ce_type", b"conveyor.request.v1"),
-    ("ce_source", b"s"),
-    ("content-type", b"image/png"),
-]
-
-
-@st.composite
-def record_headers(draw: st.DrawFn) -> list[tuple[str, bytes | None]]:
-    """Either headers from nothing, or valid headers with some dropped, changed or added."""
-    extra = draw(st.lists(st.tuples(header_names, header_values), max_size=12))
-    if draw(st.booleans()):
-        return extra
-    kept = [header for header in VALID if draw(st.integers(0, 5))]
-    return draw(st.permutations(kept + extra))
 
 
 def _decode_or_error(
@@ -211,17 +147,6 @@ def test_encode_then_decode_round_trips(
     )
 
 
-finite = st.floats(allow_nan=False, allow_infinity=False)
-timings = st.builds(
-    Timings,
-    produced_ms=st.integers(min_value=0, max_value=2**53),
-    received_ms=finite,
-    batch_start_ms=st.none() | finite,
-    finished_ms=finite,
-    queue_ms=finite,
-    inference_ms=finite,
-    batch_size=st.integers(min_value=0, max_value=4096),
-)
 common = {
     "id": ids,
     "model": texts,

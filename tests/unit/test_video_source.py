@@ -7,12 +7,10 @@ live source is ``tests.live_video.LiveVideoServer``, an HTTP server on loopback.
 
 from __future__ import annotations
 
-import argparse
 import io
 import re
 import sys
 import threading
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from fractions import Fraction
 from pathlib import Path
@@ -29,39 +27,13 @@ from producers.video import (
     Pacer,
     SourceLost,
     VideoSource,
-    add_stream_command,
     is_live,
 )
 from producers.video.command import open_source
 from producers.video.live import without_password
+from tests.fakes import FakeClock
 from tests.live_video import LiveVideoServer
-
-_MS = Fraction(1, 1000)
-
-
-def write_video(
-    path: Path, times_ms: Sequence[int], size: tuple[int, int] = (64, 64), codec: str = "mpeg4"
-) -> Path:
-    """A video whose frame ``i`` is shown at ``times_ms[i]`` and is grey level ``i % 256``."""
-    width, height = size
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=25)
-        assert isinstance(stream, av.VideoStream)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.time_base = _MS
-        for i, ms in enumerate(times_ms):
-            pixels = np.full((height, width, 3), i % 256, dtype=np.uint8)
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts, frame.time_base = ms, _MS
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
-
-
-def every_40_ms(seconds: int) -> list[int]:
-    return list(range(0, seconds * 1000, 40))  # 25 fps
+from tests.videos import every_40_ms, stream_parser, write_video
 
 
 def test_frames_are_sampled_by_time_and_numbered_from_zero(tmp_path: Path) -> None:
@@ -165,16 +137,11 @@ def test_bad_options_are_refused_before_opening(
         VideoSource(tmp_path / "v.mp4", **option)  # type: ignore[arg-type]
 
 
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="conveyor")
-    commands = root.add_subparsers(dest="command", required=True)
-    add_stream_command(commands, argparse.ArgumentParser(add_help=False))
-    return root
-
-
 def test_stream_command_reads_its_options() -> None:
     argv = "stream v.mp4 --model digits --stream-id cam1 --fps 30000/1001 --max-frames 5"
-    args = parser().parse_args([*argv.split(), "--jpeg-quality=70", "--size=224x160", "--wait"])
+    args = stream_parser().parse_args(
+        [*argv.split(), "--jpeg-quality=70", "--size=224x160", "--wait"]
+    )
 
     assert (args.source, args.model, args.stream_id) == ("v.mp4", "digits", "cam1")
     assert args.fps == Fraction(30000, 1001)
@@ -196,7 +163,7 @@ def test_stream_command_refuses_bad_options(
     option: str, why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parser().parse_args(["stream", "v.mp4", "--model", "m", "--stream-id", "s", option])
+        stream_parser().parse_args(["stream", "v.mp4", "--model", "m", "--stream-id", "s", option])
 
     assert exit_info.value.code == 2
     assert why in capsys.readouterr().err
@@ -204,14 +171,14 @@ def test_stream_command_refuses_bad_options(
 
 def test_stream_command_reads_the_live_options() -> None:
     argv = "stream rtsp://cam/1 --model m --stream-id s --reconnect-for 2.5"
-    args = parser().parse_args(
+    args = stream_parser().parse_args(
         [*argv.split(), "--input-option", "video_size=640x480", "--input-option=framerate=30"]
     )
 
     assert (args.source, args.reconnect_for, args.realtime) == ("rtsp://cam/1", 2.5, False)
     assert args.input_option == [("video_size", "640x480"), ("framerate", "30")]
     assert (
-        parser()
+        stream_parser()
         .parse_args(["stream", "v.mp4", "--model", "m", "--stream-id", "s", "--realtime"])
         .realtime
     )
@@ -230,7 +197,9 @@ def test_stream_command_refuses_bad_live_options(
     option: str, why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        parser().parse_args(["stream", "rtsp://cam", "--model", "m", "--stream-id", "s", option])
+        stream_parser().parse_args(
+            ["stream", "rtsp://cam", "--model", "m", "--stream-id", "s", option]
+        )
 
     assert why in capsys.readouterr().err
 
@@ -245,7 +214,7 @@ def test_stream_command_refuses_bad_live_options(
     ],
 )
 def test_options_that_do_not_fit_the_source_are_refused_before_opening(argv: str, why: str) -> None:
-    args = parser().parse_args(["stream", *argv.split(), "--model", "m", "--stream-id", "s"])
+    args = stream_parser().parse_args(["stream", *argv.split(), "--model", "m", "--stream-id", "s"])
 
     with pytest.raises(InvalidInput, match=re.escape(why)):
         open_source(args)
@@ -278,25 +247,10 @@ def test_passwords_in_source_urls_are_hidden() -> None:
     assert without_password("rtsp://10.0.0.5/s1") == "rtsp://10.0.0.5/s1"
 
 
-class FakeClock:
-    """A monotonic clock that only moves when the code under test waits."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.waits: list[float] = []
-
-    def wait(self, seconds: float) -> None:
-        self.waits.append(round(seconds, 6))
-        self.now += seconds
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 def test_pacer_holds_each_frame_until_its_presentation_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     start = datetime(2025, 1, 31, 12, tzinfo=UTC)
-    pacer = Pacer(wait=clock.wait, monotonic=clock.monotonic, wall=lambda: start)
+    pacer = Pacer(wait=clock.wait, monotonic=clock, wall=lambda: start)
 
     due = [pacer.due(Fraction(ms, 1000)) for ms in (500, 540, 580)]
     clock.now += 0.1  # encoding frame 3 took 100 ms: it is late
