@@ -269,7 +269,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     cancellation: bool = Field(
         default=False,
         description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
-        "when their batch is about to run (one Redis call per batch)",
+        "when their batch starts in the model stage (one Redis call per batch)",
     )
     track_status: bool = Field(
         default=False,
