@@ -255,7 +255,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     unready_after_s: float = Field(
         default=5.0,
         gt=0,
-        description="/readyz fails once results have not become durable for this long",
+        description="/readyz fails once results have not become durable, or a payload "
+        "store has failed, for this long",
     )
     group_instance_id: str | None = Field(
         default=None,
