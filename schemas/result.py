@@ -82,15 +82,17 @@ class Timings(BaseModel, frozen=True):
     received_ms: float
     """When the worker fetched the record."""
     batch_start_ms: float | None = None
-    """When its batch went to the model; null when it never reached the model."""
+    """When its batch started in the model stage (with cancellation or status tracking,
+    when its check was sent, just before its work); null when it never reached the model."""
     finished_ms: float
     """When the result was ready to publish."""
     queue_ms: float
     """From received to batch start (or to finished, without a batch): time waiting in
     the worker."""
     inference_ms: float
-    """Time in the model for the whole batch, from ``batch_start_ms``: collating it (on a
-    GPU, decoding and uploading its images), the forward and its postprocessing."""
+    """Time in the model for the whole batch, from the start of its work (``batch_start_ms``
+    or, with a check, just after it): collating it (on a GPU, decoding and uploading its
+    images), the forward and its postprocessing."""
     batch_size: Annotated[int, Field(ge=0)]
     """Requests in the batch; 0 when it never reached the model."""
     published_ms: float | None = None

@@ -17,16 +17,29 @@ import threading
 from collections.abc import Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import torch
 
-from schemas import DEFAULT_LIMITS, ContentType, DataRef, Limits, Status, decode_result
+from schemas import (
+    DEFAULT_LIMITS,
+    ContentType,
+    DataRef,
+    Limits,
+    Status,
+    decode_request,
+    decode_result,
+    encode_request,
+)
 from workers.handlers.base import ImageClassifier
 from workers.intake.admission import CANCELLED
-from workers.intake.payload_stores import Fault, StoreOutage
-from workers.intake.references import ByteBudget
+from workers.intake.ingest import _from_meta
+from workers.intake.payload_stores import Fault, PayloadStore, StoreOutage
+from workers.intake.references import ByteBudget, Claims
 from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD
+from workers.observe.metrics import Metrics
+from workers.offsets import OffsetTracker
 from workers.types import (
     Committed,
     Item,
@@ -451,3 +464,42 @@ class FakeRuntime:
     def cudaGetDeviceFlags(self, out: Any) -> int:
         out._obj.value = self.flags if self.reports is None else self.reports
         return 0
+
+
+# -- payloads by reference --------------------------------------------------------------
+
+
+DATA_PREFIX = "conveyor:data:"
+"""The Redis prefix payloads by reference may live under, in the claim tests."""
+
+
+def request_item(
+    request_id: str, dataref: str | None = None, expires: datetime | None = None
+) -> Item:
+    """A parsed request, its payload inline or named by ``dataref``, as ingest makes it."""
+    record = encode_request(
+        b"" if dataref else b"inline",
+        request_id=request_id,
+        content_type=ContentType.TEXT,
+        source="t",
+        dataref=dataref,
+        dataexpires=expires,
+    )
+    meta = decode_request(record.headers, record.key, record.value, 0).meta
+    span = OffsetTracker[str]().open("p", 0, 0, 1)
+    fake = FakeRecord("t", 0, 0, key=record.key, value=record.value, headers=record.headers)
+    return Item(fake, span, _from_meta(meta), 0.0, 0.0, None)
+
+
+def claims_over(stores: dict[str, PayloadStore], **options: object) -> Claims:
+    """Claims over ``stores`` with small, test-sized limits (``options`` override them)."""
+    settings: dict[str, object] = {
+        "redis_prefix": DATA_PREFIX,
+        "s3_buckets": frozenset({"payloads"}),
+        "max_bytes": 1000,
+        "budget_bytes": 100,
+        "metrics": Metrics("t"),
+        "backoff_start_s": 0.001,
+        **options,
+    }
+    return Claims(stores, **settings)  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ class _Parts:
     runner: ModelRunner | None = None
     publisher: Publisher | None = None
     consumer: Consumer | None = None
+    claims: Claims | None = None
 
 
 async def run_worker(settings: WorkerSettings) -> None:
@@ -102,7 +103,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         answers = Answers(
             settings.served_name, handler.version, settings.worker_id, publisher.max_result_bytes
         )
-        claims = await stack.enter_async_context(Claims.open(settings, metrics))
+        claims = parts.claims = await stack.enter_async_context(Claims.open(settings, metrics))
         admission = await stack.enter_async_context(Admission.open(settings, metrics))
         pipeline = Pipeline(
             settings,
@@ -171,12 +172,19 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
     def kafka_reads() -> bool:
         return parts.consumer is not None and parts.consumer.config_problem is None
 
+    def payload_stores() -> bool:
+        # False while a store of payloads by reference (S3, Redis) has failed for a
+        # while: the requests that reference it wait, as results do in a Redis outage.
+        claims = parts.claims
+        return claims is None or claims.failing_for() < settings.unready_after_s
+
     return {
         "model_loaded": lambda: parts.runner is not None,
         "partitions_assigned": lambda: parts.consumer is not None and parts.consumer.assigned(),
         "redis_reachable": redis_reachable,
         "results_durable": results_durable,
         "kafka_reads": kafka_reads,
+        "payload_stores": payload_stores,
         "not_draining": lambda: not parts.stop.is_set(),
     }
 

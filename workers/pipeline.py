@@ -102,7 +102,8 @@ class Pipeline:
         transactions: TransactionalSink | None = None,
     ) -> None:
         """``claims`` reads payloads by reference (none: every reference is refused);
-        ``admission`` checks each batch for cancellations and marks it running (none: off);
+        ``admission`` checks each batch for cancellations and marks it running as the
+        model stage starts it (none: off);
         ``transactions``: deliver exactly once through them (none: at least once)."""
         self._s = settings
         self._source = source
@@ -114,12 +115,12 @@ class Pipeline:
         )
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
-        self._admission = admission
         self._inference = Inference(
             runner,
             self._finished,
             batches=settings.stage_batches,
             partial=settings.stage_partial_batches,
+            admission=admission,
         )
         topics = topics_for(settings.served_name, settings.topic_prefix)
         self._lanes = LaneTopics(settings.request_lanes, topics)
@@ -292,8 +293,6 @@ class Pipeline:
                     )
                 # Items of partitions revoked meanwhile are left to their new owner.
                 items = [item for item in batch.items if not item.span.released]
-                if items and self._admission is not None:
-                    items = await self._admit(items)
                 if items:
                     self._inference.submit(items)
                 else:
@@ -301,14 +300,6 @@ class Pipeline:
         finally:
             await self._inference.wait_idle()
             self._outcomes.put_nowait(None)
-
-    async def _admit(self, items: list[Item]) -> list[Item]:
-        """The batch less its cancelled requests, which are answered at once."""
-        assert self._admission is not None
-        admitted, cancelled = await self._admission.admit(items)
-        if cancelled:
-            self._outcomes.put_nowait(Outcome(refused=cancelled))
-        return admitted
 
     async def _next_batch(self) -> Batch[Item] | None:
         """Wait for the batcher to close a batch; None once the input is done and drained."""

@@ -162,6 +162,28 @@ class Outcome:
     """Set, and nothing else, when the device failed: the batch must not be answered."""
 
 
+class Admitted(NamedTuple):
+    """A batch after its cancellation and status check (``workers.intake.admission``)."""
+
+    items: list[Item]  # to run, each with its ``attempt``
+    cancelled: list[Refusal]  # answered ``cancelled`` without running
+    checked_ms: float  # epoch ms when the check was sent: the batch's start
+
+
+class AdmissionCheck(Protocol):
+    """The last look at a batch before the model (``workers.intake.admission.Admission``):
+    the model stage asks it, on the event loop, just before the batch starts."""
+
+    timeout_s: float
+    """How long ``admit`` takes at most: past it the batch runs as it is (fail open)."""
+
+    async def admit(self, items: list[Item]) -> Admitted:
+        """``items`` less the cancelled ones, which come back as refusals."""
+
+    def skipped(self, size: int, why: str) -> None:
+        """Note a batch of ``size`` that runs without its check, and why."""
+
+
 @dataclass(slots=True)
 class DeadLetter:
     """A copy of a record that could not be served, with the reason in its headers."""

@@ -13,44 +13,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from schemas import ContentType, DataRef, ErrorCode, decode_request, encode_request, parse_dataref
-from tests.fakes import FakeRecord, FakeStore, Prepared
-from workers.intake.ingest import _from_meta
-from workers.intake.payload_stores import Fault, PayloadStore
-from workers.intake.references import Claims
+from schemas import DataRef, ErrorCode, parse_dataref
+from tests.fakes import DATA_PREFIX as PREFIX
+from tests.fakes import FakeStore, Prepared, claims_over, request_item
+from workers.intake.payload_stores import Fault
 from workers.observe.metrics import Metrics
-from workers.offsets import OffsetTracker
-from workers.types import Item, Refusal
-
-PREFIX = "conveyor:data:"
-
-
-def item(request_id: str, dataref: str | None = None, expires: datetime | None = None) -> Item:
-    record = encode_request(
-        b"" if dataref else b"inline",
-        request_id=request_id,
-        content_type=ContentType.TEXT,
-        source="t",
-        dataref=dataref,
-        dataexpires=expires,
-    )
-    meta = decode_request(record.headers, record.key, record.value, 0).meta
-    span = OffsetTracker[str]().open("p", 0, 0, 1)
-    fake = FakeRecord("t", 0, 0, key=record.key, value=record.value, headers=record.headers)
-    return Item(fake, span, _from_meta(meta), 0.0, 0.0, None)
-
-
-def claims(stores: dict[str, PayloadStore], **options: object) -> Claims:
-    settings: dict[str, object] = {
-        "redis_prefix": PREFIX,
-        "s3_buckets": frozenset({"payloads"}),
-        "max_bytes": 1000,
-        "budget_bytes": 100,
-        "metrics": Metrics("t"),
-        "backoff_start_s": 0.001,
-        **options,
-    }
-    return Claims(stores, **settings)  # type: ignore[arg-type]
+from workers.types import Refusal
 
 
 def codes(refused: list[Refusal]) -> dict[str | None, ErrorCode]:
@@ -60,13 +28,13 @@ def codes(refused: list[Refusal]) -> dict[str | None, ErrorCode]:
 async def test_referenced_payloads_are_read_and_prepared_with_inline_ones_in_order() -> None:
     store = FakeStore({PREFIX + "b": b"bee", PREFIX + "d": b"dee"})
     items = [
-        item("a"),
-        item("b", f"redis:{PREFIX}b"),
-        item("c"),
-        item("d", f"redis:{PREFIX}d"),
+        request_item("a"),
+        request_item("b", f"redis:{PREFIX}b"),
+        request_item("c"),
+        request_item("d", f"redis:{PREFIX}d"),
     ]
     prepare = Prepared()
-    ready, refused = await claims({"redis": store}).resolve(items, prepare)
+    ready, refused = await claims_over({"redis": store}).resolve(items, prepare)
     assert refused == []
     assert [i.meta.id for i in ready] == ["a", "b", "c", "d"]
     payloads = dict(pair for call in prepare.calls for pair in call)
@@ -79,15 +47,15 @@ async def test_missing_expired_too_large_and_denied_references_get_their_codes()
     future = datetime.now(UTC) + timedelta(hours=1)
     store = FakeStore({PREFIX + "big": b"x" * 1001, PREFIX + "fits": b"x" * 1000})
     items = [
-        item("missing", f"redis:{PREFIX}nothing"),
-        item("kept", f"redis:{PREFIX}nothing", expires=future),
-        item("expired", f"redis:{PREFIX}nothing", expires=past),
-        item("big", f"redis:{PREFIX}big"),
-        item("fits", f"redis:{PREFIX}fits"),
-        item("prefix", "redis:other:key"),
-        item("bucket", "s3://elsewhere/key"),
+        request_item("missing", f"redis:{PREFIX}nothing"),
+        request_item("kept", f"redis:{PREFIX}nothing", expires=future),
+        request_item("expired", f"redis:{PREFIX}nothing", expires=past),
+        request_item("big", f"redis:{PREFIX}big"),
+        request_item("fits", f"redis:{PREFIX}fits"),
+        request_item("prefix", "redis:other:key"),
+        request_item("bucket", "s3://elsewhere/key"),
     ]
-    ready, refused = await claims({"redis": store}).resolve(items, Prepared())
+    ready, refused = await claims_over({"redis": store}).resolve(items, Prepared())
     assert [i.meta.id for i in ready] == ["fits"]
     assert codes(refused) == {
         "missing": ErrorCode.dataref_missing,
@@ -107,8 +75,8 @@ async def test_missing_expired_too_large_and_denied_references_get_their_codes()
 
 async def test_a_bucket_outside_the_list_is_denied_when_s3_is_configured() -> None:
     s3 = FakeStore({"k": b"payload"})
-    items = [item("in", "s3://payloads/k"), item("out", "s3://other-bucket/k")]
-    ready, refused = await claims({"redis": FakeStore(), "s3": s3}).resolve(items, Prepared())
+    items = [request_item("in", "s3://payloads/k"), request_item("out", "s3://other-bucket/k")]
+    ready, refused = await claims_over({"redis": FakeStore(), "s3": s3}).resolve(items, Prepared())
     assert [i.meta.id for i in ready] == ["in"]
     assert codes(refused) == {"out": ErrorCode.dataref_denied}
     assert "other-bucket" in refused[0].message
@@ -116,9 +84,9 @@ async def test_a_bucket_outside_the_list_is_denied_when_s3_is_configured() -> No
 
 async def test_reads_are_grouped_so_held_bytes_stay_within_the_budget() -> None:
     store = FakeStore({f"{PREFIX}{n}": bytes(40) for n in range(7)})
-    resolver = claims({"redis": store}, budget_bytes=100)
+    resolver = claims_over({"redis": store}, budget_bytes=100)
     store.budget = resolver.budget
-    items = [item(str(n), f"redis:{PREFIX}{n}") for n in range(7)]
+    items = [request_item(str(n), f"redis:{PREFIX}{n}") for n in range(7)]
     ready, refused = await resolver.resolve(items, Prepared())
     assert len(ready) == 7
     assert refused == []
@@ -129,9 +97,12 @@ async def test_reads_are_grouped_so_held_bytes_stay_within_the_budget() -> None:
 
 async def test_an_object_larger_than_the_budget_is_read_alone() -> None:
     store = FakeStore({PREFIX + "huge": bytes(500), PREFIX + "small": bytes(10)})
-    resolver = claims({"redis": store}, budget_bytes=100)
+    resolver = claims_over({"redis": store}, budget_bytes=100)
     store.budget = resolver.budget
-    items = [item("small", f"redis:{PREFIX}small"), item("huge", f"redis:{PREFIX}huge")]
+    items = [
+        request_item("small", f"redis:{PREFIX}small"),
+        request_item("huge", f"redis:{PREFIX}huge"),
+    ]
     ready, _ = await resolver.resolve(items, Prepared())
     assert [i.meta.id for i in ready] == ["small", "huge"]
     assert store.reads == [[PREFIX + "small"], [PREFIX + "huge"]]
@@ -140,9 +111,9 @@ async def test_an_object_larger_than_the_budget_is_read_alone() -> None:
 
 async def test_concurrent_chunks_share_the_budget_without_deadlock() -> None:
     store = FakeStore({f"{PREFIX}{n}": bytes(60) for n in range(6)})
-    resolver = claims({"redis": store}, budget_bytes=100)
+    resolver = claims_over({"redis": store}, budget_bytes=100)
     store.budget = resolver.budget
-    chunks = [[item(f"{c}-{n}", f"redis:{PREFIX}{n}") for n in range(3)] for c in range(4)]
+    chunks = [[request_item(f"{c}-{n}", f"redis:{PREFIX}{n}") for n in range(3)] for c in range(4)]
     results = await asyncio.wait_for(
         asyncio.gather(*(resolver.resolve(chunk, Prepared()) for chunk in chunks)), 5
     )
@@ -153,8 +124,8 @@ async def test_concurrent_chunks_share_the_budget_without_deadlock() -> None:
 async def test_an_outage_is_retried_until_the_store_answers() -> None:
     store = FakeStore({PREFIX + "a": b"payload"}, outages=3)
     metrics = Metrics("t")
-    ready, refused = await claims({"redis": store}, metrics=metrics).resolve(
-        [item("a", f"redis:{PREFIX}a")], Prepared()
+    ready, refused = await claims_over({"redis": store}, metrics=metrics).resolve(
+        [request_item("a", f"redis:{PREFIX}a")], Prepared()
     )
     assert [i.meta.id for i in ready] == ["a"]
     assert refused == []
@@ -167,8 +138,8 @@ async def test_an_object_deleted_between_size_and_read_is_missing() -> None:
             return [None for _ in refs]
 
     store = Vanishing({PREFIX + "a": b"payload"})
-    ready, refused = await claims({"redis": store}).resolve(
-        [item("a", f"redis:{PREFIX}a")], Prepared()
+    ready, refused = await claims_over({"redis": store}).resolve(
+        [request_item("a", f"redis:{PREFIX}a")], Prepared()
     )
     assert ready == []
     assert codes(refused) == {"a": ErrorCode.dataref_missing}
@@ -179,8 +150,8 @@ async def test_a_bug_in_a_store_fails_the_chunk_with_internal_errors_not_the_wor
         async def sizes(self, refs: Sequence[DataRef]) -> list[int | Fault | None]:
             raise RuntimeError("bug")
 
-    items = [item("a", f"redis:{PREFIX}a"), item("b")]
-    ready, refused = await claims({"redis": Broken()}).resolve(items, Prepared())
+    items = [request_item("a", f"redis:{PREFIX}a"), request_item("b")]
+    ready, refused = await claims_over({"redis": Broken()}).resolve(items, Prepared())
     assert ready == []
     assert codes(refused) == {"a": ErrorCode.internal, "b": ErrorCode.internal}
 

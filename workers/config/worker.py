@@ -304,7 +304,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     unready_after_s: float = Field(
         default=5.0,
         gt=0,
-        description="/readyz fails once results have not become durable for this long",
+        description="/readyz fails once results have not become durable, or a payload "
+        "store has failed, for this long",
     )
     group_instance_id: str | None = Field(
         default=None,
@@ -318,7 +319,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     cancellation: bool = Field(
         default=False,
         description="answer 'cancelled' to requests whose conveyor:cancel:{ID} key exists "
-        "when their batch is about to run (one Redis call per batch)",
+        "when their batch starts in the model stage (one Redis call per batch)",
     )
     track_status: bool = Field(
         default=False,

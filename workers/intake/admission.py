@@ -1,8 +1,14 @@
 """Admission: the last look at a batch before the model, for cancellation and status.
 
 Both features are off by default (``--cancellation``, ``--track-status``); with
-either on, every batch costs one Redis script call here, just before it goes to
-the model thread, and nothing else changes:
+either on, every batch costs one Redis script call here, and nothing else changes.
+The model stage makes the call (``workers.model.inference``) at the moment the
+batch starts: when its thread takes the batch, before its decode on the device
+and its forward, not when the batch joins the stage's queue. The thread hands the
+call to the event loop and waits for the answer, at most ``timeout_s`` (and a
+second more for a busy loop); the batch's start (``batch_start_ms`` of its results) is the
+moment the call was sent, so a cancellation Redis recorded before that moment is
+always seen.
 
 - cancellation: a request whose ``conveyor:cancel:{<id>}`` key exists is taken
   out of the batch and answered ``error``/``cancelled`` without reaching the
@@ -40,7 +46,7 @@ from schemas import ErrorCode, cancel_key, status_key
 from workers.config.worker import WorkerSettings
 from workers.observe.metrics import Metrics
 from workers.publish.errors import is_outage
-from workers.types import Item, Refusal
+from workers.types import Admitted, Item, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -176,24 +182,20 @@ class Admission:
     def __init__(self, state: RequestState, metrics: Metrics, timeout_s: float = 1.0) -> None:
         self._state = state
         self._metrics = metrics
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
 
-    async def admit(self, items: list[Item]) -> tuple[list[Item], list[Refusal]]:
-        """The items to run (``attempt`` set) and refusals for the cancelled ones."""
+    async def admit(self, items: list[Item]) -> Admitted:
+        """The items to run (``attempt`` set), refusals for the cancelled ones, and the
+        moment the check was sent."""
+        checked_ms = time.time() * 1000.0
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self.timeout_s):
                 answers = await self._state.start([item.meta.id for item in items])
         except Exception as exc:
             if not (is_outage(exc) or isinstance(exc, TimeoutError)):
                 raise
-            self._metrics.admission_failed()
-            log.warning(
-                "cancellation and status check failed (%s: %s); running the batch of %d as it is",
-                type(exc).__name__,
-                exc,
-                len(items),
-            )
-            return items, []
+            self.skipped(len(items), f"{type(exc).__name__}: {exc}")
+            return Admitted(items, [], checked_ms)
         admitted: list[Item] = []
         cancelled: list[Refusal] = []
         for item, answer in zip(items, answers, strict=True):
@@ -204,7 +206,16 @@ class Admission:
                 admitted.append(item)
         if cancelled:
             self._metrics.cancelled(len(cancelled))
-        return admitted, cancelled
+        return Admitted(admitted, cancelled, checked_ms)
+
+    def skipped(self, size: int, why: str) -> None:
+        """Count and log a batch that runs without its check (from any thread)."""
+        self._metrics.admission_failed()
+        log.warning(
+            "cancellation and status check failed (%s); running the batch of %d as it is",
+            why,
+            size,
+        )
 
 
 def _cancelled(item: Item) -> Refusal:

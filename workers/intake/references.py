@@ -24,7 +24,11 @@ Items keep their order within the chunk (a stream's frames stay in order).
 A store that cannot be reached (connection refused, time-outs, S3 5xx) is
 retried with capped backoff, forever, like the publisher's outages: nothing
 behind the chunk is answered meanwhile, so backpressure pauses fetching, and no
-request is lost or answered wrongly. Nothing here raises for a record.
+request is lost or answered wrongly. While a store's calls fail it is down
+(``conveyor_dataref_store_down``), until one of its calls succeeds again;
+``failing_for`` says for how long, and the worker's ``/readyz`` fails once that
+passes ``--unready-after-s``, as it does while results cannot be written. Nothing
+here raises for a record.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -117,6 +122,9 @@ class Claims:
         self._budget = ByteBudget(budget_bytes)
         self._metrics = metrics
         self._backoff_start_s = backoff_start_s
+        self._down_since: dict[str, float] = {}  # store -> monotonic time of its first failure
+        for name in self._stores:
+            metrics.dataref_store_down(name, False)
 
     @classmethod
     @asynccontextmanager
@@ -168,6 +176,13 @@ class Claims:
     @property
     def budget(self) -> ByteBudget:
         return self._budget
+
+    def failing_for(self) -> float:
+        """Seconds since the store that is down the longest began failing (0 when every
+        store answers): its calls fail and are retried, and the requests behind them wait."""
+        if not self._down_since:
+            return 0.0
+        return time.monotonic() - min(self._down_since.values())
 
     async def resolve(self, items: list[Item], prepare: Prepare) -> Decoded:
         """Fetch the referenced payloads of ``items`` and ``prepare`` all of them, in order."""
@@ -288,10 +303,18 @@ class Claims:
         delay = self._backoff_start_s
         while True:
             try:
-                return await call()
+                answer = await call()
             except StoreOutage as exc:
                 self._metrics.dataref_retry(store)
+                if store not in self._down_since:
+                    self._down_since[store] = time.monotonic()
+                    self._metrics.dataref_store_down(store, True)
                 log.warning("%s payload store failed (%s); retrying in %.1f s", store, exc, delay)
+            else:
+                if self._down_since.pop(store, None) is not None:
+                    self._metrics.dataref_store_down(store, False)
+                    log.info("%s payload store answers again", store)
+                return answer
             await asyncio.sleep(delay)
             delay = min(delay * 2, _BACKOFF_MAX_S)
 

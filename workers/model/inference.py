@@ -19,6 +19,11 @@ batch is ``finish`` waiting for N's outputs, off the launching thread. A batch
 that fails anywhere is run again on the launch thread the simple way (prepare,
 forward, postprocess, halves on failure), which keeps bisection in one place.
 
+With cancellation or status tracking on, the thread that starts a batch (model on
+the CPU, prepare on a GPU) first has the event loop run its admission
+(``workers.intake.admission``, one Redis round trip) and waits for it: a batch is
+checked and marked running as it starts, not as it joined the stage.
+
 It also measures what the model can do (``seconds_per_item`` over recent batches,
 device time on a GPU), which the pipeline uses to keep only a few seconds of work
 in flight.
@@ -37,7 +42,7 @@ import torch
 
 from schemas import ContractError, ErrorCode
 from workers.model.runner import DeviceBatch, Launched, ModelRunner
-from workers.types import BatchTiming, DeviceLost, Item, Outcome, Refusal
+from workers.types import AdmissionCheck, BatchTiming, DeviceLost, Item, Outcome, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ SLOTS = 2  # batches in a serial stage by default: one running, one ready to go
 PIPELINED_SLOTS = 4  # by default: preparing, launched, finishing, and one ready to go
 PARTIAL_SLOTS = 2  # of those, by default, how many may be partial batches
 _EWMA = 0.2  # weight of the newest batch in seconds_per_item
+_LOOP_SLACK_S = 1.0  # beyond the admission's own bound: the loop may be busy a moment
 
 
 class Inference:
@@ -58,6 +64,7 @@ class Inference:
         pipelined: bool | None = None,
         batches: int | None = None,
         partial: int | None = None,
+        admission: AdmissionCheck | None = None,
     ) -> None:
         """``pipelined`` (default: on a GPU) runs prepare, launch and finish on three
         threads; otherwise one thread runs each batch from start to end. ``batches``
@@ -66,11 +73,16 @@ class Inference:
         next batch keeps forming. ``partial`` (default ``PARTIAL_SLOTS``, at most
         ``batches``): while that many are there, only a full batch may join them.
 
+        ``admission`` (none: off) checks each batch on the event loop as it starts; the
+        requests it finds cancelled go to ``on_done`` at once, in an outcome of their own.
+
         Under a backlog every batch is full and the stage is as deep as ``batches``
         allows, to keep the device busy; under light load the small batches queued
         on the device would each cost a forward, so the next one grows instead."""
         self._runner = runner
         self._on_done = on_done
+        self._admission = admission
+        self._loop: asyncio.AbstractEventLoop | None = None  # the submitter's, for admission
         if pipelined is None:
             pipelined = runner.device.type == "cuda"
         self._thread = ThreadPoolExecutor(1, "conveyor-model")
@@ -104,7 +116,7 @@ class Inference:
 
     def submit(self, items: list[Item]) -> None:
         """Run ``items`` (a slot taken with ``wait_for_slot``) and report the Outcome."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._running += 1
         self._idle.clear()
 
@@ -135,30 +147,34 @@ class Inference:
     # -- the pipeline (GPU): prepare ─▶ launch ─▶ finish ------------------------------------
 
     def _prepare(self, items: list[Item], deliver: Callable[[Outcome], None]) -> None:
-        """Prepare thread: drop what expired, then decode and upload on the staging stream.
-
-        The batch's time in the model starts here, as the serial path's does: its decode
-        and upload are part of its compute (``BatchTiming``, the results' timings)."""
-        items, refused = _live(items)
+        """Prepare thread: drop what expired or was cancelled, then decode and upload on
+        the staging stream. The batch's time in the model starts here, as the serial
+        path's does: its decode and upload are part of its compute (``BatchTiming``)."""
+        try:
+            items, refused, start_ms = self._started(items)
+        except Exception as exc:  # a bug in the check must not lose the batch
+            deliver(self._failed(items, exc))
+            return
         if not items:
             deliver(Outcome(refused=refused))
             return
-        start_ms = time.time() * 1000.0
+        work_ms = time.time() * 1000.0
         try:
             batch: DeviceBatch | None = self._runner.prepare([i.tensor for i in items])
         except Exception:  # the launch thread runs this batch the simple way, halves and all
             batch = None
-        self._thread.submit(self._launch, items, batch, refused, start_ms, deliver)
+        self._thread.submit(self._launch, items, batch, refused, (start_ms, work_ms), deliver)
 
     def _launch(
         self,
         items: list[Item],
         batch: DeviceBatch | None,
         refused: list[Refusal],
-        start_ms: float,
+        started: tuple[float, float],
         deliver: Callable[[Outcome], None],
     ) -> None:
-        """Launch thread: start the forward and hand the batch to the finish thread."""
+        """Launch thread: start the forward and hand the batch to the finish thread
+        (``started``: the batch's start and its work's, after its check, epoch ms)."""
         launched = None
         if batch is not None:
             try:
@@ -166,39 +182,42 @@ class Inference:
             except Exception:
                 launched = None
         if launched is None:
-            deliver(self._guarded(items, lambda: self._serially(items, refused)))
+            deliver(self._guarded(items, lambda: self._serially(items, refused, started[0])))
             return
         assert self._finish_thread is not None
-        self._finish_thread.submit(self._finish, items, launched, refused, start_ms, deliver)
+        self._finish_thread.submit(self._finish, items, launched, refused, started, deliver)
 
     def _finish(
         self,
         items: list[Item],
         launched: Launched,
         refused: list[Refusal],
-        start_ms: float,
+        started: tuple[float, float],
         deliver: Callable[[Outcome], None],
     ) -> None:
         """Finish thread: wait for the outputs, build the results."""
+        start_ms, work_ms = started
         try:
             outputs = self._runner.finish(launched)
         except Exception:  # a failing host postprocess: the simple way, on the launch thread
             self._thread.submit(
-                lambda: deliver(self._guarded(items, lambda: self._serially(items, refused)))
+                lambda: deliver(
+                    self._guarded(items, lambda: self._serially(items, refused, start_ms))
+                )
             )
             return
         finished_ms = time.time() * 1000.0
         seconds = launched.device_seconds()
         if seconds is None:
-            seconds = (finished_ms - start_ms) / 1000.0
+            seconds = (finished_ms - work_ms) / 1000.0
         self._measure(seconds, len(items))
-        timing = BatchTiming(start_ms, finished_ms, finished_ms - start_ms, len(items))
+        timing = BatchTiming(start_ms, finished_ms, finished_ms - work_ms, len(items))
         deliver(Outcome(items, outputs, timing, refused))
 
-    def _serially(self, items: list[Item], refused: list[Refusal]) -> Outcome:
-        outcome = self._infer(items)
-        outcome.refused = refused + outcome.refused
-        return outcome
+    def _serially(self, items: list[Item], refused: list[Refusal], start_ms: float) -> Outcome:
+        """The batch the simple way, after a failure in the pipeline; already checked."""
+        live, late = _live(items)
+        return self._infer(live, refused + late, start_ms)
 
     # -- one thread, a batch at a time (the CPU, and the pipeline's fallback) ---------------
 
@@ -208,22 +227,51 @@ class Inference:
         except DeviceLost as exc:  # not the batch's fault: left for a healthy worker
             log.error("%s; stopping without answering its batches", exc)
             return Outcome(lost=exc)
-        except Exception as exc:  # a bug in this stage must not lose the batch
-            log.exception("inference stage failed on a batch of %d", len(items))
-            return Outcome(
-                refused=[
-                    Refusal.of(i, ErrorCode.internal, f"worker failed: {exc!r}") for i in items
-                ]
-            )
+        except Exception as exc:
+            return self._failed(items, exc)
+
+    def _failed(self, items: list[Item], exc: Exception) -> Outcome:
+        """A bug in this stage must not lose the batch: every item answered ``internal``."""
+        log.error("inference stage failed on a batch of %d", len(items), exc_info=exc)
+        return Outcome(
+            refused=[Refusal.of(i, ErrorCode.internal, f"worker failed: {exc!r}") for i in items]
+        )
 
     def _run(self, items: list[Item]) -> Outcome:
-        return self._guarded(items, lambda: self._infer(items))
+        def run() -> Outcome:
+            live, refused, start_ms = self._started(items)
+            return self._infer(live, refused, start_ms)
 
-    def _infer(self, items: list[Item]) -> Outcome:
-        items, refused = _live(items)
+        return self._guarded(items, run)
+
+    def _started(self, items: list[Item]) -> tuple[list[Item], list[Refusal], float]:
+        """Start a batch: its live items cleared to run, refusals for the others (expired,
+        cancelled), and the batch's start (epoch ms). The check (after the deadlines, so
+        expired requests are never marked running) runs on the loop while this thread
+        waits, at most ``admission.timeout_s`` and ``_LOOP_SLACK_S``; then fail open."""
+        live, refused = _live(items)
+        admission, loop = self._admission, self._loop
+        if admission is None or loop is None or not live:
+            return live, refused, time.time() * 1000.0
+        start_ms = time.time() * 1000.0
+        check = asyncio.run_coroutine_threadsafe(admission.admit(live), loop)
+        try:
+            admitted = check.result(admission.timeout_s + _LOOP_SLACK_S)
+        except TimeoutError:
+            check.cancel()
+            admission.skipped(len(live), "the event loop did not run it in time")
+            return live, refused, start_ms
+        if not admitted.items:
+            return [], refused + admitted.cancelled, admitted.checked_ms
+        if admitted.cancelled:  # answered now, not after the forward of the rest
+            loop.call_soon_threadsafe(self._on_done, Outcome(refused=admitted.cancelled))
+        return admitted.items, refused, admitted.checked_ms
+
+    def _infer(self, items: list[Item], refused: list[Refusal], start_ms: float) -> Outcome:
+        """Run ``items`` (already started: ``_started``), bisecting failures."""
         if not items:
             return Outcome(refused=refused)
-        start_ms, start = time.time() * 1000.0, time.monotonic()
+        start = time.monotonic()
         outputs = self._isolated(items)
         seconds = time.monotonic() - start
         timing = BatchTiming(start_ms, time.time() * 1000.0, seconds * 1000.0, len(items))

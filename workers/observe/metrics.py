@@ -170,6 +170,11 @@ class Metrics:
             "Calls to a payload store that failed (unreachable, time-out) and were retried.",
             "store",
         )
+        self._dataref_store_down = gauge(
+            "conveyor_dataref_store_down",
+            "1 while calls to a payload store fail and are being retried (an outage), else 0.",
+            "store",
+        )
         self._batch_size = Histogram(
             "conveyor_batch_size",
             "Requests per batch sent to the model.",
@@ -300,6 +305,10 @@ class Metrics:
 
     def dataref_retry(self, store: str) -> None:
         self._dataref_retries.labels(self._model, store).inc()
+
+    def dataref_store_down(self, store: str, down: bool) -> None:
+        """Whether calls to payload store ``store`` are failing now."""
+        self._dataref_store_down.labels(self._model, store).set(1 if down else 0)
 
     def dead_letters(self, count: int) -> None:
         """``count`` records were written to the dead-letter topic."""
