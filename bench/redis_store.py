@@ -3,7 +3,8 @@
     python -m bench.redis_store [--redis-url URL] [--batch 256] [--batches 400]
 
 Times ``workers.publish.result_store.RedisResultStore.write_first`` (one ``EVALSHA`` per batch:
-``SET NX EX`` and ``PUBLISH`` for each result) against the previous design's
+the grant check, then ``SET NX EX`` and ``PUBLISH`` for each result) against the same
+script without its grant check (``GRANT_CHECK``) and against the previous design's
 pipelined ``SET NX EX`` + ``PUBLISH`` per result, each with redis-py's hiredis
 parser and with its pure-Python one, alternating, in one run. Prints microseconds
 of the client per result (wall time of the calls, Redis on loopback), the lower
@@ -24,7 +25,7 @@ import redis.asyncio as aioredis
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 
 from schemas import result_key
-from workers.publish.result_store import RedisResultStore
+from workers.publish.result_store import GRANT_CHECK, WRITE_FIRST_SCRIPT, RedisResultStore
 
 _VALUE = b'{"id":"x","status":"ok","outputs":[1,2,3],"timings":{"batch_size":256}}' * 4
 
@@ -56,6 +57,15 @@ async def _run(url: str, batch: int, batches: int) -> dict[str, float]:
                 store = RedisResultStore(client, ttl_s=60)
                 script = await _per_result(store.write_first, batch, batches)
                 results.setdefault(f"one script per batch, {name}", []).append(script)
+                unchecked = client.register_script(WRITE_FIRST_SCRIPT.replace(GRANT_CHECK, ""))
+
+                async def without_check(
+                    ids: list[str], values: list[bytes], script: Any = unchecked
+                ) -> None:
+                    await script(keys=[result_key(i) for i in ids], args=[60, *values])
+
+                bare = await _per_result(without_check, batch, batches)
+                results.setdefault(f"the script without its grant check, {name}", []).append(bare)
 
                 async def per_result(
                     ids: list[str], values: list[bytes], client: aioredis.Redis = client
@@ -84,7 +94,7 @@ def main() -> None:
     medians = asyncio.run(_run(args.redis_url, args.batch, args.batches))
     print(f"\nµs of client time per result, batches of {args.batch}, median of 3 rounds")
     for name, value in medians.items():
-        print(f"  {name:<45} {value:6.2f}")
+        print(f"  {name:<55} {value:6.2f}")
 
 
 if __name__ == "__main__":
