@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
-from common.security import kafka_connect_failed, redis_connect_failed, redis_options
+from common.security import (
+    kafka_connect_failed,
+    redis_connect_failed,
+    redis_location,
+    redis_options,
+)
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
 from workers.config.worker import WorkerSettings
@@ -34,7 +39,7 @@ from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.publish.answers import Answers
-from workers.publish.errors import is_outage
+from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 
 log = logging.getLogger("conveyor.worker")
@@ -134,7 +139,8 @@ async def run_worker(settings: WorkerSettings) -> None:
 async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
     """Before the model loads: Redis answers, Kafka answers and the model's topics exist.
 
-    Raises ``ConnectFailed`` naming the service that refused, ``TopicProblem`` for
+    Raises ``ConnectFailed`` naming the service that could not be reached (or refused the
+    credentials), ``RedisRefused`` naming the grant Redis refused, ``TopicProblem`` for
     missing or forbidden topics.
     """
     redis = aioredis.Redis.from_url(
@@ -145,7 +151,9 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
     except Exception as exc:
         if not is_outage(exc):  # uvloop's closed transport too: Redis closed as it started
             raise
-        raise redis_connect_failed(settings.redis_url, exc) from None
+        # Connected and refused (no +ping): a grant to add, not a service to reach.
+        refused = refused_at_start(redis_location(settings.redis_url), exc)
+        raise refused or redis_connect_failed(settings.redis_url, exc) from None
     finally:
         await redis.aclose()
     try:
@@ -159,10 +167,14 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
         return parts.publisher is not None and await parts.publisher.ping()
 
     def results_durable() -> bool:
-        # False while results have failed to become durable for a while (an outage,
-        # or a configuration error that will end the worker unless fixed in time).
+        # False while results have failed to become durable for a while (an outage), or
+        # at once for a configuration error (which ends the worker unless fixed in time).
         publisher = parts.publisher
-        return publisher is not None and publisher.stalled_for() < settings.unready_after_s
+        return (
+            publisher is not None
+            and publisher.config_problem is None
+            and publisher.stalled_for() < settings.unready_after_s
+        )
 
     def kafka_reads() -> bool:
         return parts.consumer is not None and parts.consumer.config_problem is None
