@@ -44,9 +44,10 @@ from workers.publish.publisher import Publisher
 
 log = logging.getLogger("conveyor.worker")
 
-CLOSE_S = 10.0
+CLOSE_S = 15.0
 """After a drain (``--max-drain-ms`` at most), the time left to close connections and
-leave the consumer group before the process exits anyway (docs/operations.md)."""
+leave the consumer group (5 s at most each for the consumer and the producer) before
+the process exits anyway (docs/operations.md)."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ from workers.types import TopicPartition as TP
 log = logging.getLogger(__name__)
 
 _FETCH_BACKOFF_MAX_S = 5.0
+_STOP_TIMEOUT_S = 5.0  # workers.app.CLOSE_S leaves room for this and the producer's
 _FORBIDDEN = (TopicAuthorizationFailedError, GroupAuthorizationFailedError)
 
 
@@ -127,8 +128,13 @@ class Consumer:
             ) from None
 
     async def stop(self) -> None:
-        """Leave the group (with static membership, keep the place for a restart)."""
-        await self._kafka.stop()
+        """Leave the group (with static membership, keep the place for a restart), or give up
+        after 5 s: with the broker down, aiokafka would retry without end."""
+        try:
+            async with asyncio.timeout(_STOP_TIMEOUT_S):
+                await self._kafka.stop()
+        except TimeoutError:
+            log.warning("the consumer did not leave its group in %.0f s", _STOP_TIMEOUT_S)
 
     async def __aenter__(self) -> Consumer:
         await self.start()

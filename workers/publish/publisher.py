@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _TOPIC_CHECK_TIMEOUT_S = 5.0
 _UNKNOWN_TOPIC_RECHECK_S = 60.0
 _BATCH_BYTES = 512 * 1024  # fill a producer batch up to this (or the topic's limit)
+_STOP_TIMEOUT_S = 5.0  # workers.app.CLOSE_S leaves room for this and the consumer's
 
 
 class _Queued(NamedTuple):
@@ -136,8 +137,13 @@ class Publisher:
             raise await kafka_connect_failed(bootstrap, self._settings, exc) from None
 
     async def stop(self) -> None:
+        """Close the producer (records it holds are sent, for 5 s at most:
+        with the broker down they would wait for its request timeout) and Redis."""
         try:
-            await self._producer.stop()
+            async with asyncio.timeout(_STOP_TIMEOUT_S):
+                await self._producer.stop()
+        except TimeoutError:
+            log.warning("the producer did not stop in %.0f s", _STOP_TIMEOUT_S)
         finally:
             await self._store.aclose()
 
