@@ -26,7 +26,13 @@ SECURE_USER=${SECURE_USER:-conveyor}
 SECURE_ACLS=${SECURE_ACLS:-0}
 SECURE_LIMITED_USER=${SECURE_LIMITED_USER:-conveyor-limited}
 # Users are written when storage is formatted: a broker with ACLs keeps a folder of its own.
-DIR=$RUN_DIR/secure-$SECURE_KAFKA_PORT-$SECURE_REDIS_PORT$([ "$SECURE_ACLS" = 1 ] && echo -acl)
+ACL_SUFFIX=""
+ACL_NOTE=""
+if [ "$SECURE_ACLS" = 1 ]; then
+  ACL_SUFFIX=-acl
+  ACL_NOTE=", ACLs"
+fi
+DIR=$RUN_DIR/secure-$SECURE_KAFKA_PORT-$SECURE_REDIS_PORT$ACL_SUFFIX
 TLS=$DIR/tls
 KAFKA_CONFIG=$DIR/kafka/server.properties
 KAFKA_PIDFILE=$DIR/kafka/kafka.pid
@@ -109,11 +115,12 @@ start_kafka() {
     local cluster_id
     cluster_id=$(kafka_random_id)
     local users=(--add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]")
-    [ "$SECURE_ACLS" = 1 ] && users+=(--add-scram "SCRAM-SHA-512=[name=$SECURE_LIMITED_USER,password=$SECURE_PASSWORD]")
+    if [ "$SECURE_ACLS" = 1 ]; then
+      users+=(--add-scram "SCRAM-SHA-512=[name=$SECURE_LIMITED_USER,password=$SECURE_PASSWORD]")
+    fi
     kafka_format "$KAFKA_CONFIG" "$cluster_id" "$DIR/kafka/logs" "${users[@]}"
   fi
-  log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512$([ "$SECURE_ACLS" = 1 ] && echo ", ACLs"))" \
-    "on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
+  log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512$ACL_NOTE) on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
   kafka_launch "$KAFKA_CONFIG" "$DIR/kafka/logs" "$KAFKA_PIDFILE" "$KAFKA_HEAP"
   # Ready once the broker answers on its loopback listener; all listeners open together.
   if ! python3 "$ROOT/compose/local/ready.py" kafka "$KAFKA_HOST" "$SECURE_INTERNAL_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$KAFKA_PIDFILE")"; then
