@@ -26,8 +26,10 @@ own first answers counted as duplicates. A user without ``+get`` served every ne
 id and failed only at the first redelivered one, maybe days later. Checked up
 front, a missing grant fails the first batch, whole and at once, and the worker
 names it (``workers.publish.errors``); nothing is written until it is granted.
-The check costs about 0.5 µs of Redis time per result (``bench.redis_store``,
-docs/benchmarks.md).
+(Publishing before the ``SET`` would spare the unannounced result, but not a batch
+written part-way by a refused ``GET``, and would announce ids already answered.)
+The check costs Redis about 0.4–0.8 µs per result, on a script of 3.5–4.5 µs per result
+(``bench.redis_store``, docs/benchmarks.md).
 
 The ACL a worker needs: ``+evalsha +script|load +set +get +publish`` on keys and
 channels ``conveyor:result:*``, and ``+ping`` (docs/security.md). EVAL is never
@@ -47,6 +49,7 @@ __all__ = ["GRANT_CHECK", "WRITE_FIRST_SCRIPT", "RedisResultStore", "ResultStore
 
 GRANT_CHECK = """
 local allowed = redis.acl_check_cmd
+local announce = 'PUBLISH'
 if allowed then
   for _, key in ipairs(KEYS) do
     if not allowed('SET', key, '', 'NX', 'EX', ARGV[1]) then
@@ -55,11 +58,11 @@ if allowed then
     if not allowed('GET', key) then
       return redis.error_reply('NOPERM this user may not GET ' .. key)
     end
-    if not allowed('PUBLISH', key, '') then
+    if not allowed(announce, key, '') then
       -- Refused, so nothing is sent: Redis says why (the command, or the channel).
-      local why = redis.pcall('PUBLISH', key, '')
+      local why = redis.pcall(announce, key, '')
       why = type(why) == 'table' and why.err or 'refused'
-      return redis.error_reply('NOPERM this user may not PUBLISH ' .. key .. ': ' .. why)
+      return redis.error_reply('NOPERM this user may not ' .. announce .. ' ' .. key .. ': ' .. why)
     end
   end
 end
