@@ -22,7 +22,6 @@ import secrets
 import signal
 import time
 from collections.abc import Iterator
-from datetime import datetime
 
 import pytest
 import redis
@@ -42,7 +41,7 @@ from producers.testing import (
 )
 from schemas import consumer_group, result_key, topics_for
 from tests.conftest import REPO
-from tests.harness import NOTES, check, digit_requests, metrics, tally_scenario
+from tests.harness import NOTES, check, digit_requests, logged_at, metrics, tally_scenario
 from workers.app import CLOSE_S
 
 SECURITY_DOC = REPO / "docs" / "security.md"
@@ -290,11 +289,6 @@ def limited(
         grants.close()
 
 
-def _logged_at(line: str) -> float:
-    """The time of a worker's log line (its default format begins with it)."""
-    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
 async def _unready_until_exit(worker: WorkerProcess) -> bool:
     """Whether /readyz failed on results_durable at some point before the worker exited."""
     seen = False
@@ -350,7 +344,7 @@ async def test_without_a_grant_the_worker_exits_3_naming_it_and_nothing_is_lost(
             assert not unready.done() or not unready.result()
         else:  # one line when the refusal starts, the worker unready from then on
             assert len(naming) == 1, log
-            refused_at = _logged_at(naming[0])
+            refused_at = logged_at(naming[0])
             assert await unready, log
             assert exited - refused_at >= GRACE_S - 0.5
         await limited.nothing_written_nor_committed()
