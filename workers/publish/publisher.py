@@ -196,14 +196,7 @@ class Publisher:
         await self._failures.retry("kafka", send)
         if outbox.dead:
             letters = outbox.dead
-
-            async def send_dead() -> None:
-                try:
-                    await self._dead_letters.send(producer, letters)
-                except TopicAuthorizationFailedError as exc:
-                    raise WriteRefused(self._dead_letters.topic) from exc
-
-            await self._failures.retry("kafka", send_dead)
+            await self._failures.retry("kafka", lambda: self._dead_letters.send(producer, letters))
         return PublishReport(duplicates=duplicates)
 
     async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
