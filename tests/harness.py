@@ -15,6 +15,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -87,6 +88,11 @@ def s3_flags(options: Mapping[str, str], bucket: str) -> list[str]:
     (``S3Settings`` fields)."""
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
     return ["--dataref-s3-buckets", bucket, *flags]
+
+
+def logged_at(line: str) -> float:
+    """The time (epoch seconds) of a worker's log line: its default format begins with it."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 async def metrics(worker: WorkerProcess) -> dict[str, float]:

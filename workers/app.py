@@ -9,14 +9,19 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
-from common.security import kafka_connect_failed, redis_connect_failed, redis_options
+from common.security import (
+    kafka_connect_failed,
+    redis_connect_failed,
+    redis_location,
+    redis_options,
+)
 from schemas import ModelTopics, consumer_group, topics_for
 from schemas.fastpath import ResultEncoder
 from workers.config.profiles import tuned
@@ -37,10 +42,15 @@ from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.publish.answers import Answers
-from workers.publish.errors import is_outage
+from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 
 log = logging.getLogger("conveyor.worker")
+
+CLOSE_S = 15.0
+"""After a drain (``--max-drain-ms`` at most), the time left to close connections and
+leave the consumer group (5 s at most each for the consumer and the producer) before
+the process exits anyway (docs/operations.md)."""
 
 
 @dataclass
@@ -66,7 +76,8 @@ async def run_worker(settings: WorkerSettings) -> None:
         fetch_buffers.keep_large_buffers()
     else:
         _give_large_frees_back()
-    stop = _stop_on_signals()  # first, so a stop during start-up is a clean one too
+    # First, so a stop during start-up is a clean one too.
+    stop = _stop_on_signals(settings.max_drain_ms / 1000.0 + CLOSE_S)
     metrics = Metrics(settings.served_name)
     parts = _Parts(stop)
     async with AsyncExitStack() as stack:
@@ -124,11 +135,12 @@ async def run_worker(settings: WorkerSettings) -> None:
             settings.delivery,
         )
         with start_up_objects_frozen():
-            await pipeline.run(stop)
+            drained = await serve(pipeline.run, stop, settings.max_drain_ms / 1000.0)
         totals = metrics.totals()
         log.info(
-            "drained and stopping: %d answered (%s), %d duplicates left unchanged, "
+            "%s and stopping: %d answered (%s), %d duplicates left unchanged, "
             "%d handed back on rebalances",
+            "drained" if drained else "drain cut short",
             totals.answered,
             totals.by_status,
             totals.duplicates,
@@ -136,10 +148,50 @@ async def run_worker(settings: WorkerSettings) -> None:
         )
 
 
+async def serve(
+    run: Callable[[asyncio.Event], Coroutine[object, object, None]],
+    stop: asyncio.Event,
+    drain_s: float,
+) -> bool:
+    """``run(stop)`` (``Pipeline.run``) until ``stop`` is set and it has drained; True if
+    it drained.
+
+    The drain lasts ``drain_s`` at most: it finishes the records already fetched, and
+    their results may wait on a Redis or Kafka that is down or refuses this worker, as
+    long as that lasts. Past the bound the pipeline is cancelled, its retries with it;
+    the records it had not answered stay uncommitted, and the next owner of their
+    partitions answers them (the first answer in Redis stays the answer).
+    """
+    serving = asyncio.ensure_future(run(stop))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            await asyncio.wait({serving}, timeout=drain_s)
+        if not serving.done():
+            log.warning(
+                "drain cut short after %.0f s (--max-drain-ms): the records not answered yet "
+                "stay uncommitted, for the next owner of their partitions",
+                drain_s,
+            )
+            serving.cancel()
+            await asyncio.wait({serving})
+            if serving.cancelled():
+                return False
+        serving.result()  # its error, if it ended with one
+        return True
+    finally:
+        stopping.cancel()
+        if not serving.done():  # this task itself was cancelled
+            serving.cancel()
+            await asyncio.wait({serving})
+
+
 async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
     """Before the model loads: Redis answers, Kafka answers and the model's topics exist.
 
-    Raises ``ConnectFailed`` naming the service that refused, ``TopicProblem`` for
+    Raises ``ConnectFailed`` naming the service that could not be reached (or refused the
+    credentials), ``RedisRefused`` naming the grant Redis refused, ``TopicProblem`` for
     missing or forbidden topics.
     """
     redis = aioredis.Redis.from_url(
@@ -150,7 +202,9 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
     except Exception as exc:
         if not is_outage(exc):  # uvloop's closed transport too: Redis closed as it started
             raise
-        raise redis_connect_failed(settings.redis_url, exc) from None
+        # Connected and refused (no +ping): a grant to add, not a service to reach.
+        refused = refused_at_start(redis_location(settings.redis_url), exc)
+        raise refused or redis_connect_failed(settings.redis_url, exc) from None
     finally:
         await redis.aclose()
     try:
@@ -164,10 +218,14 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
         return parts.publisher is not None and await parts.publisher.ping()
 
     def results_durable() -> bool:
-        # False while results have failed to become durable for a while (an outage,
-        # or a configuration error that will end the worker unless fixed in time).
+        # False while results have failed to become durable for a while (an outage), or
+        # at once for a configuration error (which ends the worker unless fixed in time).
         publisher = parts.publisher
-        return publisher is not None and publisher.stalled_for() < settings.unready_after_s
+        return (
+            publisher is not None
+            and publisher.config_problem is None
+            and publisher.stalled_for() < settings.unready_after_s
+        )
 
     def kafka_reads() -> bool:
         return parts.consumer is not None and parts.consumer.config_problem is None
@@ -305,8 +363,9 @@ def _give_large_frees_back() -> None:
         log.warning("could not set glibc's mmap threshold; decode memory may stay resident")
 
 
-def _stop_on_signals() -> asyncio.Event:
-    """First SIGTERM/SIGINT: stop fetching and drain. Second: exit at once.
+def _stop_on_signals(bound_s: float) -> asyncio.Event:
+    """First SIGTERM/SIGINT: stop fetching and drain (``serve`` bounds the drain); exit at
+    once if still running ``bound_s`` later, whatever holds it up. Second: exit at once.
 
     Exiting at once is safe: offsets are only committed after results are durable,
     so whatever was in flight is redelivered to the next worker.
@@ -314,12 +373,17 @@ def _stop_on_signals() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
+    def exit_now(signum: int, why: str) -> None:
+        log.warning("%s: exiting now", why)
+        os._exit(128 + signum)
+
     def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
         if stop.is_set():
-            log.warning("second %s: exiting now", signal.Signals(signum).name)
-            os._exit(128 + signum)
-        log.info("%s: draining in-flight work, then stopping", signal.Signals(signum).name)
+            exit_now(signum, f"second {name}")
+        log.info("%s: draining in-flight work, then stopping", name)
         stop.set()
+        loop.call_later(bound_s, exit_now, signum, f"still running {bound_s:.0f} s after {name}")
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)

@@ -15,10 +15,11 @@ EXIT_ENVIRONMENT = 6
 EXIT_DEVICE = 7  # the model's device failed while serving: restart the worker
 
 EXIT_STATUSES: dict[int, str] = {
-    EXIT_STOPPED: "stopped after draining (SIGTERM or Ctrl-C)",
+    EXIT_STOPPED: "stopped on SIGTERM or Ctrl-C after draining, for --max-drain-ms at most "
+    "(what was left unanswered stays uncommitted, for another worker)",
     EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
-    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs): "
-    "an operator must act",
+    EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs; "
+    "the message names the grant): an operator must act",
     EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
     "handshake or the credentials",
     EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",

@@ -7,7 +7,11 @@
 # Both accept the user SECURE_USER (default conveyor) with SECURE_PASSWORD (required).
 # A throw-away CA and server certificate (SAN 127.0.0.1 and localhost) are made at the
 # first start in the run folder; clients trust it through its ca.pem.
-# Usage: SECURE_PASSWORD=... secure.sh start|stop|status
+# With SECURE_ACLS=1 the broker authorizes every request (KRaft's StandardAuthorizer):
+# SECURE_USER is a super user, and a second SCRAM user, SECURE_LIMITED_USER (default
+# conveyor-limited, same password), may do only what ACLs grant it, none at first
+# (grant them with compose/local/kafka-acls.sh; docs/security.md lists a worker's).
+# Usage: SECURE_PASSWORD=... [SECURE_ACLS=1] secure.sh start|stop|status
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 
@@ -19,7 +23,16 @@ SECURE_CONTROLLER_PORT=${SECURE_CONTROLLER_PORT:-$((SECURE_KAFKA_PORT + 1))}
 SECURE_INTERNAL_PORT=${SECURE_INTERNAL_PORT:-$((SECURE_KAFKA_PORT + 2))}
 SECURE_REDIS_PORT=${SECURE_REDIS_PORT:-6380}
 SECURE_USER=${SECURE_USER:-conveyor}
-DIR=$RUN_DIR/secure-$SECURE_KAFKA_PORT-$SECURE_REDIS_PORT
+SECURE_ACLS=${SECURE_ACLS:-0}
+SECURE_LIMITED_USER=${SECURE_LIMITED_USER:-conveyor-limited}
+# Users are written when storage is formatted: a broker with ACLs keeps a folder of its own.
+ACL_SUFFIX=""
+ACL_NOTE=""
+if [ "$SECURE_ACLS" = 1 ]; then
+  ACL_SUFFIX=-acl
+  ACL_NOTE=", ACLs"
+fi
+DIR=$RUN_DIR/secure-$SECURE_KAFKA_PORT-$SECURE_REDIS_PORT$ACL_SUFFIX
 TLS=$DIR/tls
 KAFKA_CONFIG=$DIR/kafka/server.properties
 KAFKA_PIDFILE=$DIR/kafka/kafka.pid
@@ -70,6 +83,19 @@ ssl.key.password=conveyor-keystore
 log.dirs=$DIR/kafka/data
 $(kafka_single_node_config)
 offsets.topic.num.partitions=3
+$(authorizer_config)
+CFG
+}
+
+# With SECURE_ACLS=1: every request authorized, nothing allowed without an ACL. The
+# loopback PLAINTEXT listeners authenticate no one; their principal, ANONYMOUS, is the
+# node talking to itself (and an administrator on this host), so it is a super user.
+authorizer_config() {
+  [ "$SECURE_ACLS" = 1 ] || return 0
+  cat <<CFG
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:$SECURE_USER;User:ANONYMOUS
+allow.everyone.if.no.acl.found=false
 CFG
 }
 
@@ -88,10 +114,13 @@ start_kafka() {
     # user exists before the broker accepts its first connection.
     local cluster_id
     cluster_id=$(kafka_random_id)
-    kafka_format "$KAFKA_CONFIG" "$cluster_id" "$DIR/kafka/logs" \
-      --add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]"
+    local users=(--add-scram "SCRAM-SHA-512=[name=$SECURE_USER,password=$SECURE_PASSWORD]")
+    if [ "$SECURE_ACLS" = 1 ]; then
+      users+=(--add-scram "SCRAM-SHA-512=[name=$SECURE_LIMITED_USER,password=$SECURE_PASSWORD]")
+    fi
+    kafka_format "$KAFKA_CONFIG" "$cluster_id" "$DIR/kafka/logs" "${users[@]}"
   fi
-  log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512) on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
+  log "starting secured Kafka (SASL_SSL, SCRAM-SHA-512$ACL_NOTE) on $KAFKA_HOST:$SECURE_KAFKA_PORT (log: $KAFKA_LOG)"
   kafka_launch "$KAFKA_CONFIG" "$DIR/kafka/logs" "$KAFKA_PIDFILE" "$KAFKA_HEAP"
   # Ready once the broker answers on its loopback listener; all listeners open together.
   if ! python3 "$ROOT/compose/local/ready.py" kafka "$KAFKA_HOST" "$SECURE_INTERNAL_PORT" --timeout "$READY_TIMEOUT" --pid "$(cat "$KAFKA_PIDFILE")"; then

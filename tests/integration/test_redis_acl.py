@@ -3,27 +3,46 @@
 The rules are read from the page itself, the users created on the real Redis
 (under names of this test's own), and then: a worker authenticated as the worker
 user serves a request that a client authenticated as the caller user waits for;
-the worker user can write a batch with a Lua script (SCRIPT LOAD, EVALSHA, EVAL
+the worker user can write a batch with a Lua script (SCRIPT LOAD, then EVALSHA
 with SET, GET and PUBLISH); neither can touch anything else.
+
+Then each grant of the worker's rule is taken away in turn, and a real worker must
+stop with status 3 and one line naming that grant, having written and committed
+nothing; with the grant back, a second worker answers every request and callers
+that waited all along are woken (docs/reliability.md, "Refused permissions"). A
+worker stuck on such a refusal stops within its drain bound on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 
 import pytest
 import redis
+from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 from redis.exceptions import NoPermissionError, ResponseError
 
-from producers import AsyncClient, ClientSettings, Status
+from producers import AsyncClient, ClientSettings, Result, Status
 from producers.admin import create_model_topics
-from producers.testing import Fleet
-from schemas import result_key
+from producers.testing import (
+    Fleet,
+    WorkerProcess,
+    count_results,
+    http_get,
+    produce,
+    until,
+)
+from schemas import consumer_group, result_key, topics_for
 from tests.conftest import REPO
+from tests.harness import NOTES, check, digit_requests, logged_at, metrics, tally_scenario
+from workers.app import CLOSE_S
 
 SECURITY_DOC = REPO / "docs" / "security.md"
 # A script of the kind a worker runs per batch: first result wins, read back, announce.
@@ -111,12 +130,14 @@ def test_worker_user_can_write_a_batch_with_a_script_and_nothing_else(
         sha = worker.script_load(BATCH_SCRIPT)
         assert worker.evalsha(sha, 1, keys[0], "first") == b"first"
         assert worker.evalsha(sha, 1, keys[0], "second") == b"first"  # first final wins
-        assert worker.eval(BATCH_SCRIPT, 1, keys[1], "other") == b"other"
+        assert worker.evalsha(sha, 1, keys[1], "other") == b"other"
         assert 0 < admin.ttl(keys[0]) <= 60
         with pytest.raises(NoPermissionError):
             worker.set(f"elsewhere:{uid}", "x")
         with pytest.raises((NoPermissionError, ResponseError), match=r"(?i)no permissions"):
-            worker.eval(BATCH_SCRIPT, 1, f"elsewhere:{uid}", "x")
+            worker.evalsha(sha, 1, f"elsewhere:{uid}", "x")
+        with pytest.raises(NoPermissionError):
+            worker.eval(BATCH_SCRIPT, 1, keys[1], "other")  # not needed: never granted
         with pytest.raises(NoPermissionError):
             worker.flushall()
     finally:
@@ -164,3 +185,233 @@ async def test_a_read_only_caller_is_told_its_large_payload_cannot_be_stored(
     async with AsyncClient(settings) as client:
         with pytest.raises(PayloadStoreRefused, match=r"conveyor:data:\*, which needs \+set"):
             await client.submit(b"\x89PNG" + bytes(4096), model=f"m{uid}", content_type="image/png")
+
+
+# -- one grant taken away ------------------------------------------------------------------
+
+KEYS, CHANNELS = "~conveyor:result:*", "&conveyor:result:*"
+GRACE_S = 3  # --permanent-error-grace-s (60 s by default)
+DRAIN_MS = 2000  # --max-drain-ms (20 s by default)
+REQUESTS = 5
+
+
+class Limited:
+    """A model's requests, a Redis user with the worker's documented rule less one grant,
+    and callers waiting on every request from before any worker starts."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        client_settings: ClientSettings,
+        kafka_admin: AIOKafkaAdminClient,
+        model: str,
+        uid: str,
+        removed: str,
+    ) -> None:
+        self.redis_url, self.settings, self.kafka_admin = redis_url, client_settings, kafka_admin
+        self.model, self.removed = model, removed
+        self.user, self.password = f"conveyor-worker-{uid}", secrets.token_hex(16)
+        self.ids: list[str] = []
+        self.waits: list[asyncio.Future[Result]] = []
+
+    def env(self) -> dict[str, str]:
+        return {"CONVEYOR_REDIS_USERNAME": self.user, "CONVEYOR_REDIS_PASSWORD": self.password}
+
+    async def set_up(self, digits: list[tuple[bytes, int]], client: AsyncClient) -> None:
+        rules = [
+            f">{self.password}" if rule.startswith(">") else rule
+            for rule in _documented_rules("worker")
+            if rule != self.removed
+        ]
+        admin = redis.Redis.from_url(self.redis_url)
+        try:
+            admin.execute_command("ACL", "SETUSER", self.user, *rules)  # type: ignore[no-untyped-call]
+            # As after a restart: the worker must load its script (else an earlier test's
+            # worker may have, and +script|load would go untested).
+            admin.script_flush()
+        finally:
+            admin.close()
+        await create_model_topics(self.settings, self.model, partitions=1)
+        records, self.ids = digit_requests(digits, REQUESTS, self.model)
+        await produce(self.settings.kafka_bootstrap, topics_for(self.model).requests, records)
+        self.waits = [asyncio.ensure_future(client.wait(i, timeout=240)) for i in self.ids]
+
+    async def nothing_written_nor_committed(self) -> None:
+        assert await count_results(self.redis_url, self.ids) == 0
+        group = consumer_group(self.model)
+        assert await self.kafka_admin.list_consumer_group_offsets(group) == {}
+
+    def grant_again(self) -> None:
+        admin = redis.Redis.from_url(self.redis_url)
+        try:
+            admin.execute_command("ACL", "SETUSER", self.user, self.removed)  # type: ignore[no-untyped-call]
+        finally:
+            admin.close()
+
+    async def answered_once_fixed(self, workers: Fleet, scenario: str) -> None:
+        """With the grant back, a worker answers every request, each waiter is woken by
+        its announcement, and no first answer counts as a duplicate."""
+        self.grant_again()
+        worker = workers.start(env=self.env())
+        done = await worker.unless_it_dies(asyncio.wait_for(asyncio.gather(*self.waits), 180))
+        assert all(result.status is Status.ok for result in done), worker.log()
+        counted = await tally_scenario(
+            scenario, self.settings.kafka_bootstrap, self.redis_url, self.model, self.ids
+        )
+        check(counted, workers.logs())
+        assert (await metrics(worker)).get("conveyor_redeliveries_total", 0) == 0
+
+    def close(self) -> None:
+        for wait in self.waits:
+            wait.cancel()
+        admin = redis.Redis.from_url(self.redis_url)
+        try:
+            admin.acl_deluser(self.user)
+        finally:
+            admin.close()
+
+
+@pytest.fixture
+def limited(
+    request: pytest.FixtureRequest,
+    redis_url: str,
+    client_settings: ClientSettings,
+    kafka_admin: AIOKafkaAdminClient,
+    model_name: str,
+    uid: str,
+) -> Iterator[Limited]:
+    grants = Limited(
+        redis_url, client_settings, kafka_admin, model_name, uid, removed=request.param
+    )
+    try:
+        yield grants
+    finally:
+        grants.close()
+
+
+async def _unready_until_exit(worker: WorkerProcess) -> bool:
+    """Whether /readyz failed on results_durable at some point before the worker exited."""
+    seen = False
+    while worker.running():
+        port = worker.metrics_port()
+        if port is not None:
+            try:
+                status, body = await http_get(port, "/readyz")
+            except OSError:
+                status, body = 0, b""
+            if status == 503 and json.loads(body)["checks"]["results_durable"] != "ok":
+                seen = True
+        await asyncio.sleep(0.1)  # polling the probe, not waiting for readiness
+    return seen
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("limited", "named"),
+    [
+        pytest.param("+evalsha", "+evalsha", id="evalsha"),
+        pytest.param("+script|load", "+script|load", id="script-load"),
+        pytest.param("+set", f"+set on {KEYS}", id="set"),
+        pytest.param("+get", f"+get on {KEYS}", id="get"),
+        pytest.param("+publish", "+publish", id="publish"),
+        pytest.param(KEYS, KEYS, id="keys"),
+        pytest.param(CHANNELS, CHANNELS, id="channels"),
+        pytest.param("+ping", "+ping", id="ping"),
+    ],
+    indirect=["limited"],
+)
+async def test_without_a_grant_the_worker_exits_3_naming_it_and_nothing_is_lost(
+    limited: Limited,
+    named: str,
+    client_settings: ClientSettings,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    async with AsyncClient(client_settings) as client:
+        await limited.set_up(digits, client)
+        started = time.time()
+        worker = workers.start("--permanent-error-grace-s", str(GRACE_S), env=limited.env())
+        unready = asyncio.ensure_future(_unready_until_exit(worker))
+        status = await worker.exited(120)
+        exited = time.time()
+        log = worker.log()
+        assert status == 3, log
+        assert f"grant {'it' if named == '+ping' else 'its user'} {named}" in log.splitlines()[-1]
+        naming = [line for line in log.splitlines() if " ERROR " in line and named in line]
+        if named == "+ping":  # refused before anything was fetched: the exit line alone
+            refused_at = exited
+            assert not naming, log
+            assert not unready.done() or not unready.result()
+        else:  # one line when the refusal starts, the worker unready from then on
+            assert len(naming) == 1, log
+            refused_at = logged_at(naming[0])
+            assert await unready, log
+            assert exited - refused_at >= GRACE_S - 0.5
+        await limited.nothing_written_nor_committed()
+        await limited.answered_once_fixed(workers, f"Redis ACL without {limited.removed}")
+    after_refusal = (
+        f"{exited - refused_at:.1f} s after the first refusal (grace {GRACE_S} s)"
+        if refused_at < exited
+        else "at start-up"
+    )
+    NOTES.append(
+        f"Redis ACL without {limited.removed}: exit {status} {exited - started:.1f} s after "
+        f"start, {after_refusal}; names {named}"
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("limited", ["+eval"], indirect=True)
+async def test_the_worker_needs_no_eval(
+    limited: Limited,
+    client_settings: ClientSettings,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    """The documented rule has no +eval: redis-py loads a script Redis lacks with SCRIPT
+    LOAD, never with EVAL, so a worker serves with it from an empty script cache."""
+    assert "+eval" not in _documented_rules("worker")
+    async with AsyncClient(client_settings) as client:
+        await limited.set_up(digits, client)
+        worker = workers.start(env=limited.env())
+        done = await worker.unless_it_dies(asyncio.wait_for(asyncio.gather(*limited.waits), 180))
+    assert all(result.status is Status.ok for result in done), worker.log()
+    counted = await tally_scenario(
+        "Redis ACL without +eval",
+        client_settings.kafka_bootstrap,
+        limited.redis_url,
+        limited.model,
+        limited.ids,
+    )
+    check(counted, workers.logs())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("limited", ["+set"], indirect=True)
+async def test_a_worker_stuck_on_a_refusal_stops_on_a_signal_within_its_drain_bound(
+    limited: Limited,
+    signum: signal.Signals,
+    client_settings: ClientSettings,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    async with AsyncClient(client_settings) as client:
+        await limited.set_up(digits, client)
+        options = ("--permanent-error-grace-s", "600", "--max-drain-ms", str(DRAIN_MS))
+        worker = workers.start(*options, env=limited.env())
+        refused = f"grant its user +set on {KEYS}"
+        await until(lambda: refused in worker.log(), "the refusal", 120, worker.log, [worker])
+        signalled = time.monotonic()
+        worker.signal(signum)
+        status = await worker.exited(60)
+        took = time.monotonic() - signalled
+        assert status == 0, worker.log()
+        assert "drain cut short" in worker.log()
+        assert took < DRAIN_MS / 1000 + CLOSE_S, worker.log()
+        await limited.nothing_written_nor_committed()
+        await limited.answered_once_fixed(workers, f"{signum.name} while Redis refuses +set")
+    NOTES.append(
+        f"{signum.name} while Redis refuses +set: exit {status} {took:.1f} s after the signal "
+        f"(--max-drain-ms {DRAIN_MS})"
+    )

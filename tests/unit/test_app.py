@@ -86,3 +86,58 @@ def test_a_redis_that_closes_the_first_connection_is_a_connect_failure(
     )
     with pytest.raises(raised, match=match):
         asyncio.run(app._preflight(settings, topics_for("t")))
+
+
+async def test_a_drain_that_ends_in_time_is_a_clean_stop() -> None:
+    stop = asyncio.Event()
+    drained = []
+
+    async def run(stop: asyncio.Event) -> None:
+        await stop.wait()
+        await asyncio.sleep(0.05)  # the drain: records finished, results written
+        drained.append(True)
+
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await app.serve(run, stop, drain_s=5.0) is True
+    assert drained == [True]
+
+
+async def test_a_drain_stuck_in_retries_is_cut_short_after_its_bound() -> None:
+    stop = asyncio.Event()
+    cancelled = []
+
+    async def run(stop: asyncio.Event) -> None:
+        await stop.wait()
+        try:
+            await asyncio.Event().wait()  # results that can never be written
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    started = asyncio.get_running_loop().time()
+    assert await app.serve(run, stop, drain_s=0.3) is False
+    assert 0.3 <= asyncio.get_running_loop().time() - started < 2
+    assert cancelled == [True]
+
+
+async def test_an_error_that_ends_serving_is_raised() -> None:
+    async def run(stop: asyncio.Event) -> None:
+        raise ConfigError("Redis refused this worker's writes")
+
+    with pytest.raises(ConfigError, match="refused"):
+        await app.serve(run, asyncio.Event(), drain_s=5.0)
+
+
+async def test_an_error_raised_while_the_drain_is_cut_short_is_raised() -> None:
+    stop = asyncio.Event()
+    stop.set()
+
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise ConfigError("past its grace")
+
+    with pytest.raises(ConfigError, match="past its grace"):
+        await app.serve(run, stop, drain_s=0.1)

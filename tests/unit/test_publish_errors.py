@@ -4,6 +4,8 @@ make the worker unready and end it after their grace."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 from aiokafka.errors import (
@@ -14,11 +16,27 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
     UnknownTopicOrPartitionError,
 )
-from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError
+from redis._parsers.base import BaseParser
+from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from workers.publish.errors import Failures, PublishConfigError, config_problem, is_outage
+from workers.publish.errors import (
+    Failures,
+    PublishConfigError,
+    WriteRefused,
+    config_problem,
+    is_outage,
+    redis_grant,
+)
 from workers.types import ConfigError
+
+
+def _from_redis(reply: str) -> RedisError:
+    """The exception redis-py raises for the error ``reply`` (as Redis sends it, without
+    its leading ``-``)."""
+    parse = cast(Callable[[str], RedisError], BaseParser.parse_error)  # untyped in redis-py
+    return parse(reply)
+
 
 # uvloop's error when redis-py reconnects as Redis goes away (the fault suite's
 # "Redis stopped 10 s mid-run" saw it end a worker once): an outage.
@@ -50,15 +68,152 @@ def test_outages_are_not_configuration_problems(exc: Exception) -> None:
     ("exc", "says"),
     [
         (TopicAuthorizationFailedError(), "grant its ACLs"),
+        (WriteRefused("conveyor.m.dlq"), "grant its principal WRITE on topic conveyor.m.dlq"),
         (UnknownTopicOrPartitionError(), "does not exist"),
         (PolicyViolationError(), "Kafka refused results"),
-        (NoPermissionError("NOPERM no permission to run 'evalsha'"), "grant its ACL"),
+        (_from_redis("WRONGPASS invalid username-password pair"), "refused this worker's cred"),
     ],
 )
 def test_configuration_problems_say_what_to_fix(exc: Exception, says: str) -> None:
     problem = config_problem("x", exc)
     assert problem is not None
     assert says in problem
+
+
+KEYS, CHANNELS = "~conveyor:result:*", "&conveyor:result:*"
+SCRIPT_AT = "script: 4f7c9e1b0a2d3c5e6f708192a3b4c5d6e7f80912, on @user_script:5."
+
+
+@pytest.mark.parametrize(
+    ("reply", "grant"),
+    [
+        # Refused before anything runs: the command or its keys (Redis 7.0, then 7.2+).
+        ("NOPERM this user has no permissions to run the 'evalsha' command", "+evalsha"),
+        ("NOPERM User w has no permissions to run the 'script|load' command", "+script|load"),
+        ("NOPERM this user has no permissions to run the 'ping' command", "+ping"),
+        ("NOPERM this user has no permissions to access one of the keys used as arguments", KEYS),
+        ("NOPERM No permissions to access a key", KEYS),
+        # The result script's own check of its grants (workers.publish.result_store).
+        ("NOPERM this user may not SET conveyor:result:a-1", f"+set on {KEYS}"),
+        ("NOPERM this user may not GET conveyor:result:a-1", f"+get on {KEYS}"),
+        (
+            "NOPERM this user may not PUBLISH conveyor:result:a-1: ERR The user executing the "
+            "script can't run this command or subcommand",
+            "+publish",
+        ),
+        (
+            "NOPERM this user may not PUBLISH conveyor:result:a-1: ERR The user executing the "
+            "script can't publish to the channel mentioned in the command",
+            CHANNELS,
+        ),
+        (
+            "NOPERM this user may not PUBLISH conveyor:result:a-1: ERR ACL failure in script: "
+            "User w has no permissions to run the 'publish' command",
+            "+publish",
+        ),
+        (
+            "NOPERM this user may not SPUBLISH conveyor:result:a-1: ERR ACL failure in script: "
+            "No permissions to access a channel",
+            CHANNELS,
+        ),
+        (
+            "NOPERM this user may not PUBLISH conveyor:result:a-1: refused",
+            f"+publish on {CHANNELS}",
+        ),
+        # A command a script runs, refused by Redis itself: plain ERR replies.
+        (
+            "ERR Error running script (call to f_4f7c9e1b): @user_script:5: @user_script: 5: "
+            "The user executing the script can't publish to the channel mentioned in the command",
+            CHANNELS,
+        ),  # Redis 6.2
+        (
+            f"ERR The user executing the script can't run this command or subcommand {SCRIPT_AT}",
+            "the result script's commands",
+        ),  # Redis 7.0 names no command
+        (
+            "ERR The user executing the script can't access at least one of the keys mentioned "
+            f"in the command arguments {SCRIPT_AT}",
+            KEYS,
+        ),
+        (
+            "ERR The user executing the script can't publish to the channel mentioned in the "
+            f"command {SCRIPT_AT}",
+            CHANNELS,
+        ),
+        (
+            "ERR ACL failure in script: User w has no permissions to run the 'set' command "
+            f"{SCRIPT_AT}",
+            "+set",
+        ),  # Redis 7.2+, Valkey 7.2 and 8
+        (f"ERR ACL failure in script: No permissions to access a key {SCRIPT_AT}", KEYS),
+        (f"ERR ACL failure in script: No permissions to access a channel {SCRIPT_AT}", CHANNELS),
+    ],
+)
+def test_every_permission_refusal_is_a_configuration_error_naming_its_grant(
+    reply: str, grant: str
+) -> None:
+    exc = _from_redis(reply)
+    named = redis_grant(exc)
+    assert named is not None
+    assert named.startswith(grant)
+    assert is_outage(exc)  # retried through the grace, in case it is granted meanwhile
+    problem = config_problem("redis", exc)
+    assert problem is not None
+    assert f"grant its user {grant}" in problem
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+        "NOREPLICAS Not enough good replicas to write.",
+        "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "READONLY You can't write against a read only replica.",
+        "LOADING Redis is loading the dataset in memory",
+        "TRYAGAIN Multiple keys request during rehashing of slot",
+        "CLUSTERDOWN The cluster is down",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "MOVED 3999 127.0.0.1:6381",
+        "NOSCRIPT No matching script. Please use EVAL.",
+    ],
+)
+def test_answers_redis_gets_past_on_its_own_are_outages(reply: str) -> None:
+    exc = _from_redis(reply)
+    assert is_outage(exc)
+    assert config_problem("redis", exc) is None
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "ERR unknown command 'evalsha', with args beginning with: ",
+        f"WRONGTYPE Operation against a key holding the wrong kind of value {SCRIPT_AT}",
+        "CROSSSLOT Keys in request don't hash to the same slot",
+        "ERR Error running script (call to f_4f7c): @user_script:3: attempt to call a nil value",
+    ],
+)
+def test_any_other_refusal_of_the_script_cannot_pass_by_retrying(reply: str) -> None:
+    exc = _from_redis(reply)
+    assert redis_grant(exc) is None
+    problem = config_problem("redis", exc)
+    assert problem is not None
+    assert "retrying cannot help" in problem
+
+
+async def test_a_configuration_error_is_logged_once_not_at_each_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failures = Failures(grace_s=0.5)
+
+    async def refused() -> None:
+        raise _from_redis("NOPERM this user may not SET conveyor:result:a-1")
+
+    with pytest.raises(PublishConfigError, match=r"grant its user \+set on ~conveyor:result:\*"):
+        await failures.retry("redis", refused)
+    lines = [r for r in caplog.records if r.name == "workers.publish.errors"]
+    assert [r.levelname for r in lines] == ["ERROR"]
+    assert "+set on ~conveyor:result:*" in lines[0].getMessage()
 
 
 @pytest.mark.parametrize("outage", [KafkaConnectionError(), CLOSED])

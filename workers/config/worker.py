@@ -293,7 +293,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default=20_000,
         ge=100,
         description="longest wait for a revoked partition's in-flight work before handing "
-        "it back uncommitted (must leave rebalance-timeout room to commit)",
+        "it back uncommitted (must leave rebalance-timeout room to commit), and for the drain "
+        "after SIGTERM before the worker stops with the rest uncommitted",
     )
     permanent_error_grace_s: float = Field(
         default=60.0,

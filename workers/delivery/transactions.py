@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata
 
+from workers.publish.errors import WriteRefused
 from workers.publish.publisher import Publisher
 from workers.types import Committed, PartitionCommit
 from workers.types import TopicPartition as TP
@@ -149,11 +150,11 @@ class Transactions:
                 *tp,
             )
             return Committed.LOST
-        except (KafkaError, OSError, AssertionError) as exc:
+        except (KafkaError, OSError, AssertionError, WriteRefused) as exc:
             # AssertionError: aiokafka's transaction state machine refuses a step after
             # a fatal error. Whatever failed, this producer is not used again.
             _read_failure(producer)
-            if isinstance(exc, KafkaError | OSError):
+            if isinstance(exc, KafkaError | OSError | WriteRefused):
                 self._publisher.note_failure("kafka", _cause(exc))
             log.warning(
                 "transaction on %s[%d] failed (%r); reading the partition again from its "

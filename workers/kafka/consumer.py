@@ -47,6 +47,7 @@ from workers.types import TopicPartition as TP
 log = logging.getLogger(__name__)
 
 _FETCH_BACKOFF_MAX_S = 5.0
+_STOP_TIMEOUT_S = 5.0  # workers.app.CLOSE_S leaves room for this and the producer's
 _FORBIDDEN = (TopicAuthorizationFailedError, GroupAuthorizationFailedError)
 
 
@@ -82,6 +83,7 @@ class Consumer:
         )
         self._metrics = metrics
         self._topics = [topics] if isinstance(topics, str) else list(topics)
+        self._group = group
         self._settings = settings
         self._revoked: Revoked | None = None
         self._assigned: Assigned | None = None
@@ -119,13 +121,20 @@ class Consumer:
             await self._kafka.start()
         except KafkaError as exc:
             await self._kafka.stop()
+            if isinstance(exc, _FORBIDDEN):  # connected, and refused: an ACL to grant
+                raise FetchConfigError(self._refusal(exc)) from None
             raise await kafka_connect_failed(
                 self._settings.kafka_bootstrap, self._settings, exc
             ) from None
 
     async def stop(self) -> None:
-        """Leave the group (with static membership, keep the place for a restart)."""
-        await self._kafka.stop()
+        """Leave the group (with static membership, keep the place for a restart), or give up
+        after 5 s: with the broker down, aiokafka would retry without end."""
+        try:
+            async with asyncio.timeout(_STOP_TIMEOUT_S):
+                await self._kafka.stop()
+        except TimeoutError:
+            log.warning("the consumer did not leave its group in %.0f s", _STOP_TIMEOUT_S)
 
     async def __aenter__(self) -> Consumer:
         await self.start()
@@ -176,13 +185,25 @@ class Consumer:
             self._failing_since = now
         failing_for = now - self._failing_since
         if isinstance(exc, _FORBIDDEN):
-            self.config_problem = f"Kafka refuses this worker's reads ({exc}): grant its ACLs"
+            if self.config_problem is None:  # one line when it starts, not one per retry
+                log.error("%s; the worker is unready until it is fixed", self._refusal(exc))
+            self.config_problem = self._refusal(exc)
             if failing_for >= self._settings.permanent_error_grace_s:
                 raise FetchConfigError(
                     f"{self.config_problem} (still refused after {failing_for:.0f} s)"
                 ) from exc
-        log.error("fetch failed (%r); retrying", exc, exc_info=not isinstance(exc, KafkaError))
+        else:
+            log.error("fetch failed (%r); retrying", exc, exc_info=not isinstance(exc, KafkaError))
         await asyncio.sleep(min(_FETCH_BACKOFF_MAX_S, 0.05 * 2 ** min(self._failures, 7)))
+
+    def _refusal(self, exc: KafkaError) -> str:
+        """What the broker refused and the ACL that would allow it."""
+        if isinstance(exc, GroupAuthorizationFailedError):
+            grant = f"READ on group {self._group}"
+        else:  # aiokafka names the topic, when it knows it
+            topics = ", ".join(map(str, exc.args)) or ", ".join(self._topics)
+            grant = f"READ on topic {topics}"
+        return f"Kafka refuses this worker's reads ({exc}): grant its principal {grant}"
 
     def assigned(self) -> bool:
         """Whether the group gave this worker at least one partition (readiness)."""

@@ -97,12 +97,22 @@ def _partitions(
         )
     if forbidden:
         problems.append(
-            f"this worker's Kafka principal may not use topics {', '.join(sorted(forbidden))}; "
-            "grant it the ACLs in docs/security.md"
+            f"this worker's Kafka principal may not describe topics "
+            f"{', '.join(sorted(forbidden))}: grant it {_acls_for(forbidden, names)} "
+            "(each includes DESCRIBE; docs/security.md)"
         )
     if problems:
         raise TopicProblem("; ".join(problems))
     return {name: counts[name] for name in names}
+
+
+def _acls_for(forbidden: Sequence[str], names: Sequence[str]) -> str:
+    """The ACLs a worker needs on ``forbidden`` topics: READ on request topics (all but
+    the last two of ``names``), WRITE on the results and dead-letter topics."""
+    requests = set(names[:-2])
+    return ", ".join(
+        f"{'READ' if name in requests else 'WRITE'} on topic {name}" for name in sorted(forbidden)
+    )
 
 
 def _lanes_flag(settings: WorkerSettings) -> str:

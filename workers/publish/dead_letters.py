@@ -11,9 +11,15 @@ import logging
 from collections.abc import Sequence
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError
+from aiokafka.errors import (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+)
 
 from schemas.dlq import truncated
+from workers.publish.errors import WriteRefused
 from workers.types import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -32,7 +38,10 @@ class DeadLetters:
         self.limit = limit  # the topic's max.message.bytes
 
     async def send(self, producer: AIOKafkaProducer, letters: list[DeadLetter]) -> None:
-        """Send every letter, cut to fit the topic; acknowledged ones leave the list."""
+        """Send every letter, cut to fit the topic; acknowledged ones leave the list.
+
+        Raises ``WriteRefused`` naming the topic when the broker refuses this worker's
+        writes there (its error names no topic)."""
         while letters:
             letter = self._fit(letters[0])
             try:
@@ -43,6 +52,8 @@ class DeadLetters:
                 value, cut = truncated(letter.value or b"", 0)
                 headers = [*letter.headers, *cut]
                 await send_one(producer, self.topic, None, letter.key, value, headers)
+            except TopicAuthorizationFailedError as exc:
+                raise WriteRefused(self.topic) from exc
             letters.pop(0)
 
     def _fit(self, letter: DeadLetter) -> DeadLetter:

@@ -30,17 +30,17 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import (
-    ClusterAuthorizationFailedError,
-    KafkaError,
-    TopicAuthorizationFailedError,
-)
-from redis.exceptions import AuthenticationError, NoPermissionError
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
-from common.security import kafka_connect_failed, kafka_options, redis_connect_failed
+from common.security import (
+    kafka_connect_failed,
+    kafka_options,
+    redis_connect_failed,
+    redis_location,
+)
 from schemas import ErrorCode, ModelTopics, Status
 from schemas.fastpath import ResultEncoder
 from workers.config.worker import WorkerSettings
@@ -48,20 +48,16 @@ from workers.kafka.topics import TopicFacts, max_message_bytes
 from workers.observe.metrics import Metrics
 from workers.publish.cluster_store import open_result_store
 from workers.publish.dead_letters import RECORD_OVERHEAD, TOO_LARGE, DeadLetters, send_one
-from workers.publish.errors import Failures, is_outage
+from workers.publish.errors import Failures, WriteRefused, is_outage, refused_at_start
 from workers.publish.result_store import ResultStore
 from workers.types import Outbox, PublishReport
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-_BACKOFF_START_S = 0.1
-_BACKOFF_MAX_S = 5.0
 _TOPIC_CHECK_TIMEOUT_S = 5.0
 _UNKNOWN_TOPIC_RECHECK_S = 60.0
 _BATCH_BYTES = 512 * 1024  # fill a producer batch up to this (or the topic's limit)
-_KAFKA_CONFIG = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
-_REDIS_CONFIG = (NoPermissionError, AuthenticationError)
+_STOP_TIMEOUT_S = 5.0  # workers.app.CLOSE_S leaves room for this and the consumer's
 
 
 class _Queued(NamedTuple):
@@ -121,7 +117,8 @@ class Publisher:
         self._queued: asyncio.Future[None] | None = None  # done once the last call queued
 
     async def start(self) -> None:
-        """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that refused."""
+        """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that could not
+        be reached, ``RedisRefused`` naming a grant Redis refused."""
         try:
             await self._store.ping()
         except Exception as exc:
@@ -129,7 +126,8 @@ class Publisher:
             await self._producer.stop()  # made, never started: its client is closed all the same
             if not is_outage(exc):
                 raise
-            raise redis_connect_failed(self._settings.redis_url, exc) from None
+            refused = refused_at_start(redis_location(self._settings.redis_url), exc)
+            raise refused or redis_connect_failed(self._settings.redis_url, exc) from None
         try:
             await self._producer.start()
         except KafkaError as exc:
@@ -139,8 +137,13 @@ class Publisher:
             raise await kafka_connect_failed(bootstrap, self._settings, exc) from None
 
     async def stop(self) -> None:
+        """Close the producer (records it holds are sent, for 5 s at most:
+        with the broker down they would wait for its request timeout) and Redis."""
         try:
-            await self._producer.stop()
+            async with asyncio.timeout(_STOP_TIMEOUT_S):
+                await self._producer.stop()
+        except TimeoutError:
+            log.warning("the producer did not stop in %.0f s", _STOP_TIMEOUT_S)
         finally:
             await self._store.aclose()
 
@@ -158,6 +161,11 @@ class Publisher:
     def stalled_for(self) -> float:
         """Seconds results have been failing to become durable (0 while they do)."""
         return self._failures.stalled_for()
+
+    @property
+    def config_problem(self) -> str | None:
+        """Why results cannot become durable until an operator acts, while that lasts."""
+        return self._failures.config_problem
 
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result is in Redis and acked on Kafka, and every dead letter acked.
@@ -287,6 +295,8 @@ class Publisher:
                 )
                 continue
             failed[(q.topic, q.partition)].extend(q.members)
+            if isinstance(result, TopicAuthorizationFailedError):
+                result = WriteRefused(q.topic)  # the error names no topic: say which
             first_error = first_error or result
         groups.clear()
         groups.update(failed)

@@ -14,8 +14,26 @@ and the call repeated. Repeating a batch that did run (a time-out after Redis
 executed it) is safe too: the keys it created come back as existing, holding
 the same bytes.
 
-The ACL a worker needs: ``+evalsha +eval +script|load +set +get +publish +ping``
-on keys and channels ``conveyor:result:*`` (docs/security.md).
+Before it writes anything, the script asks Redis (``redis.acl_check_cmd``, Redis
+7.0 and later) whether its user may run each of its commands on each key of the
+batch, and refuses the whole batch with a ``NOPERM`` error naming the first
+command refused. Redis checks a script's commands only as it runs them, and does
+not undo the writes before a refusal: without the check, a user without
+``+publish`` (or without the channels) had the first result stored and never
+announced, so a caller already waiting was never woken; the retry then found that
+key written, stored the next one, and so on, until the batch "succeeded" with its
+own first answers counted as duplicates. A user without ``+get`` served every new
+id and failed only at the first redelivered one, maybe days later. Checked up
+front, a missing grant fails the first batch, whole and at once, and the worker
+names it (``workers.publish.errors``); nothing is written until it is granted.
+(Publishing before the ``SET`` would spare the unannounced result, but not a batch
+written part-way by a refused ``GET``, and would announce ids already answered.)
+The check costs Redis about 0.4–0.8 µs per result, on a script of 3.5–4.5 µs per result
+(``bench.redis_store``, docs/benchmarks.md).
+
+The ACL a worker needs: ``+evalsha +script|load +set +get +publish`` on keys and
+channels ``conveyor:result:*``, and ``+ping`` (docs/security.md). EVAL is never
+sent: redis-py's ``Script`` loads the script with ``SCRIPT LOAD`` on ``NOSCRIPT``.
 """
 
 from __future__ import annotations
@@ -27,9 +45,34 @@ import redis.asyncio as aioredis
 
 from schemas import result_key
 
-__all__ = ["WRITE_FIRST_SCRIPT", "RedisResultStore", "ResultStore"]
+__all__ = ["GRANT_CHECK", "WRITE_FIRST_SCRIPT", "RedisResultStore", "ResultStore"]
 
-WRITE_FIRST_SCRIPT = """
+GRANT_CHECK = """
+local allowed = redis.acl_check_cmd
+local announce = 'PUBLISH'
+if allowed then
+  for _, key in ipairs(KEYS) do
+    if not allowed('SET', key, '', 'NX', 'EX', ARGV[1]) then
+      return redis.error_reply('NOPERM this user may not SET ' .. key)
+    end
+    if not allowed('GET', key) then
+      return redis.error_reply('NOPERM this user may not GET ' .. key)
+    end
+    if not allowed(announce, key, '') then
+      -- Refused, so nothing is sent: Redis says why (the command, or the channel).
+      local why = redis.pcall(announce, key, '')
+      why = type(why) == 'table' and why.err or 'refused'
+      return redis.error_reply('NOPERM this user may not ' .. announce .. ' ' .. key .. ': ' .. why)
+    end
+  end
+end
+"""
+"""The first part of ``WRITE_FIRST_SCRIPT``: every grant of the batch, checked before
+anything is written (see the module's docstring)."""
+
+WRITE_FIRST_SCRIPT = (
+    GRANT_CHECK
+    + """
 local ttl = ARGV[1]
 local stored = {}
 for i, key in ipairs(KEYS) do
@@ -42,6 +85,7 @@ for i, key in ipairs(KEYS) do
 end
 return stored
 """
+)
 """KEYS: result keys; ARGV[1]: TTL in seconds, ARGV[1 + i]: the value for KEYS[i].
 Returns, per key, nil when this call wrote it, else the bytes stored before."""
 
