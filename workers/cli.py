@@ -392,7 +392,8 @@ def run(args: argparse.Namespace) -> int:
         # torch is imported only when a worker really starts, so the client-only
         # install has the rest of the command (and this command's --help).
         from workers.app import run_worker
-        from workers.fleet.supervisor import child_flags, planned, supervise
+        from workers.fleet.host import child_flags, planned
+        from workers.fleet.supervisor import supervise
         from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:

@@ -135,3 +135,45 @@ async def test_fewer_partitions_than_processes_is_a_clear_exit(
     assert "Add partitions" in log
     assert "--partitions 3" in log
     assert "loaded its model" not in log  # refused before any process started
+
+
+@pytest.mark.timeout(240)
+async def test_sighup_restarts_the_processes_one_at_a_time_and_nothing_is_lost(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    topics = topics_for(model_name)
+    await create_model_topics(client_settings, model_name, partitions=2)
+    host = workers.start(
+        "--processes", "2", "--max-batch-size", "8", model=faulty.SPEC,
+        env={"CONVEYOR_TEST_SLOW_MS": "20"},
+    )  # fmt: skip
+    await host.until_ready(180)
+    before = set(host.children())
+    requests, ids = digit_requests(digits, 600, prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)
+
+    host.signal(signal.SIGHUP)  # mid-backlog
+
+    async def rolled() -> bool:
+        return "rolling restart done" in host.log()
+
+    await until(rolled, "the rolling restart is done", 150, host.log, [host])
+    after = set(host.children())
+    assert len(after) == 2
+    assert not before & after  # both processes are new
+    log = host.log()
+    # One at a time: the second is stopped only once the first's successor serves.
+    stops = [n for n, line in enumerate(log.splitlines()) if "SIGTERM: draining" in line]
+    assert len(stops) == 2
+    first = log.splitlines()[stops[0]].split("]")[0] + "]"  # "[<host>-cpu-<n>]"
+    between = log.splitlines()[stops[0] : stops[1]]
+    assert any(line.startswith(first) and "ready: serving" in line for line in between)
+    counted = await tally(kafka_bootstrap, redis_url, topics.results, ids, timeout_s=150)
+    assert counted.lost == 0, log[-3000:]
+    assert counted.duplicate_visible == 0
+    await host.until_ready(30)

@@ -13,8 +13,8 @@ from workers.config.profiles import GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.fleet import mps, plan
 from workers.fleet.exposition import merge
+from workers.fleet.host import child_flags
 from workers.fleet.plan import Card, Slot
-from workers.fleet.supervisor import child_flags
 
 H100 = Card(0, "NVIDIA H100 80GB HBM3", 81559, 500)
 

@@ -73,6 +73,10 @@ class Child:
         return None if self._proc is None else self._proc.pid
 
     @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.returncode
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 

@@ -25,7 +25,10 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    environment: ``workers.exits.PERMANENT``), which stops the host with that status;
    a device fault (status 7: under MPS one client's fault ends its card's clients)
    restarts every process of that card;
-6. **stop**: SIGTERM or SIGINT is passed to every process, which drains and commits;
+6. **roll**: SIGHUP restarts the processes one at a time, each ready before the next
+   stops, each reading its settings and model afresh: a new model version without
+   downtime (docs/operations.md "Changing the model");
+7. **stop**: SIGTERM or SIGINT is passed to every process, which drains and commits;
    the supervisor waits for all of them, quits its MPS server and exits 0. A second
    signal kills them at once (at-least-once delivery still holds: nothing
    unanswered was committed).
@@ -39,52 +42,25 @@ import json
 import logging
 import os
 import signal
-import socket
-import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-
-from common.security import kafka_connect_failed, kafka_options
-from schemas import consumer_group, topics_for
 from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
 from workers.exits import EXIT_DEVICE, EXIT_ENVIRONMENT, EXIT_STOPPED, PERMANENT
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
 from workers.fleet.exposition import FleetMetrics, Scrape
-from workers.fleet.mps import MpsServer, MpsUnavailable, running_server
-from workers.kafka.topics import check_topics
+from workers.fleet.host import bases, check_partitions, make_child, start_mps
+from workers.fleet.mps import MpsServer, MpsUnavailable
 from workers.observe.health import Check, HealthServer
-from workers.types import ConfigError
 
 log = logging.getLogger("conveyor.fleet")
 
-CHILD_COMMAND = (sys.executable, "-m", "workers.cli")
 FIRST_START_TIMEOUT_S = 900.0  # a cold compile of a large model on a slow host
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a process up this long starts its backoff afresh
 _POLL_S = 0.5
-_OVERRIDDEN = frozenset(
-    {
-        "processes",
-        "device",
-        "gpus",
-        "mps",
-        "group_instance_id",
-        "worker_id",
-        "metrics_host",
-        "metrics_port",
-    }
-)
-
-
-class FleetError(ConfigError):
-    """The host cannot run the processes asked for; the message says what to change."""
 
 
 @dataclass
@@ -93,43 +69,8 @@ class _State:
     failure: int | None = None  # the status the host stops with, when a process ended it
     mps: MpsServer | None = None
     children: list[Child] = field(default_factory=list)
-
-
-def planned(settings: WorkerSettings) -> tuple[list[plan.Slot], list[plan.Card]]:
-    """The processes this host would run (before the partition and memory checks).
-    Raises ValueError for cards that are not there."""
-    cards = [] if settings.device == "cpu" else gpus.visible_cards()
-    if settings.device.startswith("cuda") and not cards:
-        raise ValueError(
-            f"device {settings.device}: no GPU is visible here (nvidia-smi lists none, or "
-            "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or run on a GPU host"
-        )
-    chosen = plan.chosen_cards(settings.gpus, settings.device, cards)
-    cores = len(os.sched_getaffinity(0))
-    return plan.slots(plan.parse_processes(settings.processes), chosen, cores), chosen
-
-
-def child_flags(given: dict[str, object]) -> tuple[list[str], dict[str, str]]:
-    """The user's own flags (``given``: field -> value as parsed) for every process, and
-    the secret ones as ``CONVEYOR_*`` variables (a command line is visible to ``ps``)."""
-    flags: list[str] = []
-    env: dict[str, str] = {}
-    for name, value in given.items():
-        if name in _OVERRIDDEN or value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if _secret(name):
-            env[f"CONVEYOR_{name.upper()}"] = str(value)
-        elif isinstance(value, bool):
-            flags.append(flag if value else "--no-" + name.replace("_", "-"))
-        else:
-            flags += [flag, str(value)]
-    return flags, env
-
-
-def _secret(name: str) -> bool:
-    annotation = WorkerSettings.model_fields[name].annotation
-    return annotation is not None and "SecretStr" in str(annotation)
+    roll: asyncio.Event = field(default_factory=asyncio.Event)  # SIGHUP: restart in turn
+    rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
 
 
 async def supervise(
@@ -146,16 +87,19 @@ async def supervise(
     state = _State()
     _stop_on_signals(state)
     started = time.monotonic()
-    slots = await _check_partitions(settings, slots)
-    mps_env = _start_mps(settings, slots, state)
-    if mps_env is None:
+    slots = await check_partitions(settings, slots)
+    try:
+        state.mps = start_mps(settings, slots)
+    except MpsUnavailable as exc:
+        log.error("--mps on, but MPS cannot run here: %s", exc)
         return EXIT_ENVIRONMENT
-    names = _bases(settings)
+    mps_env = dict(state.mps.env) if state.mps is not None else {}
+    names = bases(settings)
     cores = len(os.sched_getaffinity(0))
     threads = plan.decode_threads(cores, len(slots))
     flags, secrets = given
     env = {**secrets, **mps_env}
-    state.children = [_child(settings, flags, slot, names, threads, env) for slot in slots]
+    state.children = [make_child(settings, flags, slot, names, threads, env) for slot in slots]
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
@@ -167,153 +111,18 @@ async def supervise(
         ):
             await _start_all(settings, state, cards, started)
             announce = asyncio.create_task(_announce_ready(state, metrics, started))
+            roller = asyncio.create_task(_roll_on_request(state, metrics))
             try:
                 await _watch(state, metrics)
             finally:
                 announce.cancel()
+                roller.cancel()
     finally:
         await _stop_all(state, settings)
         if state.mps is not None:
             state.mps.stop()
     log.info("every worker process stopped")
     return EXIT_STOPPED if state.failure is None else state.failure
-
-
-# -- before the processes ------------------------------------------------------------------
-
-
-async def _check_partitions(settings: WorkerSettings, slots: list[plan.Slot]) -> list[plan.Slot]:
-    """``slots``, fewer for ``auto`` when the request topics have too few partitions.
-
-    Raises ``FleetError`` for an explicit count they cannot serve, ``TopicProblem``
-    (also a ``ConfigError``) for topics missing or forbidden.
-    """
-    topics = topics_for(settings.served_name, settings.topic_prefix)
-    try:
-        facts = await check_topics(settings, topics)
-    except (KafkaError, OSError) as exc:
-        raise await kafka_connect_failed(settings.kafka_bootstrap, settings, exc) from None
-    requests = [topics.lane(lane.name) for lane in settings.request_lanes]
-    partitions = sum(facts.partitions[name] for name in requests)
-    others = await _other_members(settings)
-    room = partitions - others
-    if len(slots) <= room:
-        return slots
-    seen = f" and {others} other members of the group" if others else ""
-    advice = (
-        f"the request topic{'s' if len(requests) > 1 else ''} {', '.join(requests)} "
-        f"{'have' if len(requests) > 1 else 'has'} {partitions} partitions for {len(slots)} "
-        f"processes of this host{seen}: a process without a partition is never ready. Add "
-        f"partitions (kafka-topics.sh --alter --topic {requests[0]} --partitions "
-        f"{len(slots) + others}), or run fewer processes (--processes N)"
-    )
-    if settings.processes != "auto" or room < 1:
-        raise FleetError(advice)
-    log.warning("%s; running %d processes", advice, room)
-    return slots[:room]
-
-
-async def _other_members(settings: WorkerSettings) -> int:
-    """Members of the model's group that are not this host's processes (best effort: 0
-    when the group cannot be described)."""
-    group = consumer_group(settings.served_name, settings.topic_prefix)
-    ours = _bases(settings).worker
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.kafka_bootstrap,
-        client_id=f"{ours}-fleet-admin",
-        **kafka_options(settings),
-    )
-    try:
-        await admin.start()
-        responses = await admin.describe_consumer_groups([group])
-    except (KafkaError, OSError) as exc:  # the count is advice, not a condition to start
-        log.info(
-            "could not describe group %s (%s): counting this host's processes only", group, exc
-        )
-        return 0
-    finally:
-        await admin.close()
-    members = [
-        member
-        for response in responses
-        for found in response.to_object()["groups"]
-        if found["group"] == group
-        for member in found["members"]
-    ]
-    return sum(1 for m in members if not str(m["client_id"]).startswith(f"{ours}-"))
-
-
-def _start_mps(
-    settings: WorkerSettings, slots: list[plan.Slot], state: _State
-) -> dict[str, str] | None:
-    """The environment the processes need for MPS ({} without it); None when ``--mps on``
-    cannot have it (the reason logged)."""
-    on_card = [slot.card for slot in slots if slot.card is not None]
-    crowded = any(on_card.count(card) > 1 for card in set(on_card))
-    if settings.mps == "off" or not on_card or (settings.mps == "auto" and not crowded):
-        return {}
-    existing = running_server()
-    if existing is not None:
-        log.info("using the MPS server already running (pipes in %s)", existing)
-        return {}
-    try:
-        state.mps = MpsServer.start()
-    except MpsUnavailable as exc:
-        if settings.mps == "on":
-            log.error("--mps on, but MPS cannot run here: %s", exc)
-            return None
-        log.warning(
-            "MPS cannot run here (%s): each card's processes take turns on it instead of "
-            "overlapping (set --mps off to silence this)",
-            exc,
-        )
-        return {}
-    return dict(state.mps.env)
-
-
-class _Bases(NamedTuple):
-    """What the processes' names start with: the settings' own, or the host's name."""
-
-    instance: str
-    worker: str
-
-
-def _bases(settings: WorkerSettings) -> _Bases:
-    host = socket.gethostname()
-    worker = settings.worker_id if "worker_id" in settings.model_fields_set else host
-    return _Bases(settings.group_instance_id or host, worker)
-
-
-def _child(
-    settings: WorkerSettings,
-    flags: Sequence[str],
-    slot: plan.Slot,
-    names: _Bases,
-    threads: int,
-    extra_env: dict[str, str],
-) -> Child:
-    overrides = [
-        "--processes", "1",
-        "--device", slot.device,
-        "--mps", "off",
-        "--group-instance-id", slot.name(names.instance),
-        "--worker-id", slot.name(names.worker),
-        "--metrics-host", "127.0.0.1",
-        "--metrics-port", "0",
-    ]  # fmt: skip
-    if "decode_threads" not in settings.model_fields_set:
-        overrides += ["--decode-threads", str(threads)]
-    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
-    # Each process's share of the cores for torch's own threads (unless set): otherwise
-    # every process starts one a core, and the host's processes load their models at once.
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    return Child(
-        slot,
-        slot.name(names.worker),
-        [*CHILD_COMMAND, *flags, *overrides],
-        env,
-        json=settings.log_format == "json",
-    )
 
 
 # -- starting and watching -----------------------------------------------------------------
@@ -445,6 +254,19 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
         if state.stop.is_set():
             return
         up_s = time.monotonic() - child.started_at
+        if child in state.rolling and status == EXIT_STOPPED:  # drained for a rolling restart
+            await child.start()
+            metrics.restarted()
+            continue
+        if child in state.rolling and status in PERMANENT:
+            log.error(
+                "process %s exited with status %d after its rolling restart: the new settings "
+                "or model do not start; it stays stopped, the processes not yet restarted "
+                "serve on, and the host is unready until it is fixed (then SIGHUP again)",
+                child.name,
+                status,
+            )
+            return
         if status in PERMANENT:
             log.error(
                 "process %s exited with status %d, which restarting cannot change: "
@@ -472,6 +294,41 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
             return
         await child.start()
         metrics.restarted()
+
+
+async def _roll_on_request(state: _State, metrics: FleetMetrics) -> None:
+    """On each SIGHUP, restart the processes one at a time: each drains (its partitions go
+    to the others only if it is away longer than the session timeout: static membership),
+    starts again reading its settings and model afresh (a new config file, new weights at
+    the same path), and is ready before the next one stops. A process that will not start
+    again stops the round; the others keep what they run."""
+    while True:
+        await state.roll.wait()
+        state.roll.clear()
+        log.info("SIGHUP: restarting the %d worker processes one at a time", len(state.children))
+        for child in list(state.children):
+            if not await _restart_in_turn(child, state):
+                log.error("rolling restart stopped at %s", child.name)
+                break
+        else:
+            log.info("rolling restart done: every worker process started again")
+        await _all_ready(state, metrics)
+
+
+async def _restart_in_turn(child: Child, state: _State) -> bool:
+    """Stop ``child`` and wait until its successor is ready; False if it does not get there."""
+    starts = child.starts
+    state.rolling.add(child)  # left there if it fails: its keeper leaves it stopped
+    child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + FIRST_START_TIMEOUT_S
+    while time.monotonic() < deadline and not state.stop.is_set():
+        if child.starts > starts and await child.ready():
+            state.rolling.discard(child)
+            return True
+        if child.starts > starts and not child.running and child.returncode in PERMANENT:
+            return False
+        await asyncio.sleep(_POLL_S)  # its readiness is polled: it lives in the process
+    return False
 
 
 async def _announce_ready(state: _State, metrics: FleetMetrics, started: float) -> None:
@@ -540,3 +397,4 @@ def _stop_on_signals(state: _State) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    loop.add_signal_handler(signal.SIGHUP, state.roll.set)
