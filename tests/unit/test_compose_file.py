@@ -120,10 +120,26 @@ def test_topics_service_creates_the_workers_topics(services: dict[str, Any]) -> 
     topics = services["topics"]
     assert topics["depends_on"]["kafka"] == {"condition": "service_healthy"}
     script = "\n".join(topics["command"])
-    created = set(re.findall(r"conveyor\.digits\.\w+", script))
+    created = set(re.findall(r"conveyor\.digits\.\w+", script))  # and worker-gpu's model
     expected = topics_for("digits")
     assert created == {expected.requests, expected.results, expected.dlq}
     assert "--if-not-exists" in script
+
+
+def test_the_gpu_worker_runs_the_one_command_on_every_card(services: dict[str, Any]) -> None:
+    gpu = services["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"]  # only with `docker compose --profile gpu up`
+    env = _env(gpu)
+    assert env.keys() <= {f"CONVEYOR_{name.upper()}" for name in WorkerSettings.model_fields}
+    assert env["CONVEYOR_DEVICE"] == "cuda"
+    assert "CONVEYOR_PROCESSES" not in env  # auto: eight a card, a supervisor and MPS
+    [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert (device["driver"], device["count"]) == ("nvidia", "all")
+    script = "\n".join(services["topics"]["command"])
+    assert "conveyor.resnet50.requests" in script  # served_name of torchvision:resnet50
+    assert WorkerSettings(model=env["CONVEYOR_MODEL"]).served_name == "resnet50"
+    partitions = _env(services["topics"])["GPU_PARTITIONS"]
+    assert re.fullmatch(r"\$\{CONVEYOR_GPU_PARTITIONS:-8\}", partitions)
 
 
 def test_redis_keeps_results_in_an_append_only_file(services: dict[str, Any]) -> None:
@@ -159,7 +175,7 @@ def test_prometheus_scrapes_every_worker_replica(services: dict[str, Any]) -> No
     assert job.get("metrics_path", "/metrics") == "/metrics"
     [discovery] = job["dns_sd_configs"]
     # DNS service discovery of the compose service: one A record per replica.
-    assert discovery["names"] == ["worker"]
+    assert discovery["names"] == ["worker", "worker-gpu"]
     assert discovery["type"] == "A"
     assert discovery["port"] == DEFAULT_PORT
     assert "static_configs" not in job  # a fixed target list would miss scaled replicas

@@ -2,14 +2,13 @@
 
 No cluster runs where the tests run, so these read the manifests: probes on the
 health server's paths and port, a grace period long enough to drain, one GPU per
-worker, static group membership under stable pod names, a KEDA replica cap
-equal to the request topic's partitions, and selectors that really select the
-worker pods.
+pod shared by its worker processes, static group membership under stable pod
+names, a KEDA replica cap that leaves a partition for every process, and
+selectors that really select the worker pods.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +131,12 @@ def test_grace_period_leaves_time_to_drain(workers: dict[str, Any]) -> None:
     assert workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
 
 
-def test_one_gpu_per_worker(container: dict[str, Any]) -> None:
+def test_one_gpu_per_pod_shared_by_its_processes(container: dict[str, Any]) -> None:
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    assert _env(container)["CONVEYOR_DEVICE"]["value"].startswith("cuda")
+    env = _env(container)
+    assert env["CONVEYOR_DEVICE"]["value"].startswith("cuda")
+    assert int(env["CONVEYOR_PROCESSES"]["value"]) > 1  # the supervisor and its MPS server
+    assert env.get("CONVEYOR_MPS", {"value": "auto"})["value"] == "auto"
 
 
 def test_configured_by_real_settings_only(container: dict[str, Any]) -> None:
@@ -161,20 +163,16 @@ def test_service_exposes_metrics_of_each_pod(manifests: dict[str, dict[str, Any]
     assert (port["port"], port["targetPort"]) == (DEFAULT_PORT, "metrics")
 
 
-def _compose_partitions() -> int:
-    """The request topic's partition count that docker-compose creates by default."""
-    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
-    default = compose["services"]["topics"]["environment"]["PARTITIONS"]
-    match = re.fullmatch(r"\$\{CONVEYOR_PARTITIONS:-(\d+)\}", default)
-    assert match, default
-    return int(match.group(1))
-
-
-def test_replica_cap_equals_partition_count(manifests: dict[str, dict[str, Any]]) -> None:
+def test_replica_cap_times_processes_equals_partition_count(
+    manifests: dict[str, dict[str, Any]], container: dict[str, Any]
+) -> None:
+    """Every worker process of every pod is a member of the group: the request topic
+    needs a partition for each, and no more pods than that may start."""
     scaled = manifests["ScaledObject"]
     documented = int(scaled["metadata"]["annotations"]["conveyor.dev/request-partitions"])
-    assert scaled["spec"]["maxReplicaCount"] == documented == _compose_partitions()
-    assert 1 <= scaled["spec"]["minReplicaCount"] <= documented
+    processes = int(_env(container)["CONVEYOR_PROCESSES"]["value"])
+    assert scaled["spec"]["maxReplicaCount"] * processes == documented
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
 
 
 def test_keda_watches_the_workers_group_and_topic(
