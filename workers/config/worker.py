@@ -184,7 +184,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     stage_partial_batches: int | None = Field(default=None, ge=1)
     """while this many are in the stage, only a full batch may join them (default: 2)"""
     max_in_flight: int = Field(
-        default=2048, ge=1, description="records fetched but not yet answered; above it, pause"
+        default=32_768,
+        ge=1,
+        description="records fetched but not yet answered, at most; above it, pause. "
+        "in_flight_target_ms (the model's time) usually bounds them first; this caps a "
+        "model so fast that the time allows more",
     )
     in_flight_target_ms: int = Field(
         default=2_000,
