@@ -1,5 +1,5 @@
 """``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``
-and ``bench/gpu.py``'s e2e stage (on the CPU) run end to end, so the benchmarks cannot rot.
+and ``bench/gpu/``'s e2e stage (on the CPU) run end to end, so the benchmarks cannot rot.
 Never checks speed."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Links (``[text](target)``, images, reference definitions) to files must name an
 existing file or folder, relative to the page; a ``#fragment`` must name a
 heading of the target page (GitHub's anchors). Web links are not fetched: no
-network where the tests run. File paths written as code (``bench/gpu.py``) in
+network where the tests run. File paths written as code (``bench/stats.py``) in
 Markdown, and ``docs/*.md`` pages named in code comments and docstrings, must
 exist too: a reader follows those by hand.
 """

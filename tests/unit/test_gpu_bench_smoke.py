@@ -24,17 +24,18 @@ def test_synthetic_jpegs_have_photo_like_sizes() -> None:
 def test_pinned_cores_split_services_producers_and_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import bench.gpu as gpu
+    import bench.gpu.cores as cores
+    from bench.gpu import parse_args
 
-    monkeypatch.setattr(gpu, "_cores", lambda: list(range(16)))
-    default = gpu.parse_args([])
-    assert gpu._service_cores(default) == set(range(12, 16))  # a quarter, the last ones
-    assert gpu._producer_cores(default) == set(range(8, 12))
-    assert gpu._worker_cores(default) == set(range(8))
-    chosen = gpu.parse_args(["--service-cores", "2", "--producer-cores", "3"])
-    assert gpu._service_cores(chosen) == {14, 15}
-    assert gpu._producer_cores(chosen) == {11, 12, 13}
-    assert gpu._worker_cores(chosen) == set(range(11))
+    monkeypatch.setattr(cores, "_cores", lambda: list(range(16)))
+    default = parse_args([])
+    assert cores._service_cores(default) == set(range(12, 16))  # a quarter, the last ones
+    assert cores._producer_cores(default) == set(range(8, 12))
+    assert cores._worker_cores(default) == set(range(8))
+    chosen = parse_args(["--service-cores", "2", "--producer-cores", "3"])
+    assert cores._service_cores(chosen) == {14, 15}
+    assert cores._producer_cores(chosen) == {11, 12, 13}
+    assert cores._worker_cores(chosen) == set(range(11))
 
 
 @pytest.mark.timeout(60)
@@ -138,7 +139,7 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
 ) -> None:
     """Each finished layout is written at once: a run stopped by a time limit (here, the
     second layout failing) leaves the first in gpu-bench.json for --previous."""
-    import bench.gpu
+    import bench.gpu.e2e
 
     async def one_layout(*args: Any) -> None:
         _cfg, corpora, _args, per_card, _gpus, done = args
@@ -146,7 +147,7 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
             raise RuntimeError("cut short")
         done(corpora[0], {"processes": per_card, "gpus": 1, "img_s": 123.0})
 
-    monkeypatch.setattr(bench.gpu, "_e2e_one", one_layout)
+    monkeypatch.setattr(bench.gpu.e2e, "_e2e_one", one_layout)
     argv = ["--device", "cpu", "--quick", "--model", "tests.fakes:TinyClassifier",
             "--stages", "e2e", "--kafka-bootstrap", "127.0.0.1:1", "--redis-url",
             "redis://127.0.0.1:1", "--corpora", "224x224", "--e2e-configs", "1x1,2x1",

@@ -1,0 +1,309 @@
+"""The command line of ``python -m bench.gpu``: options, stages, results written as they come.
+
+The stages chosen (with their letters a-d) run in turn, the results written to
+``gpu-bench.json`` after every stage and layout (merged with ``--previous`` files),
+then the plot and the table; with ``--produce`` or ``--produce-paced`` the process is
+one of the load's producers instead (``bench.gpu.load``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+
+import bench.gpu
+from bench.detect import DETECTORS, print_detect_table, stage_detect
+from bench.gpu.ceilings import stage_checks, stage_decode, stage_forward, stage_naive, stage_overlap
+from bench.gpu.config import Config, _card, load_model, make_config
+from bench.gpu.corpus import Corpus, build_corpora
+from bench.gpu.e2e import stage_e2e
+from bench.gpu.host import stage_kill, stage_ready
+from bench.gpu.load import produce_paced_share, produce_share
+from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
+from bench.gpu.report import plot, print_table, summarize
+from workers.decode.gpu import DecodeOption
+from workers.decode.images import ImageSpec
+
+STAGES = (
+    "forward",
+    "decode",
+    "overlap",
+    "naive",
+    "checks",
+    "pipeline",
+    "e2e",
+    "ready",
+    "kill",
+    "detect",
+)
+_ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
+RESULTS_FILE = "gpu-bench.json"
+PLOT_FILE = "gpu-bench.png"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    # The package's docstring describes the command; its first line is the description.
+    description = (bench.gpu.__doc__ or "").split("\n")[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=description)
+    parser.add_argument(
+        "--stages",
+        default="forward,decode,naive,checks,runner,e2e",
+        help=f"comma-separated: {', '.join(STAGES)} (or a, b, c, d)",
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: smoke test)")
+    parser.add_argument(
+        "--corpora", default="640x480,224x224", help="image sizes WxH, comma-separated"
+    )
+    parser.add_argument("--model", default="torchvision:resnet50")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--quick", action="store_true", help="tiny counts: checks that it runs")
+    parser.add_argument("--iterations", type=int, default=30, help="timed forwards per size")
+    parser.add_argument(
+        "--forward-batches", default="1,32,128,256", help="forward stage: batch sizes timed"
+    )
+    parser.add_argument(
+        "--mps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="e2e, kill, ready: the command's --mps (auto: its own MPS server for cards with "
+        "several processes)",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=("throughput", "latency"),
+        default="throughput",
+        help="e2e: the command's --profile",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="e2e, kill: the command's --compile-cache (default: its own default folder)",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--e2e-count", type=int, default=24576, help="backlog per repeat")
+    parser.add_argument("--kafka-bootstrap", help="broker for e2e; e2e is skipped without it")
+    parser.add_argument("--redis-url", help="Redis for e2e; e2e is skipped without it")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=0,
+        help="e2e: partitions of the request topic (default: one for each process)",
+    )
+    parser.add_argument(
+        "--worker-decode",
+        default="auto",
+        choices=get_args(DecodeOption),
+        help="e2e: the command's --decode (auto: its default, nvJPEG on CUDA)",
+    )
+    parser.add_argument(
+        "--e2e-configs",
+        default="autox1",
+        help="e2e layouts, comma-separated PROCESSESxCARDS: autox1 (the command's own count "
+        "on one card), autox2, 8x1 (eight processes on one card), 1x1",
+    )
+    parser.add_argument(
+        "--ready-processes",
+        default="1,auto",
+        help="ready: processes on one card to time the start of, cold and warm",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="e2e backlogs per layout")
+    parser.add_argument("--producers", type=int, default=8, help="e2e producer processes")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin broker and Redis, the producers and the workers to cores of their own",
+    )
+    parser.add_argument("--metrics-port", type=int, default=19400, help="the host's port")
+    parser.add_argument(
+        "--worker-options",
+        default="",
+        help="more flags for every e2e worker, e.g. '--no-cuda-graphs'",
+    )
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        default=0.0,
+        help="e2e: sample the first worker with py-spy for this long (see --profile-phase)",
+    )
+    parser.add_argument(
+        "--profile-phase",
+        default="backlog",
+        choices=("backlog", "paced"),
+        help="--profile-s samples the second backlog (throughput) or the paced load (latency)",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
+    parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
+    parser.add_argument("--e2e-timeout", type=float, default=240.0)
+    parser.add_argument(
+        "--detectors",
+        default=",".join(DETECTORS),
+        help="detect: comma-separated torchvision detection architectures",
+    )
+    parser.add_argument("--detect-batch", type=int, default=32, help="detect: batch size")
+    parser.add_argument("--paced-s", type=float, default=4.0, help="seconds of paced load")
+    parser.add_argument(
+        "--paced-max-rate",
+        type=float,
+        default=math.inf,
+        help="cap on the paced rate, whatever half the peak is (rows whose producers "
+        "fall behind report no latency); none by default",
+    )
+    parser.add_argument(
+        "--service-cores",
+        type=int,
+        default=0,
+        help="with --pin: cores for the broker and Redis (the last ones; default a "
+        "quarter of them, at least two)",
+    )
+    parser.add_argument(
+        "--producer-cores",
+        type=int,
+        default=0,
+        help="with --pin: cores for the producers (before the services'; default a "
+        "quarter of them, at least two); the workers get the rest",
+    )
+    parser.add_argument(
+        "--latency-from",
+        choices=("append", "due"),
+        default="append",
+        help="paced latency from the broker's append of each request (its request topic "
+        "stamps LogAppendTime) or from the time the producer was due to send it (which "
+        "counts the producers' own lag too)",
+    )
+    parser.add_argument(
+        "--previous",
+        nargs="*",
+        default=[],
+        type=Path,
+        help="earlier gpu-bench.json files to merge (stages run in other calls)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: merge --previous files, print the table, plot",
+    )
+    parser.add_argument("--out", type=Path, default=Path(".run/gpu-bench"))
+    return parser.parse_args(argv)  # fmt: skip
+
+
+def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
+    stages = [_ALIASES.get(s.strip(), s.strip()) for s in text.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise SystemExit(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
+    for stage in ("e2e", "ready", "kill"):
+        if stage in stages and not (args.kafka_bootstrap and args.redis_url):
+            print(f"{stage} skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
+            stages.remove(stage)
+    return stages
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.produce:
+        return produce_share(args.produce, args)
+    if args.produce_paced:
+        return produce_paced_share(args.produce_paced, args)
+    results: dict[str, Any] = {}
+    for previous in args.previous:
+        for key, value in json.loads(previous.read_text()).items():
+            if key in ("e2e", "pipeline", "overlap", "stage_s") and key in results:
+                results[key].update(value)  # layouts and paths measured in several calls
+            else:
+                results[key] = value
+    if not args.report:
+        os.environ.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", str(Path(".cache/torchinductor").resolve())
+        )
+        cfg = make_config(args)
+        stages = selected_stages(args.stages, args)
+        corpora = build_corpora(cfg.distinct_images, args.corpora.split(","))
+        spec = load_model(cfg, "float32").image
+        results["meta"] = {
+            "card": _card(cfg.device),
+            "model": cfg.model,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv),
+            "weights": "random (throughput only; outputs are meaningless)",
+            "corpus_kb": {c.name: c.mean_kb for c in corpora},
+        }
+        for stage in stages:
+            print(f"stage {stage}", flush=True)
+            started = time.perf_counter()
+            save = partial(_save_partial, results, stage, args.out)
+            results[stage] = _run_stage(stage, cfg, corpora, spec, args, save)
+            results.setdefault("stage_s", {})[stage] = time.perf_counter() - started
+            _save_partial(results, stage, args.out, results[stage])
+    card = results.get("meta", {}).get("card", "?")
+    model = results.get("meta", {}).get("model", "?")
+    rows = summarize(results)
+    results["summary"] = rows
+    _write_results(results, args.out)
+    plot(results, rows, args.out / PLOT_FILE, card)
+    print_detect_table(results, card)
+    print_table(rows, card, model)
+    return 0
+
+
+def _write_results(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
+
+
+def _save_partial(results: dict[str, Any], stage: str, out: Path, rows: dict[str, Any]) -> None:
+    """The results so far, ``stage`` with ``rows``: a run stopped by a time limit keeps
+    every stage and layout it finished (``--previous`` merges them into a later run)."""
+    _write_results(results | {stage: rows}, out)
+
+
+def _run_stage(
+    stage: str,
+    cfg: Config,
+    corpora: Sequence[Corpus],
+    spec: ImageSpec,
+    args: argparse.Namespace,
+    save: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    if stage == "forward":
+        return stage_forward(cfg)
+    if stage == "decode":
+        return stage_decode(cfg, corpora, spec)
+    if stage == "naive":
+        return stage_naive(cfg, corpora)
+    if stage == "checks":
+        return stage_checks(cfg, corpora)
+    if stage == "pipeline":
+        return stage_pipeline(cfg, corpora)
+    if stage == "overlap":
+        return stage_overlap(cfg, corpora)
+    if stage == "kill":
+        return stage_kill(cfg, corpora, args)
+    if stage == "ready":
+        return stage_ready(cfg, args)
+    if stage == "detect":
+        return stage_detect(
+            str(cfg.device),
+            [arch.strip() for arch in args.detectors.split(",") if arch.strip()],
+            corpora[0].images,  # 640x480
+            naive_count=max(cfg.naive_count // 10, 2),
+            pipeline_count=max(cfg.runner_count // 10, 4),
+            batch=args.detect_batch if not args.quick else 2,
+            threads=cfg.threads,
+            quick=args.quick,
+            run_pipeline=functools.partial(_detect_pipeline, cfg),
+        )
+    return stage_e2e(cfg, corpora, args, save)
