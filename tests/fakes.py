@@ -488,7 +488,7 @@ def request_item(
     meta = decode_request(record.headers, record.key, record.value, 0).meta
     span = OffsetTracker[str]().open("p", 0, 0, 1)
     fake = FakeRecord("t", 0, 0, key=record.key, value=record.value, headers=record.headers)
-    return Item(fake, span, _from_meta(meta), 0.0, 0.0, None)
+    return Item(fake, span, _from_meta(meta), 0.0, None)
 
 
 def claims_over(stores: dict[str, PayloadStore], **options: object) -> Claims:

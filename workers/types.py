@@ -82,7 +82,6 @@ class Item:
     span: Span
     meta: FastMeta
     received_ms: float  # wall clock, epoch ms: comparable with the record timestamp
-    received_at: float  # monotonic seconds: for waiting and deadlines
     deadline_at: float | None  # monotonic seconds
     tensor: Any = None  # what the handler's preprocess made of the payload
     attempt: int = 1  # counted in Redis when status is tracked (workers.intake.admission)

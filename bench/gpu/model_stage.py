@@ -139,10 +139,10 @@ def _detect_pipeline(
 def _items(handler: Handler, payloads: Sequence[bytes]) -> list[Item]:
     """Requests as the worker's ingest makes them (no Kafka record behind them)."""
     span = OffsetTracker[tuple[str, int]]().open(("bench", 0), 0, len(payloads) - 1, len(payloads))
-    now_ms, now = time.time() * 1000.0, time.monotonic()
+    now_ms = time.time() * 1000.0
     items = []
     for n, payload in enumerate(payloads):
         meta = FastMeta(f"b{n}", ContentType.JPEG, {}, None, None, None, None, None)
         tensor = handler.preprocess(payload, ContentType.JPEG, {})
-        items.append(Item(None, span, meta, now_ms, now, None, tensor))  # type: ignore[arg-type]
+        items.append(Item(None, span, meta, now_ms, None, tensor))  # type: ignore[arg-type]
     return items

@@ -99,7 +99,7 @@ def batch(first: int, size: int, *, deadline_in: float | None = None) -> list[It
         meta = FastMeta(f"r{value}", ContentType.TEXT, {}, None, None, None, None, None)
         deadline = None if deadline_in is None else now + deadline_in
         tensor = torch.tensor([value], dtype=torch.uint8)
-        out.append(Item(None, _SPAN, meta, 0.0, now, deadline, tensor))  # type: ignore[arg-type]
+        out.append(Item(None, _SPAN, meta, 0.0, deadline, tensor))  # type: ignore[arg-type]
     return out
 
 

@@ -31,7 +31,7 @@ def items(values: list[int], *, deadline_in: float | None = None) -> list[Item]:
         meta = FastMeta(f"r{n}", None, {}, None, None, None, None, None)  # type: ignore[arg-type]
         deadline = None if deadline_in is None else now + deadline_in
         out.append(
-            Item(None, _SPAN, meta, 0.0, now, deadline, torch.tensor([value], dtype=torch.uint8))  # type: ignore[arg-type]
+            Item(None, _SPAN, meta, 0.0, deadline, torch.tensor([value], dtype=torch.uint8))  # type: ignore[arg-type]
         )
     return out
 

@@ -24,7 +24,7 @@ def fetch(
 
 def item(tp: TopicPartition, span: Span, offset: int) -> Item:
     meta = FastMeta(f"{tp[0]}{tp[1]}-{offset}", ContentType.TEXT, {}, *([None] * 6))
-    return Item(FakeRecord(tp[0], tp[1], offset), span, meta, 0.0, 0.0, None)
+    return Item(FakeRecord(tp[0], tp[1], offset), span, meta, 0.0, None)
 
 
 def ok(items: list[Item]) -> Outcome:

@@ -77,7 +77,7 @@ class Ingest:
             deadline_at = None
             if meta.deadline is not None or max_age_ms is not None:
                 deadline_at = _deadline(meta, record.timestamp, max_age_ms, now, now_ms)
-            items.append(Item(record, span, meta, now_ms, now, deadline_at))
+            items.append(Item(record, span, meta, now_ms, deadline_at))
         return Parsed(items, refused, referenced)
 
     def preprocess(self, items: Sequence[Item]) -> tuple[list[Item], list[Refusal]]:
