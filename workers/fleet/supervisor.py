@@ -46,7 +46,13 @@ import time
 from dataclasses import dataclass, field
 
 from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
-from workers.exits import EXIT_DEVICE, EXIT_ENVIRONMENT, EXIT_STOPPED, PERMANENT
+from workers.exits import (
+    EXIT_DEVICE,
+    EXIT_ENVIRONMENT,
+    EXIT_STOPPED,
+    EXIT_UNREACHABLE,
+    PERMANENT,
+)
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
 from workers.fleet.exposition import FleetMetrics, Scrape
@@ -137,10 +143,18 @@ async def _start_all(
     """The first process, until its model is loaded (compiled into the cache); then the
     others at once."""
     first, *rest = state.children
+    if state.stop.is_set():
+        return
     await first.start()
     loaded = await _until_loaded(first, state)
     if not loaded and state.mps is not None and not state.stop.is_set():
-        await _without_mps(state, first)
+        status = await first.wait()
+        if status in PERMANENT or status == EXIT_UNREACHABLE:  # not MPS's doing
+            log.error("the first worker process exited with status %s before it was ready", status)
+            state.failure = status
+            state.stop.set()
+            return
+        await _without_mps(state, first, status)
         loaded = await _until_loaded(first, state)
     if state.stop.is_set():
         return
@@ -188,10 +202,9 @@ async def _model_loaded(port: int) -> bool:
     return bool(checks.get("model_loaded") == "ok")
 
 
-async def _without_mps(state: _State, first: Child) -> None:
+async def _without_mps(state: _State, first: Child, status: int) -> None:
     """The first process failed under the supervisor's MPS server: run without it."""
     assert state.mps is not None
-    status = await first.wait()
     log.warning(
         "the first worker process failed under MPS (status %s; MPS logs: %s): running without MPS",
         status,
