@@ -9,20 +9,28 @@ weights files the tests saved, and the download is pointed at it.
   that URL is all that changes. The download is torchvision's ``get_state_dict``
   into torch hub's cache (``$TORCH_HOME``, a temporary folder), its progress bar and its
   hash-prefix check are torch hub's.
-- files at a URL fetched without loading them go through ``torch_hub_fetch``, tested on
-  its own.
+- timm's Hub downloads: the ``huggingface_hub`` client is pointed at the server by
+  ``HF_ENDPOINT``, its documented setting for a mirror of the Hub, which it reads when
+  imported; so those loads run in a Python process of their own, with ``HF_HOME`` a
+  temporary folder.
+- timm's tags published at a URL go through ``torch_hub_fetch``, tested on its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torchvision
+from safetensors.torch import save
 
 from schemas import DEFAULT_LIMITS
 from tests.weights_server import WeightsServer
@@ -32,6 +40,8 @@ from workers.model.loader import ModelLoadError, load_handler
 
 ARCH = "mobilenet_v3_small"
 ENTRY = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+TIMM_SPEC = "timm:test_vit.r160_in1k"
+TIMM_REPO = "timm/test_vit.r160_in1k"
 
 
 def load(spec: str, weights: str | None) -> Any:
@@ -178,7 +188,7 @@ def test_an_unknown_weights_name_lists_the_published_ones() -> None:
         load(f"torchvision:{ARCH}", "IMAGENET1K_V9")
 
 
-# -- a file at a URL through torch hub ---------------------------------------------------------
+# -- a file at a URL through torch hub (timm's tags that are not on the Hub) ------------------
 
 
 def test_torch_hub_fetch_downloads_once_and_checks_the_hash_in_the_name(
@@ -198,3 +208,102 @@ def test_torch_hub_fetch_downloads_once_and_checks_the_hash_in_the_name(
     with pytest.raises(ModelLoadError, match="does not match its checksum"):
         torch_hub_download("timm:other", bad, lambda: torch_hub_fetch(bad))
     assert sorted(hub.iterdir()) == [fetched]
+
+
+# -- timm's published weights on the Hugging Face Hub, in a process of its own ---------------
+
+_LOADS = """
+import json, sys
+from schemas import DEFAULT_LIMITS
+from workers.model.loader import ModelLoadError, load_handler
+for spec, weights in json.loads(sys.argv[1]):
+    try:
+        handler = load_handler(spec, device="cpu", weights=weights, dtype="float32",
+                               channels_last=None, limits=DEFAULT_LIMITS)
+        total = sum(float(t.double().sum()) for t in handler.module.state_dict().values())
+        print(json.dumps({"version": handler.version, "sum": total}), flush=True)
+    except ModelLoadError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+"""
+
+
+def load_elsewhere(
+    server: WeightsServer, home: Path, *loads: tuple[str, str | None]
+) -> tuple[list[dict[str, Any]], str]:
+    """Each load's version and weights' sum, or its error, in a new Python process whose
+    Hugging Face client is pointed at ``server``; and that process's stderr."""
+    env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(home)}
+    env["TORCH_HOME"] = str(home / "torch")
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADS, json.dumps(loads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
+
+
+@pytest.fixture(scope="module")
+def timm_weights() -> tuple[bytes, float]:
+    """A safetensors file of ``TIMM_SPEC``'s model, and the sum of its tensors."""
+    import timm
+
+    torch.manual_seed(4)
+    module = timm.create_model(TIMM_SPEC.partition(":")[2])
+    state = module.state_dict()
+    return save(state), sum(float(t.double().sum()) for t in state.values())
+
+
+@pytest.mark.slow
+def test_timm_default_weights_come_from_the_hub_checked_then_from_its_cache(
+    server: WeightsServer, tmp_path: Path, timm_weights: tuple[bytes, float]
+) -> None:
+    data, total = timm_weights
+    server.add_hf(TIMM_REPO, "model.safetensors", data)
+    # Another repository's file, whose content is not what the Hub's ETag says.
+    server.add_hf("timm/test_convnext.r160_in1k", "model.safetensors", data, etag="0" * 64)
+
+    (corrupt, downloaded, cached), stderr = load_elsewhere(
+        server,
+        tmp_path,
+        ("timm:test_convnext.r160_in1k", "DEFAULT"),
+        (TIMM_SPEC, "DEFAULT"),
+        (TIMM_SPEC, None),
+    )
+
+    assert "does not match its checksum" in corrupt["error"]
+    assert list((tmp_path / "hub").rglob(f"blobs/{'0' * 64}")) == []  # not kept
+    assert downloaded["version"] == "test_vit:r160_in1k"
+    assert downloaded["sum"] == pytest.approx(total, rel=1e-9)
+    assert cached == downloaded
+    assert "model.safetensors: 100%" in stderr  # the progress bar, finished
+    assert server.downloads() == [
+        "/timm/test_convnext.r160_in1k/resolve/main/model.safetensors",
+        f"/{TIMM_REPO}/resolve/main/model.safetensors",
+    ]
+
+
+@pytest.mark.slow
+def test_timm_without_a_network_or_without_asking(
+    server: WeightsServer, tmp_path: Path, timm_weights: tuple[bytes, float]
+) -> None:
+    data, _ = timm_weights
+    url = server.add_hf(TIMM_REPO, "model.safetensors", data)
+    file = tmp_path / "mine.safetensors"
+    file.write_bytes(data)
+
+    (none, random, own), _ = load_elsewhere(
+        server, tmp_path, (TIMM_SPEC, None), (TIMM_SPEC, "random"), (TIMM_SPEC, str(file))
+    )
+    assert "weights='DEFAULT' to download them" in none["error"]
+    assert TIMM_REPO in none["error"]
+    assert random["version"] == "test_vit:random-weights"
+    assert own["version"].startswith("test_vit:sha256-")
+    assert server.requests == []  # not even a look at the Hub
+
+    server.stop()
+    (offline,), _ = load_elsewhere(server, tmp_path, (TIMM_SPEC, "DEFAULT"))
+    assert f"cannot download {url}" in offline["error"]
+    assert "pass weights=PATH" in offline["error"]
