@@ -13,17 +13,31 @@ the download at this server, which serves real weights files the test saved:
 
 ``requests`` lists every (method, path) asked; ``stop()`` closes the port: a server
 that is down, or a machine without a network.
+
+torchvision hard-codes its weights' URLs, so a worker process is pointed at this server
+by a handler class of the tests' own: ``--model tests.weights_server:MobileNetPublishedHere``
+is ``torchvision:mobilenet_v3_small`` with its ``IMAGENET1K_V1`` weights at the URL in
+``CONVEYOR_TEST_WEIGHTS_URL``; that URL is all it changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
+
+import torch
+import torchvision
+
+from schemas import ContentType, Limits
+from workers.model.loader import load_handler
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+URL_VARIABLE = "CONVEYOR_TEST_WEIGHTS_URL"
 
 
 class WeightsServer:
@@ -104,3 +118,37 @@ class WeightsServer:
                 pass
 
         return Handler
+
+
+class MobileNetPublishedHere:
+    """``torchvision:mobilenet_v3_small`` with ``IMAGENET1K_V1`` published at the URL in
+    ``CONVEYOR_TEST_WEIGHTS_URL``, loaded by the worker's own loader, weights and all, and
+    served through the handler it builds."""
+
+    def __init__(self, weights: str | None, device: torch.device, limits: Limits) -> None:
+        entry = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+        entry.value.url = os.environ[URL_VARIABLE]
+        self.handler = load_handler(
+            "torchvision:mobilenet_v3_small",
+            device=str(device),
+            weights=weights,
+            dtype="float32",
+            channels_last=None,
+            limits=limits,
+        )
+        self.name = self.handler.name
+        self.version = self.handler.version
+
+    def example_item(self) -> torch.Tensor:
+        return self.handler.example_item()
+
+    def preprocess(
+        self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
+    ) -> torch.Tensor:
+        return self.handler.preprocess(payload, content_type, params)
+
+    def forward(self, batch: Any) -> Any:
+        return self.handler.forward(batch)
+
+    def postprocess(self, outputs: Any, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return self.handler.postprocess(outputs, params)
