@@ -22,7 +22,7 @@ from schemas import ContentType, ContractError, ErrorCode, Limits
 from tests.fakes import Echo
 from workers.decode import jpeg as device_jpeg
 from workers.decode.gpu import BatchDecoder
-from workers.decode.images import ImageSpec
+from workers.decode.images import Fit, ImageSpec
 from workers.decode.jpeg import read_jpeg_header
 from workers.handlers.base import Collating, ImageClassifier
 from workers.model.loader import IMAGENET_IMAGE, IMAGENET_MEAN, IMAGENET_STD, load_handler
@@ -296,13 +296,16 @@ def test_runner_builds_batches_with_the_handlers_collate() -> None:
     assert results == runner.run(items, [{"top_k": 1}] * 3)
 
 
-# -- the reference fit, and images kept at their own size ----------------------------------
+# -- each fit batched, and images kept at their own size -----------------------------------
 
 
-def test_the_reference_fit_is_batched_within_tolerance_of_the_cpu_path() -> None:
+@pytest.mark.parametrize("squash", [False, True])
+@pytest.mark.parametrize("fit", ["reference", "fast"])
+def test_each_fit_is_batched_within_tolerance_of_the_cpu_path(fit: Fit, squash: bool) -> None:
+    """The reference and the fast fit, each also with the squash (timm's crop_mode)."""
     from dataclasses import replace
 
-    reference = replace(IMAGENET_IMAGE, fit="reference")
+    reference = replace(IMAGENET_IMAGE, fit=fit, squash=squash)
     gpu, cpu = classifier("gpu", image=reference), classifier("cpu", image=reference)
     payloads = [photo(640, 480, 1), photo(224, 224, 2), photo(300, 500, 4), photo(256, 300, 5)]
 

@@ -98,7 +98,9 @@ def test_torchvision_without_cached_weights_explains_what_to_do(
         load("torchvision:resnet18")
     message = str(caught.value)
     assert "torchvision:resnet18" in message
-    assert "nothing can be downloaded" in message
+    assert "nothing is downloaded unless asked" in message
+    assert "weights='DEFAULT'" in message
+    assert "resnet18-f37072fd.pth" in message  # the file to copy there by hand
     assert "weights=PATH" in message
     assert "weights='random'" in message
 

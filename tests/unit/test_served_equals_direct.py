@@ -5,7 +5,8 @@ model run directly on one image at a time.
 on batches of 32 images of mixed sizes (so detectors and segmenters split each batch
 into same-shape groups). "Direct" is the torchvision model called the way its
 documentation shows, one image at a time, on the image Pillow decodes (through the
-weights' reference transform for classifiers and segmenters). The tolerances are
+weights' reference transform for classifiers and segmenters; for timm classifiers,
+timm's own evaluation transform from the model's data config). The tolerances are
 the ones docs/models.md states and explains: the same classes and float32 rounding
 for classification and embeddings; for detectors the same detections (class, and
 score within 1e-3), all but a few in a thousand also with boxes within 0.01 pixel
@@ -294,6 +295,45 @@ def test_embeddings_served_equal_direct(images: list[bytes]) -> None:
             direct = (vector / vector.norm()).numpy()
             values = np.frombuffer(base64.b64decode(answer["data"]), "<f4")
             assert np.abs(values - direct).max() <= EMBEDDING_TOLERANCE
+
+
+# -- timm classifiers ------------------------------------------------------------------------
+
+# Three families in the tiny variants timm builds for its own tests (the same classes,
+# a few hundred thousand weights, 160 pixels, crop 0.95, bicubic): a ViT, a ConvNeXt (layer
+# norms) and an EfficientNet (batch norms). test_timm_models.py checks the preprocessing
+# of the full-size models' data configs against timm's transform.
+TIMM_MODELS = ("test_vit.r160_in1k", "test_convnext.r160_in1k", "test_efficientnet.r160_in1k")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", TIMM_MODELS)
+def test_timm_classification_served_equals_direct(images: list[bytes], name: str) -> None:
+    """Direct is timm's own evaluation transform (``resolve_model_data_config``,
+    ``create_transform``) on the Pillow image, then the model on one image at a time."""
+    import timm.data
+
+    handler = load(f"timm:{name}")
+    module = handler.module  # type: ignore[attr-defined]
+    config = timm.data.resolve_model_data_config(module)
+    transform = timm.data.create_transform(**config, is_training=False)
+
+    def direct(payloads: Sequence[bytes]) -> torch.Tensor:
+        return torch.stack([transform(pil(p)) for p in payloads])
+
+    calibrate(module, lambda: module(direct(images[:32])))
+    sharpen(module.get_classifier(), 0.5)
+
+    answers = served(handler, images)
+
+    with torch.inference_mode():
+        for payload, answer in zip(images, answers, strict=True):
+            scores, indices = module(direct([payload])).softmax(dim=1).topk(5)
+            assert [a["index"] for a in answer] == indices[0].tolist()
+            assert np.allclose(
+                [a["score"] for a in answer], scores[0].numpy(), atol=CLASS_SCORE_TOLERANCE, rtol=0
+            )
 
 
 # -- the negative control -----------------------------------------------------------------------

@@ -79,15 +79,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
 
     # What to serve.
     model: str = Field(
-        description="model spec: digits | torchvision:ARCH | embedding:ARCH | torchscript:PATH | "
-        "export:PATH | module.path:Class (docs/models.md)"
+        description="model spec: digits | torchvision:ARCH | embedding:ARCH | timm:NAME | "
+        "torchscript:PATH | export:PATH | module.path:Class (docs/models.md)"
     )
     model_name: str | None = Field(
         default=None, description="name used in topic names (default: derived from --model)"
     )
     weights: str | None = Field(
         default=None,
-        description="weights file for torchvision models, or 'random' (benchmarks only)",
+        description="torchvision and timm models: a weights file, DEFAULT (or a torchvision "
+        "weights name: IMAGENET1K_V2) to download the published weights unless cached, or "
+        "'random' (benchmarks only); unset: the published weights if cached, never a download",
     )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -99,12 +101,13 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     model_options: dict[str, Any] = Field(
         default_factory=dict,
         description="JSON object of model options, e.g. '{\"min_size\": 640}': keyword "
-        "arguments of torchvision's model builder, or of your handler class",
+        "arguments of torchvision's model builder, of timm.create_model, or of your handler class",
     )
     preprocess: Literal["auto", "reference", "fast"] = Field(
         default="auto",
-        description="how fixed-size image models fit images: reference = torchvision's "
-        "transform (auto for torchvision: and embedding:), fast = one resampling pass",
+        description="how fixed-size image models fit images: reference = the model's own "
+        "evaluation transform, torchvision's or timm's (auto for torchvision:, embedding: and "
+        "timm:), fast = one resampling pass",
     )
     decode: Literal["auto", "cpu", "gpu", "gpu-hw"] = Field(
         default="auto",

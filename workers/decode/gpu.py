@@ -49,7 +49,6 @@ from workers.decode.images import (
     decode_full,
     decode_image,
     reference_crop,
-    reference_size,
 )
 from workers.decode.jpeg import (
     READ_MODES,
@@ -231,7 +230,7 @@ class BatchDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         spec, kind = self.spec, self._filter
         if spec.fit == "reference":
-            new_width, new_height = reference_size(width, height, spec.resize_size)
+            new_width, new_height = spec.reference_resize(width, height)
             left, top = (
                 reference_crop(new_width, spec.width),
                 reference_crop(new_height, spec.height),

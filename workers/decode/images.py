@@ -64,6 +64,9 @@ class ImageSpec:
     fit: Fit = "fast"
     """``fast``: one crop-and-resize pass, JPEGs decoded at reduced scale when much larger;
     ``reference``: resize the shorter side to ``resize_size``, then crop the centre."""
+    squash: bool = False
+    """Resize each side by its own factor (timm's ``crop_mode="squash"``): to the target's
+    size over ``crop_ratio``, then crop the centre. ``False`` keeps the aspect ratio."""
 
     def __post_init__(self) -> None:
         if self.height < 1 or self.width < 1:
@@ -82,6 +85,13 @@ class ImageSpec:
         """The shorter side's length before the centre crop (``reference``): 256 for
         torchvision's 224-pixel crop with ``crop_ratio`` 0.875."""
         return round(min(self.height, self.width) / self.crop_ratio)
+
+    def reference_resize(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) a (width, height) image is resized to before the centre crop
+        (``reference``): the shorter side to ``resize_size``, or both (``squash``)."""
+        if self.squash:
+            return (round(self.width / self.crop_ratio), round(self.height / self.crop_ratio))
+        return reference_size(width, height, self.resize_size)
 
 
 def decode(
@@ -321,9 +331,13 @@ def _scale(width: int, height: int, spec: ImageSpec) -> float:
 
 def crop_box(width: int, height: int, spec: ImageSpec) -> tuple[float, float, float, float]:
     """The (left, top, right, bottom) region of a (width, height) image that ``spec`` keeps:
-    centered, of the target's aspect ratio, ``crop_ratio`` of the shorter side."""
-    scale = _scale(width, height, spec)
-    box_w, box_h = spec.width / scale, spec.height / scale
+    centered, of the target's aspect ratio, ``crop_ratio`` of the shorter side (with
+    ``squash``: ``crop_ratio`` of each side)."""
+    if spec.squash:
+        box_w, box_h = width * spec.crop_ratio, height * spec.crop_ratio
+    else:
+        scale = _scale(width, height, spec)
+        box_w, box_h = spec.width / scale, spec.height / scale
     left, top = (width - box_w) / 2, (height - box_h) / 2
     # Clamped: float rounding can put an edge a hair outside the image.
     return (max(left, 0.0), max(top, 0.0), min(left + box_w, width), min(top + box_h, height))
@@ -353,10 +367,10 @@ def _fit(img: Image.Image, spec: ImageSpec) -> Image.Image:
 
 
 def _fit_reference(img: Image.Image, spec: ImageSpec) -> Image.Image:
-    """torchvision's ``Resize(resize_size)`` then ``CenterCrop``, with the same Pillow
-    calls it makes on a PIL image (a crop box outside the image fills with black, as
-    torchvision's padding does)."""
-    width, height = reference_size(img.width, img.height, spec.resize_size)
+    """torchvision's ``Resize(resize_size)`` (``Resize((resize_size, resize_size))`` with
+    ``squash``) then ``CenterCrop``, with the same Pillow calls it makes on a PIL image (a
+    crop box outside the image fills with black, as torchvision's padding does)."""
+    width, height = spec.reference_resize(img.width, img.height)
     if (width, height) != img.size:
         img = img.resize((width, height), spec.resample)
     left = reference_crop(width, spec.width)

@@ -27,6 +27,7 @@ from workers.handlers.base import (
     SplitPostprocess,
     top_k_param,
 )
+from workers.handlers.published import DEFAULT_WEIGHTS
 from workers.handlers.tasks.detection import Detector
 from workers.handlers.tasks.embedding import ImageEmbedder
 from workers.handlers.tasks.segmentation import SemanticSegmenter
@@ -34,6 +35,7 @@ from workers.handlers.weights import RANDOM_WEIGHTS, ModelLoadError
 
 __all__ = [
     "DEFAULT_TOP_K",
+    "DEFAULT_WEIGHTS",
     "MODEL_DIR_VARIABLE",
     "RANDOM_WEIGHTS",
     "Collating",

@@ -14,10 +14,14 @@ the full list):
 replaces its last linear layer by an identity: ``workers.handlers.tasks.embedding.ImageEmbedder``.
 
 Weights: a ``state_dict`` file (with ``PATH.labels.json`` when the model was trained
-on other classes), else the published weights from torchvision's cache, or
-``random`` for benchmarks (the version says so). Labels, keypoint names and the
-reference input transform come from torchvision's weights metadata, which is part
-of its source: reading it downloads nothing.
+on other classes); published weights by name (``DEFAULT`` or a name of the
+architecture's weights enum, ``IMAGENET1K_V2``), downloaded through torchvision's own
+``get_state_dict`` when they are not in torch hub's cache (``workers.handlers.published``);
+``random`` for benchmarks (the version says so); none: the default published weights
+if torch hub's cache holds them, never a download. Labels, keypoint names and the
+reference input transform come from the metadata of the weights served (the default
+ones for a file or ``random``), which is part of torchvision's source: reading it
+downloads nothing.
 
 ``options`` are keyword arguments for torchvision's model builder (e.g. ``min_size``,
 ``box_score_thresh``, ``box_detections_per_img`` for detectors), plus two handler
@@ -41,15 +45,14 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
 from workers.handlers.base import Handler, ImageClassifier
+from workers.handlers.published import torch_hub_cached, torch_hub_download
 from workers.handlers.weights import (
     RANDOM_WEIGHTS,
     ModelLoadError,
     load_state_dict,
     read_state_dict,
-    require_file,
     sha256,
     sidecar_labels,
-    torchvision_cached,
 )
 
 Kind = Literal["classification", "detection", "segmentation"]
@@ -72,9 +75,11 @@ class Serving:
 
 @dataclass(frozen=True)
 class _Weights:
+    published: Any  # the weights enum entry whose metadata (labels, transform) applies
     file: Path | None  # None: random
     source: str  # for the version: the published name, random-weights or the file's hash
     labels: list[str]
+    state: dict[str, Any] | None = None  # the file's tensors, when already read
 
 
 def load_torchvision(
@@ -89,20 +94,19 @@ def load_torchvision(
 
     spec = f"{'embedding' if embedding else 'torchvision'}:{arch}"
     kind = _kind(spec, arch, embedding)
-    # Architectures with published weights carry their labels and input transform as
-    # metadata inside torchvision; reading it downloads nothing.
-    published = torchvision.models.get_model_weights(arch).DEFAULT
-    found = _resolve_weights(spec, arch, weights, published)
-    if kind == "classification":
-        return _classifier(spec, arch, embedding, found, published, serving)
-    if serving.preprocess == "fast":
+    if serving.preprocess == "fast" and kind != "classification":
         raise ModelLoadError(
             f"{spec}: preprocess='fast' is for models of a fixed input size (classifiers, "
             "embeddings); this model resizes images itself. Leave preprocess at auto"
         )
+    # Architectures with published weights carry their labels and input transform as
+    # metadata inside torchvision; reading it downloads nothing.
+    found = _resolve_weights(spec, weights, torchvision.models.get_model_weights(arch))
+    if kind == "classification":
+        return _classifier(spec, arch, embedding, found, serving)
     if kind == "detection":
-        return _detector(spec, arch, found, published, serving)
-    return _segmenter(spec, arch, found, published, serving)
+        return _detector(spec, arch, found, serving)
+    return _segmenter(spec, arch, found, serving)
 
 
 def _kind(spec: str, arch: str, embedding: bool) -> Kind:
@@ -130,16 +134,37 @@ def _kind(spec: str, arch: str, embedding: bool) -> Kind:
     )
 
 
-def _resolve_weights(spec: str, arch: str, weights: str | None, published: Any) -> _Weights:
-    labels: list[str] = list(published.meta["categories"])
+def _resolve_weights(spec: str, weights: str | None, enum: Any) -> _Weights:
+    """What ``weights`` names: published weights by name (downloaded unless cached), the
+    default published ones from the cache (``None``), ``random``, or a file."""
+    if weights in enum.__members__:  # DEFAULT, IMAGENET1K_V2, ...: the names come first
+        entry = enum[weights]
+        # torchvision's own download: progress bar, checksum, torch hub's cache.
+        state = torch_hub_download(
+            spec, entry.url, lambda: entry.get_state_dict(progress=True, check_hash=True)
+        )
+        return _Weights(entry, torch_hub_cached(spec, entry.url), entry.name, _labels(entry), state)
+    default = enum.DEFAULT
     if weights is None:
-        return _Weights(torchvision_cached(spec, published.url), published.name, labels)
+        file = torch_hub_cached(spec, default.url)
+        return _Weights(default, file, default.name, _labels(default))
     if weights == RANDOM_WEIGHTS:
-        return _Weights(None, "random-weights", labels)
+        return _Weights(default, None, "random-weights", _labels(default))
     file = Path(weights)
-    require_file(spec, file)
+    if not file.is_file():
+        raise ModelLoadError(
+            f"{spec}: {file} does not exist or is not a file, nor is it the name of published "
+            f"weights ({', '.join(sorted(enum.__members__, key=lambda n: n != 'DEFAULT'))}: "
+            "downloaded when named)"
+        )
     # A fine-tuned model names its own classes; the architecture is sized to them.
-    return _Weights(file, f"sha256-{sha256(file)[:12]}", sidecar_labels(file) or labels)
+    return _Weights(
+        default, file, f"sha256-{sha256(file)[:12]}", sidecar_labels(file) or _labels(default)
+    )
+
+
+def _labels(entry: Any) -> list[str]:
+    return list(entry.meta["categories"])
 
 
 def _build(
@@ -205,11 +230,11 @@ def _is_size(value: Any) -> bool:
 
 
 def _classifier(
-    spec: str, arch: str, embedding: bool, found: _Weights, published: Any, serving: Serving
+    spec: str, arch: str, embedding: bool, found: _Weights, serving: Serving
 ) -> Handler:
     from workers.handlers.tasks.embedding import ImageEmbedder, remove_head
 
-    transform = published.transforms()
+    transform = found.published.transforms()
     crop, resize = transform.crop_size[0], transform.resize_size[0]
     image = ImageSpec(
         height=crop,
@@ -221,7 +246,7 @@ def _classifier(
     )
     module = _build(spec, arch, {"num_classes": len(found.labels)}, serving.options)
     if found.file is not None:
-        load_state_dict(spec, module, found.file)
+        load_state_dict(spec, module, found.file, found.state)
     name = f"{arch}-embedding" if embedding else arch
     common: dict[str, Any] = {
         "name": name,
@@ -245,7 +270,7 @@ def _classifier(
     return ImageEmbedder(module, **common)
 
 
-def _detector(spec: str, arch: str, found: _Weights, published: Any, serving: Serving) -> Handler:
+def _detector(spec: str, arch: str, found: _Weights, serving: Serving) -> Handler:
     from torchvision.models.detection import KeypointRCNN, MaskRCNN
 
     from workers.handlers.tasks.detection import DEFAULT_SCORE_THRESHOLD, Detector
@@ -255,13 +280,13 @@ def _detector(spec: str, arch: str, found: _Weights, published: Any, serving: Se
     threshold = _pop_option(
         spec, options, "score_threshold", _is_fraction, DEFAULT_SCORE_THRESHOLD, "from 0 to 1"
     )
-    keypoint_names: list[str] = list(published.meta.get("keypoint_names", []))
+    keypoint_names: list[str] = list(found.published.meta.get("keypoint_names", []))
     kwargs: dict[str, Any] = {"num_classes": len(found.labels), "weights_backbone": None}
     if keypoint_names:
         kwargs["num_keypoints"] = len(keypoint_names)
     module = _build(spec, arch, kwargs, options)
     if found.file is not None:
-        load_state_dict(spec, module, found.file)
+        load_state_dict(spec, module, found.file, found.state)
     task: DetectionTask = "detection"
     if isinstance(module, MaskRCNN):
         task = "instance_segmentation"
@@ -284,17 +309,19 @@ def _detector(spec: str, arch: str, found: _Weights, published: Any, serving: Se
     )
 
 
-def _segmenter(spec: str, arch: str, found: _Weights, published: Any, serving: Serving) -> Handler:
+def _segmenter(spec: str, arch: str, found: _Weights, serving: Serving) -> Handler:
     from workers.handlers.tasks.segmentation import SemanticSegmenter
 
-    transform = published.transforms()
+    transform = found.published.transforms()
     options = dict(serving.options)
     default_size = transform.resize_size[0] if transform.resize_size else None
     resize_size = _pop_option(
         spec, options, "resize_size", _is_size, default_size, "a positive integer or null"
     )
     kwargs: dict[str, Any] = {"num_classes": len(found.labels), "weights_backbone": None}
-    state = read_state_dict(spec, found.file) if found.file is not None else None
+    state = found.state
+    if state is None and found.file is not None:
+        state = read_state_dict(spec, found.file)
     if state is not None and any(key.startswith("aux_classifier.") for key in state):
         kwargs["aux_loss"] = True  # published DeepLabV3 and FCN weights carry one
     module = _build(spec, arch, kwargs, options)

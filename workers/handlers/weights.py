@@ -1,7 +1,8 @@
 """Weights and labels files: read with errors that name the file and what to change.
 
-Shared by every spec form that loads files (``workers.model.loader`` and
-``workers.handlers.torchvision_models``). Nothing here downloads anything.
+Shared by every spec form that loads files (``workers.model.loader``,
+``workers.handlers.torchvision_models`` and ``workers.handlers.timm_models``). Nothing
+here downloads anything (``workers.handlers.published`` does, when asked).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
@@ -51,13 +51,19 @@ def sidecar_labels(path: Path) -> list[str] | None:
 
 
 def read_state_dict(spec: str, file: Path) -> dict[str, Any]:
-    """The tensors of a ``state_dict`` file (or of a training checkpoint around one)."""
+    """The tensors of a ``state_dict`` file (or of a training checkpoint around one), or
+    of a ``.safetensors`` file (the Hugging Face Hub's form)."""
     try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file  # installed with timm (the timm extra)
+
+            return load_file(file, device="cpu")
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ModelLoadError(
             f"{spec}: cannot load weights from {file}: {exc}. It must be the model's "
-            "state_dict saved with torch.save (plain tensors, loadable with weights_only=True)"
+            "state_dict saved with torch.save (plain tensors, loadable with weights_only=True) "
+            "or with safetensors"
         ) from exc
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a training checkpoint around the weights
@@ -75,18 +81,6 @@ def load_state_dict(spec: str, module: torch.nn.Module, file: Path, state: Any =
     except Exception as exc:
         raise ModelLoadError(
             f"{spec}: cannot load weights from {file}: {exc}. It must be the model's "
-            "state_dict saved with torch.save (plain tensors, loadable with weights_only=True)"
+            "state_dict saved with torch.save (plain tensors, loadable with weights_only=True); "
+            "a model trained on other classes names them in PATH.labels.json"
         ) from exc
-
-
-def torchvision_cached(spec: str, url: str) -> Path:
-    """Where torchvision's own download would have put the published weights at ``url``."""
-    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(url).path).name
-    if not file.is_file():
-        raise ModelLoadError(
-            f"{spec}: no weights given and {file} is not in the torchvision cache; "
-            "nothing can be downloaded here. Copy that file there, pass weights=PATH "
-            "(a state_dict saved with torch.save), or weights='random' for a benchmark "
-            "whose outputs mean nothing"
-        )
-    return file

@@ -8,11 +8,16 @@ Spec forms (the worker's ``--model``):
 - ``torchvision:ARCH``, e.g. ``torchvision:resnet50``, ``torchvision:fasterrcnn_resnet50_fpn``,
   ``torchvision:deeplabv3_resnet50``: a classification, detection (boxes, masks or
   keypoints) or semantic segmentation model (``workers.handlers.torchvision_models``), weights
-  from ``weights`` (a ``state_dict`` file), else the torchvision cache;
+  from ``weights``: a ``state_dict`` file, or published weights by name (``DEFAULT``,
+  ``IMAGENET1K_V2``), downloaded into torch hub's cache unless they are there already;
+  without ``weights``, the default published weights from that cache (never a download);
   ``weights="random"`` for benchmarks only (the version then says ``random-weights``).
-  Nothing is downloaded. ``options`` go to torchvision's model builder.
+  ``options`` go to torchvision's model builder.
 - ``embedding:ARCH``, e.g. ``embedding:resnet50``: that classification model without
   its head, answering with one vector per image; weights as for ``torchvision:ARCH``.
+- ``timm:NAME``, e.g. ``timm:convnext_atto.d2_in1k``: a timm image classifier with
+  timm's own data config (``workers.handlers.timm_models``, the ``timm`` extra); weights
+  as for ``torchvision:ARCH``, ``DEFAULT`` being the tag's weights on the Hugging Face Hub.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.base.Handler``.
@@ -28,9 +33,10 @@ GPUs, the same top-1 on all but borderline inputs; ``bench.gpu`` measures the
 agreement), classifiers and embedding models channels-last too, detectors and
 segmenters under autocast; everything else, and everything on the CPU, in float32
 as loaded. ``decode="auto"`` decodes JPEGs on the GPU when the model is on CUDA.
-``preprocess="auto"`` fits images as torchvision's reference transform does for
-``torchvision:`` and ``embedding:`` classifiers, and the ``fast`` way for
-TorchScript and export files (``workers.decode.images``).
+``preprocess="auto"`` fits images as the reference transform does for
+``torchvision:``, ``embedding:`` and ``timm:`` classifiers (torchvision's, timm's), and
+the ``fast`` way for TorchScript and export files (``workers.decode.images``). timm
+models run in float32 unless ``dtype`` says otherwise.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
 from workers.handlers.base import Handler, ImageClassifier
+from workers.handlers.timm_models import load_timm
 from workers.handlers.torchvision_models import Preprocess, Serving, load_torchvision
 from workers.handlers.weights import (
     ModelLoadError,
@@ -78,7 +85,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 256)
 
 _SPEC_FORMS = (
-    "digits, torchvision:ARCH, embedding:ARCH, torchscript:PATH, export:PATH or "
+    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, torchscript:PATH, export:PATH or "
     "package.module:ClassName"
 )
 SHORT_SPECS = {
@@ -115,9 +122,9 @@ def load_handler(
     PNGs are always decoded on the CPU); ``decode_budget`` bounds the memory of their
     CPU decodes running at once, and is offered to user classes that take it;
     ``preprocess`` is ``auto``, ``reference`` or ``fast`` for models of a fixed input
-    size; ``options`` are model options for ``torchvision:`` and ``embedding:`` specs
-    (``workers.handlers.torchvision_models``) and are passed to a class of yours as
-    ``model_options`` if it takes them.
+    size; ``options`` are model options for ``torchvision:``, ``embedding:`` and ``timm:``
+    specs (``workers.handlers.torchvision_models``, ``workers.handlers.timm_models``) and
+    are passed to a class of yours as ``model_options`` if it takes them.
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
     file, options the model does not take, or a class that is not a handler;
@@ -135,13 +142,15 @@ def load_handler(
     # tensor cores; other models may not tolerate them, so auto leaves them in float32.
     fast = kind in ("torchvision", "embedding") and dev.type == "cuda"
     torch_dtype = DTYPES[dtype] if dtype != AUTO else (torch.float16 if fast else torch.float32)
+    serving = Serving(
+        dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
+    )
     if kind in ("torchvision", "embedding") and rest:
-        serving = Serving(
-            dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
-        )
         return load_torchvision(
             rest, embedding=kind == "embedding", weights=weights, serving=serving
         )
+    if kind == "timm" and rest:
+        return load_timm(rest, weights=weights, serving=serving)
     if _is_import_path(kind) and rest.isidentifier():
         given = {
             "device": dev,
@@ -156,8 +165,8 @@ def load_handler(
         return _user_class(spec, given)
     if options:
         raise ModelLoadError(
-            f"{spec}: model options {options} apply to torchvision:, embedding: and your own "
-            "handler classes only; leave them unset"
+            f"{spec}: model options {options} apply to torchvision:, embedding:, timm: and "
+            "your own handler classes only; leave them unset"
         )
     channels_last = bool(channels_last)
     if kind in ("torchscript", "export") and rest:
@@ -343,6 +352,7 @@ def _accepted_options(spec: str, cls: type, options: dict[str, Any]) -> dict[str
     if options.get("model_options") and "model_options" not in names:
         raise ModelLoadError(
             f"{spec}: model options {options['model_options']} apply to torchvision:, "
-            f"embedding: and handler classes that take model_options; {cls.__name__} does not"
+            f"embedding:, timm: and handler classes that take model_options; "
+            f"{cls.__name__} does not"
         )
     return {key: value for key, value in options.items() if key in names}
