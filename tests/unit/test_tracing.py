@@ -1,0 +1,197 @@
+"""The worker's spans of traced requests (``workers.observe.tracing``), read back from
+OpenTelemetry's in-memory exporter and the console exporter; a worker with tracing off
+never loads them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from schemas import ContentType, ErrorCode
+from schemas.fastpath import FastMeta
+from tests.fakes import FakeRecord
+from workers.observe.tracing import Tracing
+from workers.offsets import OffsetTracker
+from workers.types import BatchTiming, Item, Outcome, Refusal
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+PARENT = "b7ad6b7169203331"
+SAMPLED = f"00-{TRACE}-{PARENT}-01"
+GROUP = "conveyor.m"
+RECEIVED_MS, START_MS, FINISHED_MS, SENT_MS, DURABLE_MS = 1000.0, 1004.0, 1010.5, 1011.0, 1013.0
+TIMING = BatchTiming(START_MS, FINISHED_MS, FINISHED_MS - START_MS, 2)
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracing(exporter: InMemorySpanExporter) -> Tracing:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracing(provider, GROUP)
+
+
+def item(request_id: str, traceparent: str | None, offset: int = 7) -> Item:
+    meta = FastMeta(request_id, ContentType.TEXT, {}, None, None, None, None, traceparent)
+    record = FakeRecord("conveyor.m.requests", 2, offset)
+    span = OffsetTracker[str]().open("p", offset, offset, 1)
+    return Item(record, span, meta, RECEIVED_MS, 0.0, None)
+
+
+def by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    named = {span.name: span for span in spans}
+    assert len(named) == len(spans), [span.name for span in spans]
+    return named
+
+
+def ns(ms: float) -> int:
+    return int(ms * 1_000_000)
+
+
+def test_a_traced_request_continues_its_trace_through_each_stage(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    answered = [item("traced", SAMPLED), item("plain", None, offset=8)]
+    tracing.record([Outcome(answered, ["a", "b"], TIMING)], SENT_MS, DURABLE_MS)
+
+    spans = by_name(exporter.get_finished_spans())
+    assert set(spans) == {"process conveyor.m.requests", "batch", "model", "publish"}
+    process = spans["process conveyor.m.requests"]
+    context = process.get_span_context()
+    assert context is not None
+    assert process.parent is not None
+    assert (f"{context.trace_id:032x}", f"{process.parent.span_id:016x}") == (TRACE, PARENT)
+    assert process.parent.is_remote
+    assert process.kind is SpanKind.CONSUMER
+    assert (process.start_time, process.end_time) == (ns(RECEIVED_MS), ns(DURABLE_MS))
+    assert dict(process.attributes or {}) == {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": "conveyor.m.requests",
+        "messaging.destination.partition.id": "2",
+        "messaging.kafka.offset": 7,
+        "messaging.consumer.group.name": GROUP,
+        "messaging.message.id": "traced",
+    }
+    assert process.status.status_code is StatusCode.UNSET
+    stages = [("batch", RECEIVED_MS, START_MS), ("model", START_MS, FINISHED_MS)]
+    for name, start, end in [*stages, ("publish", SENT_MS, DURABLE_MS)]:
+        child = spans[name]
+        assert child.parent is not None
+        assert child.context is not None
+        assert (child.parent.span_id, child.context.trace_id) == (context.span_id, int(TRACE, 16))
+        assert (child.start_time, child.end_time) == (ns(start), ns(end)), name
+    assert dict(spans["model"].attributes or {}) == {"conveyor.batch.size": 2}
+
+
+def test_a_refused_request_ends_its_span_with_the_error(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    bad = Refusal.of(item("bad", SAMPLED), ErrorCode.bad_request, "ce_params: not JSON")
+    tracing.record([Outcome(refused=[bad])], SENT_MS, DURABLE_MS)
+
+    spans = by_name(exporter.get_finished_spans())
+    assert set(spans) == {"process conveyor.m.requests", "publish"}  # never reached the model
+    process = spans["process conveyor.m.requests"]
+    assert process.status.status_code is StatusCode.ERROR
+    assert process.status.description == "ce_params: not JSON"
+    assert (process.attributes or {})["error.type"] == "bad_request"
+
+
+def test_a_model_failure_shows_the_batch_it_failed_in(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    failed = Refusal.of(item("boom", SAMPLED), ErrorCode.model_error, "model failed")
+    failed.batch = TIMING
+    tracing.record([Outcome(refused=[failed])], SENT_MS, DURABLE_MS)
+
+    spans = by_name(exporter.get_finished_spans())
+    assert set(spans) == {"process conveyor.m.requests", "batch", "model", "publish"}
+    assert (spans["process conveyor.m.requests"].attributes or {})["error.type"] == "model_error"
+
+
+def test_requests_without_a_sampled_trace_get_no_span(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    unsampled = item("unsampled", f"00-{TRACE}-{PARENT}-00")
+    plain = item("plain", None)
+    refused = Refusal.of(item("refused", None), ErrorCode.expired, "late", dead_letter=False)
+    outcomes = [Outcome([unsampled, plain], ["a", "b"], TIMING, [refused])]
+    tracing.record(outcomes, SENT_MS, DURABLE_MS)
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_later_trace_context_version_is_read_by_its_fixed_fields(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
+    later = f"01-{TRACE}-{PARENT}-01-more-fields"  # W3C: a later version may add fields
+    tracing.record([Outcome([item("later", later)], ["a"], TIMING)], SENT_MS, DURABLE_MS)
+    process = by_name(exporter.get_finished_spans())["process conveyor.m.requests"]
+    assert process.parent is not None
+    assert f"{process.parent.span_id:016x}" == PARENT
+
+
+async def test_the_console_exporter_writes_one_json_span_a_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    tracing = Tracing.start("console", group=GROUP, worker="w-1", model="m", model_version="3")
+    tracing.record([Outcome([item("traced", SAMPLED)], ["a"], TIMING)], SENT_MS, DURABLE_MS)
+    await tracing.aclose()  # exports what the batch processor holds
+
+    lines = capsys.readouterr().out.splitlines()
+    spans = {span["name"]: span for span in map(json.loads, lines)}
+    assert len(lines) == len(spans) == 4
+    process = spans["process conveyor.m.requests"]
+    assert process["parent_id"] == f"0x{PARENT}"
+    assert process["context"]["trace_id"] == f"0x{TRACE}"
+    assert process["kind"] == "SpanKind.CONSUMER"
+    assert process["resource"]["attributes"] | {"telemetry.sdk.version": "-"} == {
+        "service.name": "conveyor-worker",
+        "service.instance.id": "w-1",
+        "conveyor.model": "m",
+        "conveyor.model.version": "3",
+        "deployment.environment": "test",
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "opentelemetry",
+        "telemetry.sdk.version": "-",
+    }
+    assert {spans[name]["parent_id"] for name in ("batch", "model", "publish")} == {
+        process["context"]["span_id"]
+    }
+
+
+async def test_otel_service_name_names_the_worker(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "digits-serving")
+    tracing = Tracing.start("console", group=GROUP, worker="w-1", model="m", model_version="3")
+    tracing.record([Outcome([item("traced", SAMPLED)], ["a"], TIMING)], SENT_MS, DURABLE_MS)
+    await tracing.aclose()
+    spans = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {span["resource"]["attributes"]["service.name"] for span in spans} == {"digits-serving"}
+
+
+def test_a_worker_with_tracing_off_never_loads_the_tracing_sdk() -> None:
+    # redis-py imports OpenTelemetry's API and metrics SDK itself when they are installed;
+    # what the worker adds (its spans, the trace SDK, an exporter) stays out.
+    code = (
+        "import sys, workers.app, workers.cli, workers.pipeline\n"
+        "print(sorted(m for m in sys.modules if m.startswith(\n"
+        "    ('workers.observe.tracing', 'opentelemetry.sdk.trace', 'opentelemetry.exporter'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
