@@ -1,19 +1,24 @@
-"""The worker's spans of traced requests (``workers.observe.tracing``), read back from
-OpenTelemetry's in-memory exporter and the console exporter; a worker with tracing off
-never loads them."""
+"""The worker's spans of traced requests (``workers.observe.tracing``) and the SDK's submit
+span (``producers.tracing``), read back from OpenTelemetry's in-memory exporter; a worker
+with tracing off never loads them, and the SDK without OpenTelemetry sends no context."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.test.globals_test import reset_trace_globals
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 
+from producers.errors import InvalidInput
+from producers.tracing import submit_span
 from schemas import ContentType, ErrorCode
 from schemas.fastpath import FastMeta
 from tests.fakes import FakeRecord
@@ -195,3 +200,86 @@ def test_a_worker_with_tracing_off_never_loads_the_tracing_sdk() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+# -- the SDK's submit span (producers.tracing) -----------------------------------------------
+
+
+@pytest.fixture
+def sdk_spans() -> Iterator[InMemorySpanExporter]:
+    """An application's OpenTelemetry SDK, its spans kept in memory; reset afterwards."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    assert trace.get_tracer_provider() is provider, "another test left a provider set"
+    yield exporter
+    reset_trace_globals()
+    provider.shutdown()
+
+
+def test_the_submit_span_is_what_each_request_carries(sdk_spans: InMemorySpanExporter) -> None:
+    with submit_span("conveyor.m.requests") as span:
+        span.sent(["a", "b", "c"])
+        traceparent = span.traceparent
+    [submit] = sdk_spans.get_finished_spans()
+    context = submit.get_span_context()
+    assert context is not None
+    assert context.trace_flags.sampled
+    flags = f"{context.trace_flags:02x}"  # sampled, and random (W3C level 2) by the SDK's ids
+    assert traceparent == f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags}"
+    assert submit.name == "submit conveyor.m.requests"
+    assert submit.kind is SpanKind.PRODUCER
+    assert dict(submit.attributes or {}) == {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "submit",
+        "messaging.destination.name": "conveyor.m.requests",
+        "messaging.batch.message_count": 3,
+    }
+
+
+def test_a_failed_submit_ends_its_span_with_the_error(sdk_spans: InMemorySpanExporter) -> None:
+    def fail() -> None:
+        with submit_span("conveyor.m.requests") as span:
+            span.sent(["only"])
+            raise InvalidInput("no such file: a.png")
+
+    with pytest.raises(InvalidInput):
+        fail()
+    [submit] = sdk_spans.get_finished_spans()
+    assert submit.status.status_code is StatusCode.ERROR
+    assert (submit.attributes or {})["messaging.message.id"] == "only"
+    assert [event.name for event in submit.events] == ["exception"]
+
+
+def test_without_an_sdk_the_caller_s_context_is_passed_on() -> None:
+    # OpenTelemetry's API alone (no provider set): nothing is recorded, but a context the
+    # application holds (another library's, or propagated to it) still goes out.
+    with submit_span("t") as span:
+        assert span.traceparent is None
+    caller = NonRecordingSpan(
+        SpanContext(int(TRACE, 16), int(PARENT, 16), False, TraceFlags(TraceFlags.SAMPLED))
+    )
+    with trace.use_span(caller), submit_span("t") as span:
+        assert span.traceparent == SAMPLED
+
+
+def test_without_opentelemetry_no_traceparent_is_sent() -> None:
+    code = (
+        "import sys\n"
+        "from importlib.abc import MetaPathFinder\n"
+        "class NotInstalled(MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'opentelemetry':\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, NotInstalled())\n"
+        "from producers.tracing import submit_span\n"
+        "with submit_span('t') as span:\n"
+        "    span.sent(['a'])\n"
+        "    print(span.traceparent)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "None"
