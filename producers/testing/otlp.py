@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gzip
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -43,6 +43,7 @@ class CollectedSpan:
     start_ns: int  # epoch nanoseconds
     end_ns: int
     attributes: Mapping[str, Value]
+    events: Sequence[tuple[str, int]]  # (name, epoch nanoseconds), in the order recorded
     status: str  # UNSET, OK, ERROR
     status_message: str
     resource: Mapping[str, Value]  # the exporting process's (service.name, ...)
@@ -140,6 +141,7 @@ def _decoded(request: ExportTraceServiceRequest) -> list[CollectedSpan]:
                         start_ns=span.start_time_unix_nano,
                         end_ns=span.end_time_unix_nano,
                         attributes=_attributes(span.attributes),
+                        events=[(event.name, event.time_unix_nano) for event in span.events],
                         status=Status.StatusCode.Name(span.status.code).removeprefix(
                             "STATUS_CODE_"
                         ),

@@ -1,25 +1,30 @@
-"""OpenTelemetry spans of traced requests, built once their answers are durable.
+"""OpenTelemetry spans of traced requests, made once their answers are durable.
 
 A request whose ``traceparent`` header names a trace continues that trace in the
-worker: one ``process <topic>`` span (kind CONSUMER) from the record's fetch to
-its answer being durable, a child of the request's context, with a child span
-for each stage it went through::
+worker: one ``process <topic>`` span (kind CONSUMER), a child of the request's
+context, from the record's fetch to its answer being durable in Redis and on the
+reply topic. Events on it mark where each stage began and ended::
 
-    submit conveyor.m.requests          (the producer's span: the SDK's, or any)
-    └── process conveyor.m.requests     fetched → durable in Redis and on the reply topic
-        ├── batch                       fetched → its batch starts (preprocess, batcher)
-        ├── model                       the batch's run on the model
-        └── publish                     the publish call that made its answer durable
+    submit conveyor.m.requests        the producer's span (the SDK's, or any)
+    └── process conveyor.m.requests   starts when the record is fetched
+          batch_start                 its batch leaves the batcher and starts on the model
+          model_finished              the model's outputs are ready
+          publish_start               the publish call that makes its answer durable starts
+                                      ends when that call has made it durable
 
-Every time is already measured for the result document and the metrics, so the
-spans are made afterwards, in one pass per publish call, with their real start
-and end times: nothing is carried through the stages and no thread but the event
-loop touches a span. A request without a traceparent gets no span; one whose
-context says not sampled gets what the sampler decides (by default none).
+Events rather than a child span per stage: the spans' cost is the SDK's, per span
+made and per span encoded for export, and one span with three events costs about a
+third of four spans (docs/operations.md#tracing).
+
+Every instant is already measured for the result document and the metrics, so the
+spans are made afterwards, in one pass per publish call on the event loop: nothing
+travels with a request through the stages. A request without a traceparent gets no
+span; one whose context says not sampled gets what the sampler decides (by default
+none, and a span that records nothing).
 
 Only imported when ``--tracing`` is on (``workers.app``): a worker with tracing
-off never loads OpenTelemetry's trace SDK and builds no span. The OpenTelemetry SDK reads
-its own variables: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``),
+off never loads OpenTelemetry's trace SDK and builds no span. The OpenTelemetry SDK
+reads its own variables: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``),
 ``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``,
 ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``.
 """
@@ -90,28 +95,30 @@ class Tracing:
     def record(self, outcomes: Sequence[Outcome], sent_ms: float, durable_ms: float) -> None:
         """Spans of the traced requests that ``outcomes`` answered, in a publish call
         made at ``sent_ms`` and durable at ``durable_ms`` (epoch ms)."""
+        sent_ns, durable_ns = int(sent_ms * _MS_NS), int(durable_ms * _MS_NS)
         for outcome in outcomes:
             timing = outcome.timing
             for item in outcome.answered:
                 traceparent = item.meta.traceparent
                 if traceparent is not None:
-                    process = self._process(
+                    span = self._process(
                         item.record, item.meta.id, traceparent, item.received_ms, timing
                     )
-                    self._end(process, sent_ms, durable_ms)
+                    span.add_event("publish_start", timestamp=sent_ns)
+                    span.end(durable_ns)
             for refusal in outcome.refused:
                 if refusal.traceparent is not None:
-                    process = self._process(
+                    span = self._process(
                         refusal.record,
                         refusal.request_id,
                         refusal.traceparent,
                         refusal.received_ms,
                         refusal.batch,
                     )
-                    if process.is_recording():
-                        process.set_attribute("error.type", refusal.code.value)
-                        process.set_status(Status(StatusCode.ERROR, refusal.message))
-                    self._end(process, sent_ms, durable_ms)
+                    span.set_attribute("error.type", refusal.code.value)
+                    span.set_status(Status(StatusCode.ERROR, refusal.message))
+                    span.add_event("publish_start", timestamp=sent_ns)
+                    span.end(durable_ns)
 
     def _process(
         self,
@@ -121,8 +128,9 @@ class Tracing:
         received_ms: float,
         batch: BatchTiming | None,
     ) -> trace.Span:
-        """The request's ``process`` span, a child of ``traceparent``, and its ``batch``
-        and ``model`` spans when it ran on the model."""
+        """The request's ``process`` span, a child of ``traceparent``, from its fetch, with
+        its batch's events when it ran on the model (a span that records nothing when
+        the sampler says so: every call on it does nothing)."""
         attributes: dict[str, str | int] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
@@ -134,35 +142,19 @@ class Tracing:
         }
         if request_id is not None:
             attributes["messaging.message.id"] = request_id
-        received_ns = int(received_ms * _MS_NS)
+        if batch is not None:
+            attributes["conveyor.batch.size"] = batch.size
         span = self._tracer.start_span(
             f"process {record.topic}",
             trace.set_span_in_context(NonRecordingSpan(_remote(traceparent))),
             SpanKind.CONSUMER,
             attributes,
-            start_time=received_ns,
+            start_time=int(received_ms * _MS_NS),
         )
-        if batch is not None and span.is_recording():
-            parent = trace.set_span_in_context(span)
-            start_ns = int(batch.start_ms * _MS_NS)
-            self._tracer.start_span("batch", parent, start_time=received_ns).end(start_ns)
-            model = self._tracer.start_span(
-                "model",
-                parent,
-                attributes={"conveyor.batch.size": batch.size},
-                start_time=start_ns,
-            )
-            model.end(int(batch.finished_ms * _MS_NS))
+        if batch is not None:
+            span.add_event("batch_start", timestamp=int(batch.start_ms * _MS_NS))
+            span.add_event("model_finished", timestamp=int(batch.finished_ms * _MS_NS))
         return span
-
-    def _end(self, process: trace.Span, sent_ms: float, durable_ms: float) -> None:
-        """The ``publish`` span under ``process``, then the end of both at ``durable_ms``."""
-        durable_ns = int(durable_ms * _MS_NS)
-        if process.is_recording():
-            parent = trace.set_span_in_context(process)
-            publish = self._tracer.start_span("publish", parent, start_time=int(sent_ms * _MS_NS))
-            publish.end(durable_ns)
-        process.end(durable_ns)
 
 
 def _remote(traceparent: str) -> SpanContext:
