@@ -377,6 +377,7 @@ async def overhead(bench: Bench) -> dict[str, Any]:
     # Spans are sent to a collector, as in production; it counts them and throws them away.
     collector = TraceCollector(keep=False) if bench.overhead_traced else None
     env = {} if collector is None else {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url}
+    profile = None
     async with bench.fresh_model("overhead") as (model, _topics, ids):
         with collector or contextlib.nullcontext():
             for repeat in range(plan.overhead_repeats):
@@ -395,14 +396,15 @@ async def overhead(bench: Bench) -> dict[str, Any]:
                     runs[name].append(
                         await bench.serve_backlog(config, records, batch_ids, label=name)
                     )
-        profile = None
-        if plan.profile_seconds:
-            count = int(plan.profile_seconds * OVERHEAD_GOAL)
-            records, batch_ids = _requests(model, SMALL_PAYLOAD, ContentType.TEXT, count, "p")
-            ids += batch_ids
-            config = bench.worker(IDENTITY, model, options)
-            await bench.serve_backlog(config, records, batch_ids, profile=profile_path)
-            profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
+            if plan.profile_seconds:
+                count = int(plan.profile_seconds * OVERHEAD_GOAL)
+                records, batch_ids = _requests(
+                    model, SMALL_PAYLOAD, ContentType.TEXT, count, "p", traced=bench.overhead_traced
+                )
+                ids += batch_ids
+                config = bench.worker(IDENTITY, model, options, env=env)
+                await bench.serve_backlog(config, records, batch_ids, profile=profile_path)
+                profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
     rates = {name: sorted(float(run["rate"]) for run in done) for name, done in runs.items()}
     rate = statistics.median(rates["current"])
     section: dict[str, Any] = {
