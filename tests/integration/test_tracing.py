@@ -5,14 +5,10 @@ the real broker and Redis."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.test.globals_test import reset_trace_globals
 from opentelemetry.trace import SpanKind
 
 from producers import AsyncClient, Client, ClientSettings, Status
@@ -22,20 +18,6 @@ from producers.testing.otlp import CollectedSpan, TraceCollector
 from schemas import ContentType, encode_request, topics_for
 
 WORKER_ID = "traced-worker"
-
-
-@pytest.fixture
-def sdk_spans() -> Iterator[InMemorySpanExporter]:
-    """This process's OpenTelemetry SDK, as an application sets it up, with its spans kept
-    in memory; the global provider is reset afterwards."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    assert trace.get_tracer_provider() is provider, "another test left a provider set"
-    yield exporter
-    reset_trace_globals()
-    provider.shutdown()
 
 
 def hex_ids(span: ReadableSpan) -> tuple[str, str]:

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.test.globals_test import reset_trace_globals
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 
 from producers.errors import InvalidInput
@@ -223,19 +221,6 @@ def test_a_worker_with_tracing_off_never_loads_the_tracing_sdk() -> None:
 
 
 # -- the SDK's submit span (producers.tracing) -----------------------------------------------
-
-
-@pytest.fixture
-def sdk_spans() -> Iterator[InMemorySpanExporter]:
-    """An application's OpenTelemetry SDK, its spans kept in memory; reset afterwards."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    assert trace.get_tracer_provider() is provider, "another test left a provider set"
-    yield exporter
-    reset_trace_globals()
-    provider.shutdown()
 
 
 def test_the_submit_span_is_what_each_request_carries(sdk_spans: InMemorySpanExporter) -> None:
