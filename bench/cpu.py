@@ -15,6 +15,9 @@ fresh model name (so fresh topics and consumer groups), each worker a real
    kind of backlog between the repeats, for a ratio measured in the same run;
    with ``--overhead-variant FLAGS`` this worker with those flags does too (e.g.
    ``--delivery exactly-once``, for the cost of transactions against at-least-once);
+   with ``--overhead-traced`` every request carries a sampled ``traceparent`` and the
+   workers export their spans to a collector the benchmark runs (``--tracing otlp`` as
+   the variant measures the cost of tracing every request);
    then a run sampled by py-spy (steady serving only) for the profile by area.
 3. latency: open-loop load at 25/50/75% of the digits CNN's peak (scenario 4's
    micro-batched rate); end-to-end percentiles from each result's timings
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -44,7 +48,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,6 +76,7 @@ from producers.testing import (
     read_results,
     requests,
 )
+from producers.testing.otlp import TraceCollector
 from schemas import ContentType, ModelTopics, OutgoingRecord, consumer_group, topics_for
 from workers.app import start_up_objects_frozen
 from workers.config.worker import WorkerSettings
@@ -122,6 +127,7 @@ class Bench:
     only: frozenset[str] = frozenset()  # scenarios to run; empty: all
     overhead_options: tuple[str, ...] = ()  # more worker flags for scenario 2 (both trees)
     overhead_variant: tuple[str, ...] = ()  # scenario 2 also runs this worker with these flags
+    overhead_traced: bool = False  # scenario 2's requests carry a traceparent; spans collected
 
     def model(self, scenario: str) -> str:
         return f"bench-{self.run_id}-{scenario}"
@@ -129,9 +135,15 @@ class Bench:
     # -- workers -----------------------------------------------------------------------
 
     def worker(
-        self, spec: str, model: str, options: Sequence[str], tree: Path = REPO
+        self,
+        spec: str,
+        model: str,
+        options: Sequence[str],
+        tree: Path = REPO,
+        env: Mapping[str, str] | None = None,
     ) -> WorkerConfig:
-        """``conveyor worker --model spec`` from the checkout ``tree``, with ``options``."""
+        """``conveyor worker --model spec`` from the checkout ``tree``, with ``options``
+        (and ``env`` over this process's environment)."""
         return WorkerConfig(
             model,
             self.services.kafka_bootstrap,
@@ -139,6 +151,7 @@ class Bench:
             model=spec,
             # The box has 2 cores; results outlive the run, to be read back after it.
             options=("--decode-threads", "2", "--result-ttl-s", "3600", *options),
+            env=env or {},
             cwd=tree,
         )
 
@@ -361,28 +374,37 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         arms["variant"] = (REPO, [*options, *bench.overhead_variant])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     profile_path = bench.log_dir / f"{bench.model('overhead')}.pyspy.txt"
+    # Spans are sent to a collector, as in production; it counts them and throws them away.
+    collector = TraceCollector(keep=False) if bench.overhead_traced else None
+    env = {} if collector is None else {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url}
+    profile = None
     async with bench.fresh_model("overhead") as (model, _topics, ids):
-        for repeat in range(plan.overhead_repeats):
-            for name, (tree, flags) in arms.items():
-                # Same topic and group: each worker gets only the records produced for it.
+        with collector or contextlib.nullcontext():
+            for repeat in range(plan.overhead_repeats):
+                for name, (tree, flags) in arms.items():
+                    # Same topic and group: each worker gets only the records produced for it.
+                    records, batch_ids = _requests(
+                        model,
+                        SMALL_PAYLOAD,
+                        ContentType.TEXT,
+                        plan.overhead_requests,
+                        f"{name}{repeat}",
+                        traced=bench.overhead_traced,
+                    )
+                    ids += batch_ids
+                    config = bench.worker(IDENTITY, model, flags, tree, env)
+                    runs[name].append(
+                        await bench.serve_backlog(config, records, batch_ids, label=name)
+                    )
+            if plan.profile_seconds:
+                count = int(plan.profile_seconds * OVERHEAD_GOAL)
                 records, batch_ids = _requests(
-                    model,
-                    SMALL_PAYLOAD,
-                    ContentType.TEXT,
-                    plan.overhead_requests,
-                    f"{name}{repeat}",
+                    model, SMALL_PAYLOAD, ContentType.TEXT, count, "p", traced=bench.overhead_traced
                 )
                 ids += batch_ids
-                config = bench.worker(IDENTITY, model, flags, tree)
-                runs[name].append(await bench.serve_backlog(config, records, batch_ids, label=name))
-        profile = None
-        if plan.profile_seconds:
-            count = int(plan.profile_seconds * OVERHEAD_GOAL)
-            records, batch_ids = _requests(model, SMALL_PAYLOAD, ContentType.TEXT, count, "p")
-            ids += batch_ids
-            config = bench.worker(IDENTITY, model, options)
-            await bench.serve_backlog(config, records, batch_ids, profile=profile_path)
-            profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
+                config = bench.worker(IDENTITY, model, options, env=env)
+                await bench.serve_backlog(config, records, batch_ids, profile=profile_path)
+                profile = pyspy_summary(profile_path, count) | {"samples_file": str(profile_path)}
     rates = {name: sorted(float(run["rate"]) for run in done) for name, done in runs.items()}
     rate = statistics.median(rates["current"])
     section: dict[str, Any] = {
@@ -397,6 +419,8 @@ async def overhead(bench: Bench) -> dict[str, Any]:
         "met": rate >= OVERHEAD_GOAL,
         "profile": profile,
     }
+    if collector is not None:
+        section["traced"] = {"exports": collector.exports, "bytes": collector.bytes}
     if "variant" in rates:
         variant = statistics.median(rates["variant"])
         section |= {
@@ -526,10 +550,17 @@ async def latency(bench: Bench, digits: Sequence[tuple[bytes, int]], peak: float
 
 
 def _requests(
-    model: str, payload: bytes, content_type: ContentType, count: int, tag: str = "r"
+    model: str,
+    payload: bytes,
+    content_type: ContentType,
+    count: int,
+    tag: str = "r",
+    *,
+    traced: bool = False,
 ) -> tuple[list[OutgoingRecord], list[str]]:
-    """``count`` requests of ``payload``, ids ``<model>-<tag>-<n>``."""
-    return requests([payload], count, f"{model}-{tag}", content_type, source="bench")
+    """``count`` requests of ``payload``, ids ``<model>-<tag>-<n>``; ``traced``: each with
+    a sampled traceparent."""
+    return requests([payload], count, f"{model}-{tag}", content_type, "bench", traced=traced)
 
 
 def _digit_requests(
@@ -788,6 +819,13 @@ def _parser() -> argparse.ArgumentParser:
         help="scenario 2 also runs this worker with these flags, interleaved, and reports the "
         "ratio, e.g. '--delivery exactly-once' for the cost of transactions",
     )
+    parser.add_argument(
+        "--overhead-traced",
+        action="store_true",
+        help="scenario 2's requests carry a sampled traceparent each, and workers export "
+        "spans to a collector on loopback: with --overhead-variant '--tracing otlp', the "
+        "cost of tracing every request",
+    )
     return parser
 
 
@@ -805,6 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         only=frozenset(name for name in args.only.split(",") if name),
         overhead_options=tuple(shlex.split(args.overhead_options)),
         overhead_variant=tuple(shlex.split(args.overhead_variant)),
+        overhead_traced=args.overhead_traced,
     )
     # aiokafka logs retries it recovers from (e.g. leader elections on new topics).
     logging.getLogger("aiokafka").setLevel(logging.ERROR)

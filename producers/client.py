@@ -34,6 +34,7 @@ from producers.payload import load_payload
 from producers.results import RequestStatus, ResultReader
 from producers.sender import RequestSender
 from producers.settings import ClientOptions, ClientSettings, settings_from
+from producers.tracing import submit_span
 from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
 
 T = TypeVar("T")
@@ -149,24 +150,30 @@ class AsyncClient:
         Every payload is read and checked before the first one is sent, so bad
         input sends nothing. Options apply to every request; ``request_ids``,
         when given, has one id per payload.
+
+        With OpenTelemetry set up by the application, the call is one ``submit`` span
+        whose context every request carries as its ``traceparent`` (``producers.tracing``).
         """
         topic = _request_topic(model, lane, self.settings)
-        ids, records, stored = self._encode_all(
-            list(payloads),
-            params=params,
-            deadline=_absolute(deadline),
-            request_ids=request_ids,
-            reply_to=reply_to,
-            content_type=content_type,
-        )
-        await self._uploader.store(stored)
-        if records and self.settings.track_status:
-            # Before sending: an id recorded and then not sent (a failed send) reads as
-            # queued, but one sent is never called unknown.
-            sent_ms = int(datetime.now(UTC).timestamp() * 1000)
-            await self._reader.mark_sent(ids, sent_ms, self.settings.status_ttl_s)
-        if records:
-            await self._sender.send(model, topic, records)
+        with submit_span(topic) as span:
+            ids, records, stored = self._encode_all(
+                list(payloads),
+                params=params,
+                deadline=_absolute(deadline),
+                request_ids=request_ids,
+                reply_to=reply_to,
+                content_type=content_type,
+                traceparent=span.traceparent,
+            )
+            span.sent(ids)
+            await self._uploader.store(stored)
+            if records and self.settings.track_status:
+                # Before sending: an id recorded and then not sent (a failed send) reads as
+                # queued, but one sent is never called unknown.
+                sent_ms = int(datetime.now(UTC).timestamp() * 1000)
+                await self._reader.mark_sent(ids, sent_ms, self.settings.status_ttl_s)
+            if records:
+                await self._sender.send(model, topic, records)
         return ids
 
     async def result(self, request_id: str) -> Result | None:
@@ -221,6 +228,7 @@ class AsyncClient:
         request_ids: Sequence[str] | None,
         reply_to: str | None,
         content_type: ContentType | str | None,
+        traceparent: str | None,
     ) -> tuple[list[str], list[OutgoingRecord], list[tuple[str, bytes]]]:
         """Records for every payload, and the payloads to store first (by request id)."""
         if request_ids is not None and len(request_ids) != len(payloads):
@@ -249,6 +257,7 @@ class AsyncClient:
                     params=params,
                     deadline=deadline,
                     reply_to=reply_to,
+                    traceparent=traceparent,
                     time=datetime.now(UTC),
                     dataref=dataref,
                     dataexpires=dataexpires,

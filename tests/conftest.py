@@ -16,6 +16,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.test.globals_test import reset_trace_globals
 from pydantic import SecretStr
 
 from demo.models.digits import build_digits_model, heldout_digits
@@ -144,6 +149,20 @@ async def kafka_admin_fixture(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaAdm
 def client_settings(kafka_bootstrap: str, redis_url: str) -> ClientSettings:
     """The SDK's settings for the services of `make up`."""
     return ClientSettings(kafka_bootstrap=kafka_bootstrap, redis_url=SecretStr(redis_url))
+
+
+@pytest.fixture
+def sdk_spans() -> Iterator[InMemorySpanExporter]:
+    """This process's OpenTelemetry SDK, set up as an application sets it up, keeping its
+    spans in memory (the SDK's submit spans); the global provider is reset afterwards."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    assert trace.get_tracer_provider() is provider, "another test left a provider set"
+    yield exporter
+    reset_trace_globals()
+    provider.shutdown()
 
 
 @pytest.fixture(scope="session")

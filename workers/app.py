@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
@@ -45,12 +46,15 @@ from workers.publish.answers import Answers
 from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 
+if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
+    from workers.observe.tracing import Tracing
+
 log = logging.getLogger("conveyor.worker")
 
 CLOSE_S = 15.0
 """After a drain (``--max-drain-ms`` at most), the time left to close connections and
-leave the consumer group (5 s at most each for the consumer and the producer) before
-the process exits anyway (docs/operations.md)."""
+leave the consumer group (5 s at most each for the consumer and the producer, 2 s for
+the last spans with tracing on) before the process exits anyway (docs/operations.md)."""
 
 
 @dataclass
@@ -116,6 +120,10 @@ async def run_worker(settings: WorkerSettings) -> None:
         )
         claims = parts.claims = await stack.enter_async_context(Claims.open(settings, metrics))
         admission = await stack.enter_async_context(Admission.open(settings, metrics))
+        tracing = None
+        if settings.tracing != "off":
+            tracing = _start_tracing(settings, group, handler.version)
+            stack.push_async_callback(tracing.aclose)  # after the drain: its spans go too
         pipeline = Pipeline(
             settings,
             consumer,
@@ -126,6 +134,7 @@ async def run_worker(settings: WorkerSettings) -> None:
             claims=claims,
             admission=admission,
             transactions=transactions,
+            tracing=tracing,
         )
         log.info(
             "worker %s ready: serving %s from %s (%s)",
@@ -211,6 +220,25 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
         return await check_topics(settings, topics)
     except (KafkaError, OSError) as exc:
         raise await kafka_connect_failed(settings.kafka_bootstrap, settings, exc) from None
+
+
+def _start_tracing(settings: WorkerSettings, group: str, model_version: str) -> Tracing:
+    """Spans of traced requests, exported as ``settings.tracing`` says; imported here, so a
+    worker with tracing off never loads the trace SDK (``workers.cli`` checks it is
+    installed before the model loads)."""
+    from workers.observe.tracing import Tracing
+
+    exporter = settings.tracing
+    assert exporter != "off"
+    tracing = Tracing.start(
+        exporter,
+        group=group,
+        worker=settings.worker_id,
+        model=settings.served_name,
+        model_version=model_version,
+    )
+    log.info("tracing on: spans of requests with a traceparent go to %s", settings.tracing)
+    return tracing
 
 
 def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Check]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import os
 import sys
 import textwrap
@@ -111,6 +112,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "worker_id",
         "log_level",
         "log_format",
+        "tracing",
         "metrics_host",
         "metrics_port",
         "unready_after_s",
@@ -403,6 +405,13 @@ def run(args: argparse.Namespace) -> int:
             f"{install_hint('worker')}",
             EXIT_NOT_INSTALLED,
         )
+    missing = _missing_for_tracing(settings.tracing)
+    if missing is not None:
+        return _fail(
+            f"--tracing {settings.tracing} needs the tracing extra, which is not installed "
+            f"(no module {missing!r}): {install_hint('tracing')}",
+            EXIT_NOT_INSTALLED,
+        )
     try:
         slots, cards = ([], []) if settings.processes == "1" else planned(settings)
         with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
@@ -420,6 +429,24 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # PermissionError, a read-only or full file system, ...
         return _fail(_os_error(exc), EXIT_ENVIRONMENT)
     return EXIT_STOPPED
+
+
+def _missing_for_tracing(tracing: str) -> str | None:
+    """The first module that ``--tracing`` needs and cannot find, or None; looked up, not
+    imported, before the model loads (``workers.observe.tracing`` imports them)."""
+    if tracing == "off":
+        return None
+    needed = ["opentelemetry.sdk.trace"]
+    if tracing == "otlp":
+        needed.append("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    for name in needed:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a package above it is missing
+            found = False
+        if not found:
+            return name
+    return None
 
 
 def _os_error(exc: OSError) -> str:

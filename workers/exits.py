@@ -22,7 +22,8 @@ EXIT_STATUSES: dict[int, str] = {
     "the message names the grant): an operator must act",
     EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
     "handshake or the credentials",
-    EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install",
+    EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install; "
+    "or --tracing is on without the tracing extra (OpenTelemetry)",
     EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
     "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
     EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "

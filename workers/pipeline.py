@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from schemas import topics_for
 from workers.batching.batcher import Batch
@@ -68,6 +68,9 @@ from workers.types import (
     TopicPartition,
     TransactionalSink,
 )
+
+if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
+    from workers.observe.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +103,13 @@ class Pipeline:
         claims: Claims | None = None,
         admission: Admission | None = None,
         transactions: TransactionalSink | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """``claims`` reads payloads by reference (none: every reference is refused);
         ``admission`` checks each batch for cancellations and marks it running as the
         model stage starts it (none: off);
-        ``transactions``: deliver exactly once through them (none: at least once)."""
+        ``transactions``: deliver exactly once through them (none: at least once);
+        ``tracing`` makes spans of the requests that carry a trace context (none: off)."""
         self._s = settings
         self._source = source
         self._metrics = metrics
@@ -137,7 +142,7 @@ class Pipeline:
         self._input_done = False
         self._fetch: asyncio.Future[Mapping[TopicPartition, Sequence[Record]]] | None = None
         self._ingested = asyncio.Event()  # set each time the fetch loop took a fetch's records
-        self._publishing = Publishing(self._delivery, metrics, self._lanes)
+        self._publishing = Publishing(self._delivery, metrics, self._lanes, tracing)
         self._outcomes = self._publishing.outcomes
         self._progress = self._publishing.progress
         source.on_revoke(self._release)

@@ -8,6 +8,7 @@ Topics are created and deleted with ``producers.admin`` (``create_model_topics``
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -44,12 +45,19 @@ def requests(
     prefix: str,
     content_type: ContentType,
     source: str = "tests",
+    *,
+    traced: bool = False,
 ) -> tuple[list[OutgoingRecord], list[str]]:
-    """``count`` requests cycling through ``payloads``, ids ``<prefix>-<n>``; and their ids."""
+    """``count`` requests cycling through ``payloads``, ids ``<prefix>-<n>``; and their ids.
+    ``traced``: each carries a sampled ``traceparent`` of a trace of its own."""
     ids = [f"{prefix}-{n}" for n in range(count)]
     records = [
         encode_request(
-            payloads[n % len(payloads)], request_id=i, content_type=content_type, source=source
+            payloads[n % len(payloads)],
+            request_id=i,
+            content_type=content_type,
+            source=source,
+            traceparent=f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01" if traced else None,
         )
         for n, i in enumerate(ids)
     ]

@@ -5,7 +5,8 @@ refuses some modules (a meta-path finder put first), as if they were not
 installed: the ``workers`` package itself, or the worker extra's torch and
 torchvision (today's client-only install, where the package is there but its
 extra is not). ``tests/packaging/test_install.py`` checks the same on a real
-client-only install built from the sources.
+client-only install built from the sources. A worker asked for spans (``--tracing``)
+without OpenTelemetry says which extra to install in the same way.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ def test_worker_without_the_worker_says_what_to_install(blocked: str) -> None:
     assert line.endswith(install_hint("worker"))
     # Nothing refused was imported: the command never got past the missing part.
     assert outcome["loaded"] == ([] if blocked == "workers" else ["workers"])
+
+
+@pytest.mark.parametrize("exporter", ["otlp", "console"])
+def test_worker_tracing_without_the_tracing_extra_says_what_to_install(exporter: str) -> None:
+    outcome = _conveyor_without(
+        "opentelemetry", "worker", "--model", "digits", "--tracing", exporter
+    )
+    assert outcome["status"] == EXIT_NOT_INSTALLED
+    [line] = str(outcome["stderr"]).splitlines()
+    assert line.startswith(f"conveyor worker: --tracing {exporter} needs the tracing extra")
+    assert line.endswith(install_hint("tracing"))
 
 
 def test_client_commands_work_without_the_worker_package() -> None:

@@ -344,6 +344,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     log_format: Literal["text", "json"] = Field(
         default="text", description="text for people, json (one object per line) for collectors"
     )
+    tracing: Literal["off", "otlp", "console"] = Field(
+        default="off",
+        description="OpenTelemetry spans of each request that carries a traceparent, as "
+        "children of it: otlp = to OTEL_EXPORTER_OTLP_ENDPOINT over HTTP, console = JSON on "
+        "stdout (needs the tracing extra; docs/operations.md#tracing)",
+    )
 
     # Operations: /metrics, /healthz and /readyz on one HTTP port.
     metrics_host: str = Field(

@@ -6,26 +6,40 @@ the delivery's ``at_once`` calls are in progress at a time (at least once: a cal
 for the broker's acknowledgements while the next one writes; exactly once: one after
 another). ``None`` on the queue ends the stage once every call has finished; an outcome
 of a failed device ends it after the calls in progress, raising the device's error.
+
+With tracing on (``workers.observe.tracing``), each call's traced requests get their
+spans once the call has made them durable; off, nothing here looks at a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from workers.batching.lanes import LaneTopics
 from workers.delivery.policies import Delivery
 from workers.observe.metrics import Metrics
 from workers.types import DeviceLost, Outcome
 
+if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
+    from workers.observe.tracing import Tracing
+
 
 class Publishing:
     """Delivers outcomes as they come and counts what became durable."""
 
-    def __init__(self, delivery: Delivery, metrics: Metrics, lanes: LaneTopics) -> None:
+    def __init__(
+        self,
+        delivery: Delivery,
+        metrics: Metrics,
+        lanes: LaneTopics,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._delivery = delivery
         self._metrics = metrics
         self._lanes = lanes
+        self._tracing = tracing
         self.outcomes: asyncio.Queue[Outcome | None] = asyncio.Queue()
         self.progress = asyncio.Event()
         """Set after every delivery call (cleared by whoever waits for the next)."""
@@ -65,11 +79,14 @@ class Publishing:
         return outcomes, False
 
     async def _deliver(self, outcomes: list[Outcome], slots: asyncio.Semaphore) -> None:
+        sent_ms = time.time() * 1000.0
         try:
             delivered = await self._delivery.deliver(outcomes)
         finally:
             slots.release()
         durable_ms = time.time() * 1000.0
+        if self._tracing is not None:
+            self._tracing.record(delivered.outcomes, sent_ms, durable_ms)
         for built in delivered.built:
             self._metrics.observe_results(
                 built.statuses,
