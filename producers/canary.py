@@ -60,6 +60,9 @@ class CanaryReport:
     markers: dict[str, int]  # "topic[partition]" -> the marker's offset
     placed: list[str] = field(default_factory=list)
     """Partitions ("topic[partition]") where the canary group was placed at the marker."""
+    canary_workers: int = 0
+    """Members of the canary group when the markers were written: with none, its share
+    waits in the topics until one starts."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ async def set_canary_share(
     async with _admin(settings) as admin:
         partitions = await _request_partitions(admin, settings, model)
         committed = await admin.list_consumer_group_offsets(group, partitions=partitions)
+        members = await _members(admin, group)
     unplaced = [tp for tp in partitions if tp not in committed or committed[tp].offset < 0]
     markers = await _write_markers(settings, partitions, points, source)
     if unplaced:
@@ -99,6 +103,7 @@ async def set_canary_share(
         points / BUCKETS,
         {_name(tp): offset for tp, offset in sorted(markers.items())},
         [_name(tp) for tp in sorted(unplaced)],
+        members,
     )
 
 
@@ -169,6 +174,17 @@ async def _request_partitions(
         TopicPartition(str(topic["topic"]), int(part["partition"]))
         for topic in described
         for part in topic["partitions"]
+    )
+
+
+async def _members(admin: AIOKafkaAdminClient, group: str) -> int:
+    """How many members ``group`` has now."""
+    responses = await admin.describe_consumer_groups([group])
+    return sum(
+        len(found["members"])
+        for response in responses
+        for found in response.to_object()["groups"]
+        if found["group"] == group
     )
 
 

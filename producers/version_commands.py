@@ -83,6 +83,12 @@ async def _canary(args: argparse.Namespace, settings: ClientSettings) -> int:
         + (f"; the canary group starts at them on {len(done.placed)}" if done.placed else ""),
         file=sys.stderr,
     )
+    if done.share and not done.canary_workers:
+        print(
+            f"no canary worker runs yet: its share waits in the topics until one does "
+            f"(conveyor worker --model-name {args.model} --canary ...)",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

@@ -75,6 +75,8 @@ async def test_the_canary_answers_its_share_and_widening_keeps_one_answer_per_id
     [placed] = json_lines(out)
     assert placed["share"] == 0.1
     assert len(placed["markers"]) == len(placed["placed"]) == PARTITIONS  # the group's start
+    assert placed["canary_workers"] == 0
+    assert "no canary worker runs yet" in err
 
     flags = [*both, "--max-batch-size", "16", "--model-options", json.dumps(CANARY), "--canary"]
     canary = workers.start(*flags, model=SPEC)
@@ -88,6 +90,7 @@ async def test_the_canary_answers_its_share_and_widening_keeps_one_answer_per_id
     assert status == 0, err
     [widened] = json_lines(out)
     assert widened["placed"] == []  # the group has its positions: only markers
+    assert widened["canary_workers"] == 1
     waiting = PER_SHARE - await count_results(redis_url, first_ids)
     assert waiting > 0  # the widening landed behind requests not answered yet
     second, second_ids = versioned_requests(PER_SHARE, f"{model_name}-b")
