@@ -48,10 +48,7 @@ SESSION_TIMEOUT_MS = "60000"
 def write_config(path: Path, version: str) -> None:
     """A host's config file: the version (and how it answers) is all that changes."""
     drift = DRIFTS[version]
-    path.write_text(
-        f'model_options = {{ version = "{version}", drift = {drift}, slow_ms = 20 }}\n'
-        f"session_timeout_ms = {SESSION_TIMEOUT_MS}\n"
-    )
+    path.write_text(f'model_options = {{ version = "{version}", drift = {drift}, slow_ms = 20 }}\n')
 
 
 def host(workers: Fleet, config: Path, *flags: str) -> WorkerProcess:

@@ -83,15 +83,16 @@ class Split:
         self._role = role
         self._shares: dict[TopicPartition, _Shares] = {}
         self.latest = 0
-        """The share (basis points) of the last marker read, or committed where it resumed."""
+        """The share (basis points) of the last marker read, or committed where it last
+        resumed."""
 
     def resume(self, tp: TopicPartition, position: int, note: str | None) -> None:
         """``tp`` is read from ``position`` on, where the share is what ``note`` (the metadata
         committed with that position) records: 0 when it records none."""
         points = read_note(note)
         self._shares[tp] = _Shares(position, points)
+        self.latest = points
         if points:
-            self.latest = points
             log.info(
                 "%s[%d]: canary share %s at offset %d, as committed",
                 *tp,
