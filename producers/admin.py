@@ -58,9 +58,11 @@ async def create_model_topics(
     *,
     configs: Mapping[Role, Mapping[str, str]] | None = None,
     leaders: Mapping[Role, int] | None = None,
+    shadow: bool = False,
 ) -> list[TopicState]:
     """Create ``model``'s request and result topics with ``partitions`` partitions, and its DLQ;
-    with ``lanes``, a request topic per priority lane too (``<requests>.<lane>``).
+    with ``lanes``, a request topic per priority lane too (``<requests>.<lane>``); with
+    ``shadow``, the results topic of its shadow workers (``<prefix>.<model>.shadow-results``).
 
     Every new topic gets ``max.message.bytes`` from ``settings.limits``, and the
     settings ``configs`` names for its role. ``leaders`` names a broker per role
@@ -80,6 +82,8 @@ async def create_model_topics(
     wanted: dict[str, tuple[Role, int]] = {topics.requests: ("requests", partitions)}
     wanted |= dict.fromkeys(lane_topics, ("requests", partitions))
     wanted[topics.results] = ("results", partitions)
+    if shadow:
+        wanted[topics.shadow_results] = ("results", partitions)
     wanted[topics.dlq] = ("dlq", _DLQ_PARTITIONS)
     admin = _admin(settings)
     try:
@@ -115,9 +119,16 @@ async def create_model_topics(
 async def delete_model_topics(
     settings: ClientSettings, model: str, lanes: Sequence[str] = ()
 ) -> None:
-    """Delete ``model``'s topics (those of ``lanes`` too); topics already gone are no error."""
+    """Delete ``model``'s topics (those of ``lanes``, and its shadow results topic, too);
+    topics already gone are no error."""
     topics = topics_for(model, settings.topic_prefix)
-    names = [topics.requests, *(topics.lane(lane) for lane in lanes), topics.results, topics.dlq]
+    names = [
+        topics.requests,
+        *(topics.lane(lane) for lane in lanes),
+        topics.results,
+        topics.dlq,
+        topics.shadow_results,
+    ]
     admin = _admin(settings)
     try:
         async with asyncio.timeout(settings.connect_timeout_s * 3):

@@ -1,9 +1,9 @@
 """The ``conveyor`` command.
 
-The client commands (submit, result, status, wait, cancel, topics, results, stream) live
-in this package and need only the client install. Other commands come from the
-packages that own them, through the entry-point group ``COMMANDS``
-(``pyproject.toml``): ``conveyor worker`` is ``workers.cli``'s, so this package
+The client commands (submit, result, status, wait, cancel, topics, results, stream,
+canary, compare) live in this package and need only the client install. Other
+commands come from the packages that own them, through the entry-point group
+``COMMANDS`` (``pyproject.toml``): ``conveyor worker`` is ``workers.cli``'s, so this package
 never imports the worker. A command whose package is not installed, or cannot
 be imported, says which extra to install. ``--kafka-bootstrap`` and
 ``--redis-url`` may come before the command or after it.
@@ -19,6 +19,7 @@ from importlib.metadata import entry_points, version
 from common.install import DISTRIBUTION, install_hint
 from producers.commands import CONNECTION_OPTIONS, add_client_commands, connection_options
 from producers.rebuild_command import add_results_commands
+from producers.version_commands import add_version_commands
 from producers.video import add_stream_command
 
 COMMANDS = "conveyor_serve.commands"
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_commands(commands, connection)
     add_results_commands(commands, connection)
     add_stream_command(commands, connection)
+    add_version_commands(commands, connection)
     return parser
 
 

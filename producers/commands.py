@@ -148,6 +148,12 @@ def add_client_commands(
         "--partitions", type=int, required=True, help=">= the most workers planned for the model"
     )
     create.add_argument("--replication-factor", type=int, default=1)
+    create.add_argument(
+        "--shadow",
+        action="store_true",
+        help="also conveyor.MODEL.shadow-results, where shadow workers (conveyor worker "
+        "--shadow) write",
+    )
     create.set_defaults(handler=runner(_topics_create))
 
 
@@ -293,7 +299,7 @@ async def _wait(args: argparse.Namespace, settings: ClientSettings) -> int:
 async def _topics_create(args: argparse.Namespace, settings: ClientSettings) -> int:
     lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
     states = await create_model_topics(
-        settings, args.model, args.partitions, args.replication_factor, lanes
+        settings, args.model, args.partitions, args.replication_factor, lanes, shadow=args.shadow
     )
     topics = topics_for(args.model, settings.topic_prefix)  # checked by the call above
     request_topics = {topics.requests, *(topics.lane(lane) for lane in lanes)}

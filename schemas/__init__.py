@@ -13,6 +13,7 @@ from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.naming import (
     DEFAULT_LANE,
     ModelTopics,
+    Role,
     cancel_key,
     consumer_group,
     is_valid_request_id,
@@ -68,6 +69,7 @@ __all__ = [
     "Request",
     "RequestMeta",
     "Result",
+    "Role",
     "Status",
     "Timings",
     "cancel_key",

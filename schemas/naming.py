@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from schemas.errors import ContractError, ErrorCode
 
@@ -17,19 +18,24 @@ _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 DEFAULT_RESULT_PREFIX = "conveyor:result:"
 CANCEL_PREFIX = "conveyor:cancel:"
 STATUS_PREFIX = "conveyor:status:"
-_LONGEST_SUFFIX = len(".requests")
+_LONGEST_SUFFIX = len(".shadow-results")
 DEFAULT_LANE = "default"
 """The lane name of a model's plain request topic, ``<prefix>.<model>.requests``."""
 _LANE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+Role = Literal["primary", "canary", "shadow"]
+"""What a model's workers are to its callers: the primary group answers them, a canary
+answers a share of them (``schemas.canary``), a shadow answers none (its results go to
+the shadow results topic only, for ``conveyor compare``)."""
 
 
 @dataclass(frozen=True)
 class ModelTopics:
-    """The three topics of one model."""
+    """The topics of one model."""
 
     requests: str  # where producers send requests
     results: str  # where workers publish results (unless a request names ce_replyto)
     dlq: str  # where records that cannot get a result go, with the reason in headers
+    shadow_results: str  # where shadow workers publish theirs (never read by callers)
 
     def lane(self, name: str) -> str:
         """The request topic of priority lane ``name``: ``<requests>.<name>``, and the
@@ -77,7 +83,7 @@ def _check_fragment(what: str, value: str) -> None:
 
 
 def topics_for(model: str, prefix: str = "conveyor") -> ModelTopics:
-    """Topics ``<prefix>.<model>.requests``, ``.results`` and ``.dlq``.
+    """Topics ``<prefix>.<model>.requests``, ``.results``, ``.dlq`` and ``.shadow-results``.
 
     Raises ``ValueError`` when ``model`` or ``prefix`` has characters Kafka
     refuses in topic names, or when the names would be too long.
@@ -87,17 +93,24 @@ def topics_for(model: str, prefix: str = "conveyor") -> ModelTopics:
     base = f"{prefix}.{model}"
     if len(base) + _LONGEST_SUFFIX > MAX_TOPIC_LENGTH:
         raise ValueError(
-            f"model name {model!r} is too long: topic {base}.requests would have "
+            f"model name {model!r} is too long: topic {base}.shadow-results would have "
             f"{len(base) + _LONGEST_SUFFIX} characters, Kafka allows {MAX_TOPIC_LENGTH}"
         )
-    return ModelTopics(requests=f"{base}.requests", results=f"{base}.results", dlq=f"{base}.dlq")
+    return ModelTopics(
+        requests=f"{base}.requests",
+        results=f"{base}.results",
+        dlq=f"{base}.dlq",
+        shadow_results=f"{base}.shadow-results",
+    )
 
 
-def consumer_group(model: str, prefix: str = "conveyor") -> str:
-    """The consumer group of a model's workers: ``<prefix>.<model>``."""
+def consumer_group(model: str, prefix: str = "conveyor", role: Role = "primary") -> str:
+    """The consumer group of a model's workers: ``<prefix>.<model>``; a canary's and a
+    shadow's are ``<prefix>.<model>.canary`` and ``<prefix>.<model>.shadow``."""
     _check_fragment("model name", model)
     _check_fragment("group prefix", prefix)
-    return f"{prefix}.{model}"
+    base = f"{prefix}.{model}"
+    return base if role == "primary" else f"{base}.{role}"
 
 
 def result_key(request_id: str, prefix: str = DEFAULT_RESULT_PREFIX) -> str:

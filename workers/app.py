@@ -23,7 +23,7 @@ from common.security import (
     redis_location,
     redis_options,
 )
-from schemas import ModelTopics, consumer_group, topics_for
+from schemas import ModelTopics
 from schemas.fastpath import ResultEncoder
 from workers.config.profiles import tuned
 from workers.config.worker import WorkerSettings
@@ -32,6 +32,7 @@ from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
 from workers.handlers.base import ImageModel
 from workers.intake.admission import Admission
+from workers.intake.canary import Split
 from workers.intake.references import Claims
 from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
@@ -45,6 +46,7 @@ from workers.pipeline import Pipeline
 from workers.publish.answers import Answers
 from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
+from workers.publish.shadow import NoResultStore
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
     from workers.observe.tracing import Tracing
@@ -74,7 +76,7 @@ async def run_worker(settings: WorkerSettings) -> None:
     Raises ``ConfigError`` (missing topics, refused ACLs) and ``ConnectFailed``
     (Kafka or Redis unreachable) for the CLI to report in one line.
     """
-    topics = topics_for(settings.served_name, settings.topic_prefix)
+    topics = settings.topics
     # Before anything large is allocated: glibc stops adapting its threshold once one is set.
     if settings.fetch_buffers:
         fetch_buffers.keep_large_buffers()
@@ -82,7 +84,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         _give_large_frees_back()
     # First, so a stop during start-up is a clean one too.
     stop = _stop_on_signals(settings.max_drain_ms / 1000.0 + CLOSE_S)
-    metrics = Metrics(settings.served_name)
+    metrics = Metrics(settings.served_name, role=settings.role)
     parts = _Parts(stop)
     async with AsyncExitStack() as stack:
         stack.enter_context(switch_interval(settings.switch_interval_ms))
@@ -102,21 +104,28 @@ async def run_worker(settings: WorkerSettings) -> None:
         if stop.is_set():
             return
         handler = runner.handler
+        metrics.serving(handler.version)
         encoder = ResultEncoder(settings.served_name, handler.version, settings.worker_id)
+        store = NoResultStore() if settings.shadow else None  # a shadow never writes Redis
         publisher = parts.publisher = await stack.enter_async_context(
-            Publisher(settings, topics, facts, encoder, metrics=metrics)
+            Publisher(settings, topics, facts, encoder, store, metrics)
         )
-        group = consumer_group(settings.served_name, settings.topic_prefix)
+        group = settings.group
         request_topics = [topics.lane(lane.name) for lane in settings.request_lanes]
-        consumer = Consumer(settings, request_topics, group, metrics)
+        split = Split(settings.role)
+        consumer = Consumer(settings, request_topics, group, metrics, split)
         transactions = None
         if settings.delivery == "exactly-once":
-            transactions = Transactions(publisher, group, settings.transaction_timeout_ms)
+            transactions = Transactions(publisher, group, settings.transaction_timeout_ms, split)
             stack.push_async_callback(transactions.aclose)
             consumer.on_assign(transactions.open)  # fence the previous owner, then fetch
         parts.consumer = await stack.enter_async_context(consumer)
         answers = Answers(
-            settings.served_name, handler.version, settings.worker_id, publisher.max_result_bytes
+            settings.served_name,
+            handler.version,
+            settings.worker_id,
+            publisher.max_result_bytes,
+            shadow=settings.shadow,
         )
         claims = parts.claims = await stack.enter_async_context(Claims.open(settings, metrics))
         admission = await stack.enter_async_context(Admission.open(settings, metrics))
@@ -135,12 +144,17 @@ async def run_worker(settings: WorkerSettings) -> None:
             admission=admission,
             transactions=transactions,
             tracing=tracing,
+            split=split,
         )
         log.info(
-            "worker %s ready: serving %s from %s (%s)",
+            "worker %s ready: serving %s, version %s, as %s (group %s) from %s to %s (%s)",
             settings.worker_id,
             settings.served_name,
+            handler.version,
+            settings.role,
+            group,
             ", ".join(request_topics),
+            topics.results,
             settings.delivery,
         )
         with start_up_objects_frozen():
@@ -201,8 +215,17 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
 
     Raises ``ConnectFailed`` naming the service that could not be reached (or refused the
     credentials), ``RedisRefused`` naming the grant Redis refused, ``TopicProblem`` for
-    missing or forbidden topics.
+    missing or forbidden topics. A shadow, which never writes to Redis, does not ask it.
     """
+    if not settings.shadow:
+        await _redis_answers(settings)
+    try:
+        return await check_topics(settings, topics)
+    except (KafkaError, OSError) as exc:
+        raise await kafka_connect_failed(settings.kafka_bootstrap, settings, exc) from None
+
+
+async def _redis_answers(settings: WorkerSettings) -> None:
     redis = aioredis.Redis.from_url(
         settings.redis_url.get_secret_value(), socket_connect_timeout=5, **redis_options(settings)
     )
@@ -216,10 +239,6 @@ async def _preflight(settings: WorkerSettings, topics: ModelTopics) -> TopicFact
         raise refused or redis_connect_failed(settings.redis_url, exc) from None
     finally:
         await redis.aclose()
-    try:
-        return await check_topics(settings, topics)
-    except (KafkaError, OSError) as exc:
-        raise await kafka_connect_failed(settings.kafka_bootstrap, settings, exc) from None
 
 
 def _start_tracing(settings: WorkerSettings, group: str, model_version: str) -> Tracing:

@@ -128,6 +128,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "cancellation",
         "track_status",
     ),
+    "canary and shadow": ("canary", "shadow"),
     "configuration": ("config_file",),
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""

@@ -49,6 +49,7 @@ from workers.delivery.policies import delivery_for
 from workers.delivery.stage import Publishing
 from workers.handlers.base import Handler
 from workers.intake.admission import Admission
+from workers.intake.canary import Split
 from workers.intake.ingest import INLINE_BYTES, Ingest
 from workers.intake.references import Claims
 from workers.model.inference import Inference, expired_refusal, superseded_refusal
@@ -104,12 +105,15 @@ class Pipeline:
         admission: Admission | None = None,
         transactions: TransactionalSink | None = None,
         tracing: Tracing | None = None,
+        split: Split | None = None,
     ) -> None:
         """``claims`` reads payloads by reference (none: every reference is refused);
         ``admission`` checks each batch for cancellations and marks it running as the
         model stage starts it (none: off);
         ``transactions``: deliver exactly once through them (none: at least once);
-        ``tracing`` makes spans of the requests that carry a trace context (none: off)."""
+        ``tracing`` makes spans of the requests that carry a trace context (none: off).
+        ``split``: which records this worker's group answers under canary markers (the
+        one the source commits notes of; none: a split of its own for its role)."""
         self._s = settings
         self._source = source
         self._metrics = metrics
@@ -119,6 +123,7 @@ class Pipeline:
             answers, sink, self._tracker, source, transactions, settings.publishes_in_flight
         )
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
+        self._split = split or Split(settings.role)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
         self._inference = Inference(
             runner,
@@ -212,6 +217,13 @@ class Pipeline:
 
     def _ingest_chunk(self, tp: TopicPartition, records: Sequence[Record]) -> None:
         span = self._tracker.open(tp, records[0].offset, records[-1].offset, len(records))
+        records, skipped = self._split.take(tp, records)
+        if skipped:  # canary markers, and requests the model's other group answers
+            self._tracker.finish(span, skipped)
+            self._metrics.skipped(skipped, self._split.latest)
+            self._delivery.skipped()
+            if not records:
+                return
         items, refused, referenced = self._ingest.parse(records, span)
         framed = [item for item in items if item.meta.stream is not None]
         if framed:

@@ -253,6 +253,18 @@ class RecordSource(Protocol):
         """Per partition, records not fetched yet."""
 
 
+class PositionNotes(Protocol):
+    """What a commit records besides a position: the canary share in effect there
+    (``workers.intake.canary.Split``)."""
+
+    def note(self, tp: TopicPartition, position: int) -> str:
+        """The metadata to commit with ``position`` of ``tp``."""
+
+    def resume(self, tp: TopicPartition, position: int, note: str | None) -> None:
+        """``tp`` is read from ``position`` on; ``note`` is the metadata committed with it
+        (None: nothing was committed)."""
+
+
 class ResultSink(Protocol):
     """Where answers go: Redis and the reply topic (``workers.publish.publisher.Publisher``)."""
 

@@ -46,7 +46,8 @@ async def test_metrics_endpoint() -> None:
         status, headers, body = await get(server.port, "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    assert b'conveyor_requests_total{model="digits",status="ok"} 0.0' in body
+    ok = b'conveyor_requests_total{model="digits",role="primary",status="ok",version=""} 0.0'
+    assert ok in body
     assert b'conveyor_ready{model="digits"} 1.0' in body  # readiness evaluated for the scrape
 
 

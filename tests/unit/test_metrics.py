@@ -18,9 +18,19 @@ from workers.observe.instruments import BulkHistogram, RateMeter, drain_seconds
 from workers.observe.metrics import Metrics, cuda_memory_allocated
 
 MODEL = {"model": "digits"}
+VERSIONED = (
+    "conveyor_requests_total",
+    "conveyor_queue_wait_seconds",
+    "conveyor_inference_seconds",
+    "conveyor_end_to_end_seconds",
+)
+"""Families labelled with the version and role too: a worker before its model loaded has
+version "" and, unless told, the primary role."""
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    if name.startswith(VERSIONED):
+        labels = {"version": "", "role": "primary", **labels}
     return metrics.registry.get_sample_value(name, {**MODEL, **labels})
 
 
@@ -138,6 +148,33 @@ def test_batches() -> None:
     assert sample(metrics, "conveyor_inference_seconds_count") == 2
     assert sample(metrics, "conveyor_queue_wait_seconds_count") == 37
     assert sample(metrics, "conveyor_queue_wait_seconds_bucket", le="0.1") == 36
+
+
+def test_once_serving_the_series_are_the_versions_and_say_so() -> None:
+    metrics = Metrics("digits", role="canary")
+    metrics.serving("digits-v2")
+    metrics.observe_results({"ok": 4, "error": 1}, [0.02] * 5)
+    metrics.observe_batch(4, [0.001] * 4, 0.01)
+    labels = {"version": "digits-v2", "role": "canary"}
+    assert sample(metrics, "conveyor_requests_total", status="ok", **labels) == 4
+    assert sample(metrics, "conveyor_requests_total", status="error", **labels) == 1
+    assert sample(metrics, "conveyor_requests_total", status="expired", **labels) == 0
+    assert sample(metrics, "conveyor_end_to_end_seconds_count", **labels) == 5
+    assert sample(metrics, "conveyor_queue_wait_seconds_count", **labels) == 4
+    assert sample(metrics, "conveyor_inference_seconds_count", **labels) == 1
+    assert sample(metrics, "conveyor_model_info", **labels) == 1
+    # The series of the version not known yet are gone, not left at 0 beside the real ones.
+    text = metrics.render().decode()
+    assert 'version=""' not in text
+    assert metrics.totals().by_status == {"ok": 4, "error": 1}
+
+
+def test_records_left_to_the_other_group_and_the_share() -> None:
+    metrics = Metrics("digits")
+    metrics.skipped(90, 1000)
+    metrics.skipped(10, 5000)
+    assert sample(metrics, "conveyor_skipped_total") == 100
+    assert sample(metrics, "conveyor_canary_share") == 0.5
 
 
 def test_dead_letters_duplicates_and_in_flight() -> None:

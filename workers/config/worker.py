@@ -14,6 +14,7 @@ import json
 import os
 import re
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -32,6 +33,9 @@ from schemas import (
     DEFAULT_LANE,
     DEFAULT_LIMITS,
     Limits,
+    ModelTopics,
+    Role,
+    consumer_group,
     topics_for,
 )
 from workers.batching.lanes import LaneSpec, checked_lanes, parse_lanes
@@ -141,6 +145,20 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     allow_pickle_models: bool = Field(
         default=False,
         description="allow model files that are unpickled on load (torch.export archives)",
+    )
+
+    # Beside the primary workers: a canary or a shadow of another version.
+    canary: bool = Field(
+        default=False,
+        description="serve as the model's canary: consumer group PREFIX.MODEL.canary on the "
+        "same request topics, answering the share of requests that the conveyor canary "
+        "command gives it while the primary group answers the rest (docs/operations.md)",
+    )
+    shadow: bool = Field(
+        default=False,
+        description="serve as a shadow: consumer group PREFIX.MODEL.shadow on the same request "
+        "topics, every result to PREFIX.MODEL.shadow-results only, never to Redis, a reply "
+        "topic or the dead-letter topic, so callers never see it (conveyor compare reads it)",
     )
 
     # One host: the processes, their cards, and the tuning they share.
@@ -455,6 +473,23 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         return self
 
     @model_validator(mode="after")
+    def _check_role(self) -> WorkerSettings:
+        if self.canary and self.shadow:
+            raise ValueError("a worker is a canary or a shadow, not both: pick one")
+        if self.shadow and self.track_status:
+            raise ValueError(
+                "track_status writes to Redis, which a shadow never does: leave it off "
+                "for --shadow workers"
+            )
+        if self.shadow and self.delivery == "exactly-once":
+            raise ValueError(
+                "a shadow delivers at least once (its results topic is read by conveyor "
+                "compare, which takes each id's first result): leave delivery at "
+                "at-least-once for --shadow workers"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_drain(self) -> WorkerSettings:
         if self.max_drain_ms + _COMMIT_ROOM_MS > self.rebalance_timeout_ms:
             raise ValueError(
@@ -471,6 +506,23 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
             return self.model_name
         tail = re.split(r"[:/]", self.model)[-1]
         return re.sub(r"\.(pt2?|pth|ts)$", "", tail) or self.model
+
+    @property
+    def role(self) -> Role:
+        """What this worker is to the model's callers: primary, canary or shadow."""
+        return "canary" if self.canary else "shadow" if self.shadow else "primary"
+
+    @property
+    def group(self) -> str:
+        """The consumer group this worker joins (its role's: ``schemas.consumer_group``)."""
+        return consumer_group(self.served_name, self.topic_prefix, self.role)
+
+    @property
+    def topics(self) -> ModelTopics:
+        """The model's topics as this worker uses them: a shadow's results go to the shadow
+        results topic."""
+        topics = topics_for(self.served_name, self.topic_prefix)
+        return replace(topics, results=topics.shadow_results) if self.shadow else topics
 
     @property
     def max_delay_s(self) -> float:

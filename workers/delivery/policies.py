@@ -62,6 +62,10 @@ class Delivery(Protocol):
     async def flush(self, partitions: Collection[TopicPartition] | None = None) -> None:
         """Commit now what may be committed (of ``partitions`` only, when given)."""
 
+    def skipped(self) -> None:
+        """Records were finished without an answer (left to the model's other consumer
+        group): commit past them soon."""
+
     async def release(self, partitions: Collection[TopicPartition]) -> None:
         """``partitions`` go to another worker after their drain: commit what may be."""
 
@@ -101,6 +105,9 @@ class AtLeastOnce:
 
     async def flush(self, partitions: Collection[TopicPartition] | None = None) -> None:
         await self._committer.flush(partitions)
+
+    def skipped(self) -> None:
+        self._committer.request()
 
     async def release(self, partitions: Collection[TopicPartition]) -> None:
         await self._committer.flush(partitions)
@@ -156,6 +163,9 @@ class ExactlyOnce:
 
     async def flush(self, partitions: Collection[TopicPartition] | None = None) -> None:
         """Nothing to do: every transaction committed its position with its answers."""
+
+    def skipped(self) -> None:
+        """Nothing to do: the next transaction of the partition commits past them."""
 
     async def release(self, partitions: Collection[TopicPartition]) -> None:
         for tp in partitions:

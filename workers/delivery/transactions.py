@@ -35,7 +35,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from workers.publish.errors import WriteRefused
 from workers.publish.publisher import Publisher
-from workers.types import Committed, PartitionCommit
+from workers.types import Committed, PartitionCommit, PositionNotes
 from workers.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,17 @@ class Transactions:
     """The transactional producers of one worker's request partitions
     (the ``TransactionalSink`` of ``workers.types``)."""
 
-    def __init__(self, publisher: Publisher, group: str, timeout_ms: int) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        group: str,
+        timeout_ms: int,
+        notes: PositionNotes | None = None,
+    ) -> None:
+        """``notes`` give the metadata committed with each position (the consumer's)."""
         self._publisher = publisher
         self._group = group
+        self._notes = notes
         self._timeout_ms = timeout_ms
         self._producers: dict[TP, AIOKafkaProducer] = {}
         self._writing: dict[TP, asyncio.Task[Committed]] = {}
@@ -137,8 +145,9 @@ class Transactions:
         try:
             await producer.begin_transaction()
             await self._publisher.send(producer, part.outbox, values)
+            note = "" if self._notes is None else self._notes.note(tp, part.position)
             await producer.send_offsets_to_transaction(
-                {TopicPartition(*tp): OffsetAndMetadata(part.position, "")}, self._group
+                {TopicPartition(*tp): OffsetAndMetadata(part.position, note)}, self._group
             )
             await producer.commit_transaction()
         except ProducerFenced:

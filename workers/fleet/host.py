@@ -22,7 +22,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from common.security import kafka_connect_failed, kafka_options
-from schemas import consumer_group, topics_for
 from workers.config.worker import WorkerSettings
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child
@@ -94,7 +93,7 @@ async def check_partitions(settings: WorkerSettings, slots: list[plan.Slot]) -> 
     Raises ``FleetError`` for an explicit count they cannot serve, ``TopicProblem``
     (also a ``ConfigError``) for topics missing or forbidden.
     """
-    topics = topics_for(settings.served_name, settings.topic_prefix)
+    topics = settings.topics
     try:
         facts = await check_topics(settings, topics)
     except (KafkaError, OSError) as exc:
@@ -122,7 +121,7 @@ async def check_partitions(settings: WorkerSettings, slots: list[plan.Slot]) -> 
 async def _other_members(settings: WorkerSettings) -> int:
     """Members of the model's group that are not this host's processes (best effort: 0
     when the group cannot be described)."""
-    group = consumer_group(settings.served_name, settings.topic_prefix)
+    group = settings.group
     ours = bases(settings).worker
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka_bootstrap,

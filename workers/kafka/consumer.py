@@ -7,11 +7,16 @@ takes partitions away it waits for the pipeline to drain and commit them
 (``on_revoke``). Which positions are safe to commit is the pipeline's business
 (``workers.offsets``), not this adapter's.
 
-With an assignment handler (``on_assign``; exactly-once delivery starts its
-transactional producers there), new partitions are held paused until the handler
-returns, and fetching then starts at their committed positions as read *after*
-it: an offset another worker committed in a transaction that the handler's
-producers aborted or waited for is never missed. ``restart`` runs the same steps
+New partitions are held paused until they are taken over: the assignment handler
+runs first (``on_assign``; exactly-once delivery starts its transactional producers
+there), then fetching starts at their committed positions as read *after* it (an
+offset another worker committed in a transaction that the handler's producers
+aborted or waited for is never missed), and the metadata committed with each
+position is handed to the position notes (``workers.intake.canary.Split``: the
+canary share there), which also give the metadata of every commit. A partition
+without a committed position starts at its beginning; a shadow's at its end (it
+mirrors requests from when it starts); a canary's is refused (``conveyor canary``
+places the canary group at its first markers). ``restart`` runs the same steps
 again for partitions whose work in flight was dropped.
 
 Fetch responses are read into memory with one copy per frame (``workers.kafka.fetch_buffers``).
@@ -41,7 +46,7 @@ from workers.config.worker import WorkerSettings
 from workers.kafka import fetch_buffers
 from workers.kafka import records as kafka_records
 from workers.observe.metrics import Metrics
-from workers.types import Assigned, ConfigError, Record, Revoked
+from workers.types import Assigned, ConfigError, PositionNotes, Record, Revoked
 from workers.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
@@ -70,7 +75,10 @@ class Consumer:
         topics: str | Sequence[str],
         group: str,
         metrics: Metrics | None = None,
+        notes: PositionNotes | None = None,
     ) -> None:
+        """``notes`` receive the metadata committed with each position taken over, and give
+        that of every commit (none: commits carry no metadata)."""
         kafka_records.install()
         if settings.fetch_buffers:
             fetch_buffers.install()
@@ -87,6 +95,7 @@ class Consumer:
         self._settings = settings
         self._revoked: Revoked | None = None
         self._assigned: Assigned | None = None
+        self._notes = notes
         self._assign_error: BaseException | None = None  # the handler's, raised by fetch
         self._next_offset: dict[TP, int] = {}  # per partition, after the last record fetched
         self._kafka = AIOKafkaConsumer(
@@ -206,8 +215,8 @@ class Consumer:
         return f"Kafka refuses this worker's reads ({exc}): grant its principal {grant}"
 
     def assigned(self) -> bool:
-        """Whether the group gave this worker at least one partition (readiness)."""
-        return bool(self._kafka.assignment())
+        """Whether the group gave this worker at least one partition, taken over (readiness)."""
+        return bool(self._kafka.assignment() - self._held)
 
     def lag(self) -> dict[TP, int]:
         """Per assigned partition, records not fetched yet (by this worker's position).
@@ -246,12 +255,13 @@ class Consumer:
         """Hold ``partitions``, run the assignment handler, fetch from committed positions."""
         # Never for a partition no longer ours: its producer would fence the new owner's.
         partitions &= self._kafka.assignment()
-        if self._assigned is None or not partitions:
+        if (self._assigned is None and self._notes is None) or not partitions:
             return
         self._held |= partitions
         self._apply_pauses()
         try:
-            await self._assigned({(tp.topic, tp.partition) for tp in partitions})
+            if self._assigned is not None:
+                await self._assigned({(tp.topic, tp.partition) for tp in partitions})
             await self._seek_to_committed(partitions & self._kafka.assignment())
         except ConfigError as exc:
             self._assign_error = exc  # the partitions stay held: the worker stops
@@ -266,15 +276,39 @@ class Consumer:
         self._apply_pauses()
 
     async def _seek_to_committed(self, partitions: set[TopicPartition]) -> None:
+        # aiokafka's committed() drops the metadata; its coordinator's call keeps it.
+        committed = await self._kafka._coordinator.fetch_committed_offsets(list(partitions))
         for tp in partitions:
-            committed = await self._kafka.committed(tp)
             if tp not in self._kafka.assignment():
                 continue  # revoked while asking
-            if committed is None:
-                await self._kafka.seek_to_beginning(tp)
+            found = committed.get(tp)
+            if found is None or found.offset < 0:
+                position, note = await self._first_position(tp), None
             else:
-                self._kafka.seek(tp, committed)
+                position, note = found.offset, found.metadata
+            self._kafka.seek(tp, position)
+            if self._notes is not None:
+                self._notes.resume((tp.topic, tp.partition), position, note)
             self._next_offset.pop((tp.topic, tp.partition), None)
+
+    async def _first_position(self, tp: TopicPartition) -> int:
+        """Where a partition that its group never committed starts: its beginning (requests
+        sent before any worker started still count); for a shadow, its end; a canary's
+        group is placed by ``conveyor canary``, so it refuses."""
+        role = self._settings.role
+        if role == "canary":
+            raise ConfigError(
+                f"the canary group {self._group} has no committed position on "
+                f"{tp.topic}[{tp.partition}]: start the canary with `conveyor canary --model "
+                f"{self._settings.served_name} --share PERCENT` before its workers (it places "
+                "the group at the markers that begin its share)"
+            )
+        ends = await (
+            self._kafka.end_offsets([tp])
+            if role == "shadow"
+            else self._kafka.beginning_offsets([tp])
+        )
+        return int(ends[tp])
 
     async def commit(self, positions: Mapping[TP, int]) -> bool:
         """Commit positions of partitions still assigned; False when Kafka refused."""
@@ -284,8 +318,10 @@ class Consumer:
         }
         if not mine:
             return True
+        notes = self._notes
+        offsets = mine if notes is None else {tp: (p, notes.note(tp, p)) for tp, p in mine.items()}
         try:
-            await self._kafka.commit(mine)
+            await self._kafka.commit(offsets)
         except (CommitFailedError, IllegalStateError) as exc:
             # The group moved on: these partitions belong to someone else now, who
             # starts from the last commit; results are first-final-wins by request id.

@@ -117,7 +117,8 @@ def _acls_for(forbidden: Sequence[str], names: Sequence[str]) -> str:
 
 def _lanes_flag(settings: WorkerSettings) -> str:
     names = [lane.name for lane in settings.lanes if lane.name != DEFAULT_LANE]
-    return f" --lanes {','.join(names)}" if names else ""
+    shadow = " --shadow" if settings.shadow else ""
+    return (f" --lanes {','.join(names)}" if names else "") + shadow
 
 
 def _max_message_bytes(responses: Sequence[object]) -> dict[str, int]:

@@ -118,18 +118,26 @@ class BulkHistogram(Collector):
                 total += value
             self._sum += total
 
+    def relabel(self, values: Mapping[str, str]) -> None:
+        """Give some of its labels new values (the same names, the counts kept)."""
+        unknown = values.keys() - self._labels.keys()
+        if unknown:
+            raise ValueError(f"{self._name} has no labels {sorted(unknown)}")
+        with self._lock:
+            self._labels = {**self._labels, **values}
+
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            counts, total = list(self._counts), self._sum
+            counts, total, labels = list(self._counts), self._sum, self._labels
         cumulative, running = [], 0
         for bound, count in zip([*self._bounds, math.inf], counts, strict=True):
             running += count
             cumulative.append((_le(bound), float(running)))
-        family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), cumulative, sum_value=total)
+        family = HistogramMetricFamily(self._name, self._documentation, labels=list(labels))
+        family.add_metric(list(labels.values()), cumulative, sum_value=total)
         yield family
 
 

@@ -1,6 +1,11 @@
 """The worker's Prometheus metrics, in a registry of their own.
 
-Every metric is named ``conveyor_*`` and labelled with the served ``model``. The
+Every metric is named ``conveyor_*`` and labelled with the served ``model``; those that
+compare versions (results by status, queue wait, inference and end-to-end time) also
+with the model's ``version`` (the handler's, in every result) and the worker's ``role``
+(``primary``, ``canary`` or ``shadow``), and ``conveyor_model_info`` says which version
+and role a worker serves. A worker process serves one version: a new one is a new
+process (``conveyor worker``'s rolling restart), whose series start at 0. The
 pipeline reports once per batch or per publish round-trip, never per record, so
 the cost stays flat at tens of thousands of requests per second: values that come
 one per record (queue wait, end-to-end time) go into ``workers.observe.instruments.BulkHistogram``,
@@ -24,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.process_collector import ProcessCollector
 
 from schemas import Status
+from schemas.canary import BUCKETS
 from workers.batching.batcher import CloseReason
 from workers.observe.instruments import (
     BulkHistogram,
@@ -89,9 +95,14 @@ class Metrics:
         clock: Callable[[], float] = time.monotonic,
         rate_window_s: float = 60.0,
         gpu_memory: Callable[[], int | None] = cuda_memory_allocated,
+        role: str = "primary",
     ) -> None:
+        """``role``: the worker's (``WorkerSettings.role``); the version is the handler's,
+        known once the model is loaded (``serving``), "" until then."""
         self.registry = CollectorRegistry()
         self._model = model
+        self._role = role
+        self._version = ""
         self._clock = clock
         self._gpu_memory = gpu_memory
         self._throughput = RateMeter(rate_window_s)
@@ -112,14 +123,25 @@ class Metrics:
             return Gauge(name, doc, ["model", *labels], registry=reg)
 
         self._requests = counter(
-            "conveyor_requests_total", "Requests answered, by final status.", "status"
+            "conveyor_requests_total",
+            "Requests answered, by final status.",
+            "version",
+            "role",
+            "status",
         )
         self._batches = counter(
             "conveyor_batches_total", "Batches closed, by why they closed.", "reason"
         )
+        self._info = gauge(
+            "conveyor_model_info",
+            "1 for the version this worker serves (the handler's) and its role (primary, "
+            "canary, shadow).",
+            "version",
+            "role",
+        )
         # Every series exists from the start, so rate() sees the zeros; children are
         # kept because a labels() lookup costs more than the increment itself.
-        self._by_status = {s.value: self._requests.labels(model, s.value) for s in Status}
+        self._by_status = self._status_series()
         self._by_reason = {r.value: self._batches.labels(model, r.value) for r in CloseReason}
         self._dead_letters = counter(
             "conveyor_dead_letters_total", "Records copied to the dead-letter topic."
@@ -146,6 +168,16 @@ class Metrics:
             "conveyor_superseded_total",
             "Frames answered 'superseded' without reaching the model: a newer frame of their "
             "stream was already waiting (freshest-frame mode).",
+        ).labels(model)
+        self._skipped = counter(
+            "conveyor_skipped_total",
+            "Records read and committed past without an answer: canary markers, and requests "
+            "that the model's other consumer group answers (the canary's share, or the rest).",
+        ).labels(model)
+        self._canary_share = gauge(
+            "conveyor_canary_share",
+            "The canary's share of the model's requests (0 to 1) as this worker last read it: "
+            "from a canary marker, or the commit it resumed from.",
         ).labels(model)
         self._redeliveries = counter(
             "conveyor_redeliveries_total",
@@ -182,24 +214,26 @@ class Metrics:
             registry=reg,
             buckets=_BATCH_SIZE_BUCKETS,
         ).labels(model)
-        self._inference = Histogram(
+        self._inference_family = Histogram(
             "conveyor_inference_seconds",
             "Time the model took per batch, preprocessing excluded.",
-            ["model"],
+            ["model", "version", "role"],
             registry=reg,
             buckets=_INFERENCE_BUCKETS,
-        ).labels(model)
+        )
+        self._inference = self._inference_family.labels(model, self._version, self._role)
+        by_version = {**by_model, "version": self._version, "role": self._role}
         self._queue = BulkHistogram(
             "conveyor_queue_wait_seconds",
             "Per request: from the worker receiving it to its batch starting on the model.",
             _QUEUE_BUCKETS,
-            by_model,
+            by_version,
         )
         self._e2e = BulkHistogram(
             "conveyor_end_to_end_seconds",
             "Per request: from the Kafka record timestamp to its result being written.",
             _E2E_BUCKETS,
-            by_model,
+            by_version,
         )
         reg.register(self._queue)
         reg.register(self._e2e)
@@ -225,6 +259,24 @@ class Metrics:
         self._gpu = gauge(
             "conveyor_gpu_memory_allocated_bytes", "Bytes held by tensors on the GPU."
         )
+
+    def _status_series(self) -> dict[str, Counter]:
+        model, version, role = self._model, self._version, self._role
+        return {s.value: self._requests.labels(model, version, role, s.value) for s in Status}
+
+    def serving(self, version: str) -> None:
+        """The model is loaded: its series are those of ``version`` (the handler's) from now
+        on, and ``conveyor_model_info`` says so. Call it before the first request."""
+        model, role, before = self._model, self._role, self._version
+        for status in self._by_status:
+            self._requests.remove(model, before, role, status)
+        self._inference_family.remove(model, before, role)
+        self._version = version
+        self._by_status = self._status_series()
+        self._inference = self._inference_family.labels(model, version, role)
+        for histogram in (self._queue, self._e2e):
+            histogram.relabel({"version": version})
+        self._info.labels(model, version, role).set(1)
 
     def define_lanes(self, lanes: Sequence[str]) -> None:
         """Add per-lane series of queue wait and end-to-end time (priority lanes)."""
@@ -269,7 +321,9 @@ class Metrics:
         total = 0
         for status, count in status_counts.items():
             if count:
-                child = self._by_status.get(status) or self._requests.labels(self._model, status)
+                child = self._by_status.get(status) or self._requests.labels(
+                    self._model, self._version, self._role, status
+                )
                 child.inc(count)
                 total += count
         self._e2e.observe_many(e2e_s)
@@ -310,6 +364,12 @@ class Metrics:
         """Whether calls to payload store ``store`` are failing now."""
         self._dataref_store_down.labels(self._model, store).set(1 if down else 0)
 
+    def skipped(self, count: int, share: int) -> None:
+        """``count`` records were left to the model's other group; ``share`` (basis points)
+        is the canary's share as last read."""
+        self._skipped.inc(count)
+        self._canary_share.set(share / BUCKETS)
+
     def dead_letters(self, count: int) -> None:
         """``count`` records were written to the dead-letter topic."""
         if count:
@@ -340,8 +400,9 @@ class Metrics:
         """The counts so far of results by status, duplicates and records handed back."""
         read = self.registry.get_sample_value
         model = {"model": self._model}
+        series = {**model, "version": self._version, "role": self._role}
         by_status = {
-            status: int(read("conveyor_requests_total", {**model, "status": status}) or 0)
+            status: int(read("conveyor_requests_total", {**series, "status": status}) or 0)
             for status in self._by_status
         }
         return Totals(

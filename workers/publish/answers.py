@@ -38,11 +38,24 @@ class Built:
 
 
 class Answers:
-    """Builds the answers of one worker: its model name and version, its id."""
+    """Builds the answers of one worker: its model name and version, its id.
 
-    def __init__(self, model: str, model_version: str, worker: str, max_result_bytes: int) -> None:
+    A shadow's answers (``shadow``) are results for its own results topic alone: every
+    ``ce_replyto`` is ignored and no record is dead-lettered (``workers.publish.shadow``).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        model_version: str,
+        worker: str,
+        max_result_bytes: int,
+        *,
+        shadow: bool = False,
+    ) -> None:
         self._encoder = ResultEncoder(model, model_version, worker)
         self._worker = worker
+        self._shadow = shadow
         self.max_result_bytes = max_result_bytes
         """Largest result document the reply topic takes; larger answers become
         ``result_too_large`` errors in both places."""
@@ -65,6 +78,7 @@ class Answers:
         inference_ms, size = timing.inference_ms, timing.size
         add, encode, headers = built.outbox.add, self._encoder.encode, self._encoder.headers
         produced, spans, limit = built.produced_ms, built.finished, self.max_result_bytes
+        shadow = self._shadow
         ok = 0
         for item, output in zip(outcome.answered, outcome.outputs, strict=True):
             record, meta = item.record, item.meta
@@ -88,7 +102,8 @@ class Answers:
                 log.error("result for %s cannot be encoded: %s", meta.id, exc)
                 message = f"the model's output could not be encoded: {exc}"
                 data = self._error(meta.id, ErrorCode.internal, message, timings, built)
-            add(meta.id, data, headers(meta.id, meta.traceparent), meta.reply_to, record.partition)
+            reply_to = None if shadow else meta.reply_to
+            add(meta.id, data, headers(meta.id, meta.traceparent), reply_to, record.partition)
             produced.append(record.timestamp)
             spans.append(item.span)
         if ok:
@@ -135,11 +150,11 @@ class Answers:
                 refusal.request_id,
                 data,
                 self._encoder.headers(refusal.request_id, refusal.traceparent),
-                refusal.reply_to,
+                None if self._shadow else refusal.reply_to,
                 record.partition,
             )
             built.produced_ms.append(record.timestamp)
-        if refusal.dead_letter:
+        if refusal.dead_letter and not self._shadow:
             headers = dlq_headers(
                 record.headers,
                 code=refusal.code,
