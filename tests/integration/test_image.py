@@ -46,7 +46,8 @@ from workers.exits import EXIT_ENVIRONMENT
 DOCKERFILE = REPO / "compose" / "Dockerfile.worker"
 COMPOSE = REPO / "compose" / "docker-compose.yml"
 # The Dockerfile's RUN lines, each reproduced below; a new one must be added here.
-INSTALL = "pip install '.[worker,demo]'"
+EXTRAS = ("worker", "s3", "tracing", "timm", "demo")
+INSTALL = f"pip install '.[{','.join(EXTRAS)}]'"
 BUILD_MODEL = "python -m demo.models.digits"
 ADD_USER = "useradd --create-home --uid 10001 --user-group conveyor"
 
@@ -151,7 +152,7 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
             else:
                 shutil.copy2(REPO / source, destination)
     image = Image(dockerfile, root, root / "venv/bin/python", read_capability=False)
-    # RUN pip install '.[worker,demo]': a wheel of /app, installed by root. Its dependencies
+    # RUN pip install '.[worker,...]': a wheel of /app, installed by root. Its dependencies
     # are the development environment's (read-only for the worker), not PyPI's.
     wheels = root / "wheels"
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
@@ -175,13 +176,13 @@ def _build(dockerfile: Dockerfile, root: Path) -> Image:
 
 
 def _dependency_folders() -> list[str]:
-    """Where this environment keeps the distribution's dependencies, the worker and demo
-    extras' too."""
+    """Where this environment keeps the distribution's dependencies, the image's extras'
+    too."""
     folders = set()
     for line in metadata.requires(DISTRIBUTION) or []:
         requirement = Requirement(line)
         marker = requirement.marker
-        if marker is None or any(marker.evaluate({"extra": e}) for e in ("worker", "demo")):
+        if marker is None or any(marker.evaluate({"extra": e}) for e in EXTRAS):
             folders.add(str(metadata.distribution(requirement.name).locate_file("")))
     return sorted(folders)
 
