@@ -8,7 +8,7 @@ Redis Cluster). Waiting is
 2. read the keys, yielding what is already there,
 3. on each announcement, read the announced keys again.
 
-The order matters: a result written after step 1 is announced to us, and one
+The order matters: a result written after step 1 is announced to the subscriber, and one
 written before it is found in step 2, so none is ever missed. Reading before
 subscribing would lose a result that lands between the two.
 
