@@ -107,6 +107,17 @@ async def metrics(worker: WorkerProcess) -> dict[str, float]:
     return dict(totals)
 
 
+def requests_by_status(exposition: str, model: str) -> dict[str, float]:
+    """``conveyor_requests_total`` of ``model`` in a /metrics text, by status (summed over
+    its other labels: version, role, process)."""
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "conveyor_requests_total" and sample.labels.get("model") == model:
+                totals[sample.labels["status"]] += sample.value
+    return dict(totals)
+
+
 # -- the fault table ---------------------------------------------------------------------
 
 

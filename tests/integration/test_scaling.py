@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-from prometheus_client.parser import text_string_to_metric_families
 
 from producers.admin import create_model_topics
 from producers.settings import ClientSettings
@@ -29,7 +28,7 @@ from producers.testing import (
     wait_for_results,
 )
 from schemas import ContentType, Status, consumer_group, encode_request, topics_for
-from tests.harness import digit_requests
+from tests.harness import digit_requests, requests_by_status
 
 
 def _start(fleet: Fleet, *flags: str) -> tuple[WorkerProcess, int]:
@@ -38,16 +37,6 @@ def _start(fleet: Fleet, *flags: str) -> tuple[WorkerProcess, int]:
     port = worker.metrics_port()
     assert port is not None
     return worker, port
-
-
-def _requests_total(exposition: str, model: str) -> dict[str, float]:
-    """conveyor_requests_total of ``model``, by status."""
-    return {
-        sample.labels["status"]: sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == "conveyor_requests_total" and sample.labels.get("model") == model
-    }
 
 
 @pytest.mark.timeout(180)
@@ -120,7 +109,7 @@ async def test_metrics_count_the_results_written(
         nonlocal counts
         status, body = await http_get(port, "/metrics")
         assert status == 200
-        counts = _requests_total(body.decode(), model_name)
+        counts = requests_by_status(body.decode(), model_name)
         return counts.get("ok") == ok
 
     await until(

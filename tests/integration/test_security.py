@@ -20,12 +20,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from producers import AsyncClient, ClientSettings, ServiceUnavailable, Status
 from producers.admin import create_model_topics
 from producers.testing import Fleet, WorkerProcess, free_port, free_ports, http_get
 from tests.conftest import REPO
+from tests.harness import requests_by_status
 
 SECURE_SH = REPO / "compose" / "local" / "secure.sh"
 _FAIL_WITHIN_S = 30
@@ -172,15 +172,7 @@ async def test_worker_sdk_and_cli_serve_over_sasl_ssl_and_tls_without_leaking_se
         metrics = (await http_get(port, "/metrics"))[1].decode()
     finally:
         worker.stop()
-    answered = [
-        sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == "conveyor_requests_total"
-        and sample.labels.get("model") == topics
-        and sample.labels.get("status") == "ok"
-    ]
-    assert sum(answered) >= 2, metrics  # the SDK's request and the CLI's
+    assert requests_by_status(metrics, topics).get("ok", 0) >= 2, metrics  # the SDK's and the CLI's
     for text in (worker.log(), metrics, cli.stdout, cli.stderr):
         assert secured.password not in text
 
