@@ -32,9 +32,11 @@ start() {
   "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
 CFG
   log "starting SeaweedFS with S3 on $S3_HOST:$S3_PORT (log: $LOGFILE)"
+  # -volume.preStopSeconds=0: a single node has no peers to hand over to, so it stops
+  # at once instead of announcing its departure for 10 s.
   nohup "$WEED_BIN" server -dir="$SEAWEEDFS_DIR/data" -ip="$S3_HOST" -ip.bind="$S3_HOST" \
     -master.port="$SEAWEEDFS_MASTER_PORT" -master.volumeSizeLimitMB=256 \
-    -volume.port="$SEAWEEDFS_VOLUME_PORT" -volume.max=32 \
+    -volume.port="$SEAWEEDFS_VOLUME_PORT" -volume.max=32 -volume.preStopSeconds=0 \
     -filer -filer.port="$SEAWEEDFS_FILER_PORT" \
     -s3 -s3.port="$S3_PORT" -s3.config="$CONFIG" -s3.port.iceberg=0 -s3.port.lance=0 \
     >"$LOGFILE" 2>&1 </dev/null &
