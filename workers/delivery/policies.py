@@ -14,6 +14,8 @@ reads back what was delivered, for its metrics. The two policies
   next position are written in one Kafka transaction (``workers.delivery.transactions``), so
   positions are committed by the transactions and ``workers.delivery.commits`` is not used.
   A partition whose transaction fails is read again from its committed position.
+  Records skipped after a partition's last answer are committed past by a
+  transaction of the position alone once the worker is idle (``ExactlyOnce.flush``).
 
 Both keep the rule of ``workers.offsets``: a position is committed only once every
 record below it has its answer written.
@@ -31,6 +33,7 @@ from workers.offsets import OffsetTracker
 from workers.publish.answers import Answers, Built
 from workers.types import (
     Committed,
+    Outbox,
     Outcome,
     PartitionCommit,
     RecordSource,
@@ -162,10 +165,32 @@ class ExactlyOnce:
         return Delivered(delivered, duplicates, done)
 
     async def flush(self, partitions: Collection[TopicPartition] | None = None) -> None:
-        """Nothing to do: every transaction committed its position with its answers."""
+        """Commit positions that no transaction of answers will carry: records skipped
+        (canary markers, the other group's requests) after a partition's last answer.
+        Each partition with nothing in flight whose position moved past its last commit
+        gets a transaction of its position alone. Runs when a fetch comes back empty and
+        at the end of a drain, so a group that has caught up shows no lag. (A partition
+        revoked first is not committed past them: its next owner skips them again.)"""
+        parts = [
+            PartitionCommit(tp, Outbox(), position)
+            for tp, position in self._tracker.committable().items()
+            if (partitions is None or tp in partitions) and not self._tracker.in_flight(tp)
+        ]
+        if not parts:
+            return
+        ended, _ = await self._transactions.publish(parts)
+        lost = []
+        for part, end in zip(parts, ended, strict=True):
+            if end is Committed.YES:
+                self._tracker.mark_committed({part.partition: part.position})
+            elif end is Committed.LOST:
+                lost.append(part.partition)
+        if lost:
+            await self._read_again(lost)
 
     def skipped(self) -> None:
-        """Nothing to do: the next transaction of the partition commits past them."""
+        """Nothing now: the partition's next transaction commits past them, or ``flush``
+        when none comes."""
 
     async def release(self, partitions: Collection[TopicPartition]) -> None:
         for tp in partitions:

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from producers.testing import until
+from schemas.canary import canary_marker
 from tests.fakes import TOPIC, FakeRecord, FakeSource, FakeTransactions, GatedEcho
 from tests.unit.pipeline.harness import make, records, revoke_in_flight, run_until
 from workers.observe.metrics import Metrics
-from workers.types import Committed, PartitionCommit
+from workers.types import Committed, Outbox, PartitionCommit
 
 
 def check_exactly_once(txns: FakeTransactions, partitions: dict[int, int]) -> None:
@@ -102,3 +103,26 @@ async def test_exactly_once_transactions_never_overlap() -> None:
     await run_until(pipeline, lambda: len(txns.ids()) == 90)
     check_exactly_once(txns, dict.fromkeys(range(3), 30))
     assert txns.most == 1
+
+
+async def test_records_skipped_after_the_last_answer_are_committed_past_once_idle() -> None:
+    """A canary marker at 100% and the canary's requests after a partition's last answer
+    of the primary: no transaction of answers carries their position, so the idle worker
+    commits it in a transaction of its own (otherwise the group shows lag for ever)."""
+    answered = records(0, 20)
+    source = FakeSource({0: answered})
+    txns = FakeTransactions(source)
+    pipeline, _ = make(source, GatedEcho(), transactions=txns)
+    stop = asyncio.Event()
+    task = asyncio.create_task(pipeline.run(stop))
+    try:
+        await until(lambda: source.committed.get(0) == 20, "the answers committed", 10)
+        marker = canary_marker(1.0, "t")
+        answered.append(FakeRecord(TOPIC, 0, 20, 0, marker.key, marker.value, marker.headers))
+        answered += records(0, 10, first=21)  # the canary's: its share is 100%
+        await until(lambda: source.committed.get(0) == 31, "committed past the skipped", 10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert txns.committed[-1] == PartitionCommit((TOPIC, 0), Outbox(), 31)  # the position alone
+    assert len(txns.ids()) == 20  # the canary's requests were left to its group
