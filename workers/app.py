@@ -329,6 +329,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         handler,
         device=settings.device,
         compile=bool(settings.compile),
+        dynamic_batch=settings.compile_batch == "dynamic",
         buckets=buckets,
         cuda_graphs=graphs,
     )

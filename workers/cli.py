@@ -58,6 +58,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "channels_last",
         "decode",
         "compile",
+        "compile_batch",
         "compile_cache",
         "cuda_graphs",
         "cuda_sync",
@@ -136,6 +137,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 EXPERT = frozenset(
     {
         "channels_last",
+        "compile_batch",
         "compile_cache",
         "cuda_graphs",
         "cuda_sync",

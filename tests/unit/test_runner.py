@@ -12,7 +12,13 @@ from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
 from tests.fakes import Echo
 from workers.handlers.base import ImageClassifier
-from workers.model.runner import ModelRunner, resolve_device, static_input
+from workers.model.runner import (
+    ModelRunner,
+    batch_buckets,
+    compile_forward,
+    resolve_device,
+    static_input,
+)
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 
@@ -173,3 +179,19 @@ def test_a_graphs_static_input_does_not_recompile_a_compiled_forward() -> None:
     with torch.inference_mode():
         forward(plain)
     assert counters["stats"]["unique_graphs"] == 2  # the guard this test is about still exists
+
+
+def test_a_dynamic_batch_compiles_one_graph_for_every_bucket() -> None:
+    """``dynamic_batch`` marks the batch dimension before the first compilation, so the
+    six buckets of batches up to 256 share one graph (torch's default would compile the
+    first size static and a second graph once it saw another; static compiles six)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    forward = compile_forward(lambda x: torch.relu(x) * 2, batch_buckets(256), dynamic_batch=True)
+    with torch.inference_mode():
+        for size in batch_buckets(256):
+            batch = torch.randn(size, 3)
+            assert torch.equal(forward(batch), torch.relu(batch) * 2)
+    assert counters["stats"]["unique_graphs"] == 1

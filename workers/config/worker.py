@@ -124,6 +124,11 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "code is cached in --compile-cache, so the processes of a host and later starts "
         "compile once",
     )
+    compile_batch: Literal["static", "dynamic"] = Field(
+        default="static",
+        description="with --compile: static = one graph a batch-size bucket (each traced "
+        "at every start), dynamic = one graph with a symbolic batch size (two traces)",
+    )
     compile_cache: Path | None = Field(
         default=None,
         description="folder of the compile cache (default: $XDG_CACHE_HOME/conveyor-serve/"

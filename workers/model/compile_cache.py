@@ -56,6 +56,7 @@ def cache_key(settings: WorkerSettings, device: torch.device) -> str:
         "dtype": settings.dtype,
         "channels_last": settings.channels_last,
         "max_batch_size": settings.max_batch_size,
+        "compile_batch": settings.compile_batch,
         "cuda_graphs": settings.cuda_graphs,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

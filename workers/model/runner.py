@@ -128,12 +128,14 @@ class ModelRunner:
         device: str | torch.device = "auto",
         *,
         compile: bool = False,
+        dynamic_batch: bool = False,
         buckets: Sequence[int] = (),
         cuda_graphs: bool = False,
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
         the same way for both). ``compile`` wraps ``handler.forward`` in ``torch.compile``;
-        the first batch of each new size then compiles, which ``warm_up`` moves to start-up.
+        the first batch of each new size then compiles, which ``warm_up`` moves to start-up;
+        ``dynamic_batch`` compiles one graph for every batch size instead of one a bucket.
         ``buckets`` (e.g. ``batch_buckets(256)``) pads each batch to the next bucket size;
         the handler's forward must treat batch rows independently (eval-mode models do).
         ``cuda_graphs`` (CUDA, with buckets) records the forward of each bucket size as a
@@ -148,7 +150,7 @@ class ModelRunner:
         self.buckets: tuple[int, ...] = tuple(sorted(set(buckets)))
         self._forward: Callable[[Any], Any] = handler.forward
         if compile:
-            self._forward = compile_forward(handler.forward, self.buckets)
+            self._forward = compile_forward(handler.forward, self.buckets, dynamic_batch)
         self._collate = handler.collate if isinstance(handler, Collating) else None
         self._split = handler if isinstance(handler, SplitPostprocess) else None
         self._want_graphs = cuda_graphs and self.device.type == "cuda" and bool(self.buckets)
@@ -331,16 +333,34 @@ class ModelRunner:
 
 
 def compile_forward(
-    forward: Callable[[torch.Tensor], torch.Tensor], buckets: Sequence[int]
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    buckets: Sequence[int],
+    dynamic_batch: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``torch.compile(forward)``: one static graph per bucket size when there are
-    buckets, else torch's default (dynamic shapes after the second size seen)."""
+    buckets, else torch's default (dynamic shapes after the second size seen).
+
+    ``dynamic_batch`` marks the batch dimension of every tensor batch dynamic instead,
+    so one graph serves every size. Inductor may still guard it (ResNet-50's kernels
+    differ below 16 rows), which makes two graphs, not one a bucket. A start with a
+    warm compile cache traces each graph once before the cache hands back its code, so
+    fewer graphs start sooner (docs/bench-log/2026-11-27-compile-warm-start.md)."""
+    config = torch._dynamo.config
+    if dynamic_batch:
+        config.recompile_limit = max(config.recompile_limit, 4)
+        compiled = torch.compile(forward)
+
+        def forward_any_batch(batch: torch.Tensor) -> torch.Tensor:
+            if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(batch, 0)
+            return compiled(batch)
+
+        return forward_any_batch
     if not buckets:
         return torch.compile(forward)
     # One static graph per bucket (dynamic=False): fixed shapes give the fastest
     # kernels. Dynamo stops recompiling a function after recompile_limit shapes (8 by
     # default) and silently runs it eagerly after that, so make room for every bucket.
-    config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, len(buckets) + 2)
     return torch.compile(forward, dynamic=False)
 
