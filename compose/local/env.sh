@@ -90,9 +90,10 @@ running() {
 
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# stop_pid PIDFILE PATTERN NAME: SIGTERM, wait, then SIGKILL; removes the pid file.
+# stop_pid PIDFILE PATTERN NAME [GRACE_S]: SIGTERM, wait up to GRACE_S (30), then
+# SIGKILL; removes the pid file.
 stop_pid() {
-  local pidfile=$1 pattern=$2 name=$3 pid i
+  local pidfile=$1 pattern=$2 name=$3 grace=${4:-30} pid i
   if ! pid_alive "$pidfile" "$pattern"; then
     rm -f "$pidfile"
     return 0
@@ -100,12 +101,12 @@ stop_pid() {
   pid=$(cat "$pidfile")
   log "stopping $name (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
-  for i in $(seq 1 300); do
+  for i in $(seq 1 $((grace * 10))); do
     running "$pid" || break
     sleep 0.1
   done
   if running "$pid"; then
-    log "$name did not stop within 30 s; killing it"
+    log "$name did not stop within $grace s; killing it"
     kill -KILL "$pid" 2>/dev/null || true
     for i in $(seq 1 100); do
       running "$pid" || break
