@@ -101,8 +101,11 @@ async def test_a_worker_stuck_on_a_kafka_outage_stops_on_sigterm_within_its_boun
     await until_answered(redis_url, ids, 16, 120)
     await asyncio.to_thread(private_kafka.stop)
     # Its reply records wait in the producer, which retries them until its request
-    # time-out (40 s), then the publisher's retries take over: stalled all along.
+    # time-out (40 s), then the publisher's retries take over: stalled all along, and
+    # unready once a write has waited --unready-after-s, long before the time-out.
+    stopped = time.monotonic()
     await until(lambda: _stalled(worker), "stalled", 60, worker.log, [worker])
+    assert time.monotonic() - stopped < 20, worker.log()[-4000:]
     took = await _stops_within_its_bound(worker, signal.SIGTERM)
 
     await asyncio.to_thread(private_kafka.start)

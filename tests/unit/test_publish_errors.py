@@ -3,6 +3,7 @@ make the worker unready and end it after their grace."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import cast
@@ -20,6 +21,10 @@ from redis._parsers.base import BaseParser
 from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from schemas import topics_for
+from schemas.fastpath import ResultEncoder
+from workers.config.worker import WorkerSettings
+from workers.kafka.topics import TopicFacts
 from workers.publish.errors import (
     Failures,
     PublishConfigError,
@@ -28,6 +33,7 @@ from workers.publish.errors import (
     is_outage,
     redis_grant,
 )
+from workers.publish.publisher import Publisher
 from workers.types import ConfigError
 
 
@@ -278,3 +284,27 @@ async def test_any_other_error_is_not_retried() -> None:
         await failures.retry("redis", broken)
     assert calls == 1
     assert not is_outage(ValueError("bad"))
+
+
+async def test_writes_waiting_on_kafka_count_as_stalled_from_when_they_began() -> None:
+    """A broker that went away fails a write only after the producer's request time-out
+    (40 s); until then its acknowledgements just stop coming. The oldest write still
+    waiting makes results not durable for as long as it waited, so /readyz fails after
+    ``unready_after_s`` instead of 40 s."""
+    settings = WorkerSettings(
+        model="tests:Echo", kafka_bootstrap="127.0.0.1:9", redis_url="redis://127.0.0.1:9"
+    )
+    topics = topics_for("m")
+    facts = TopicFacts({topics.results: 1, topics.dlq: 1}, {})
+    publisher = Publisher(settings, topics, facts, ResultEncoder("m", "v1", "w1"))
+    try:
+        assert publisher.stalled_for() == 0.0
+        with publisher.awaiting_kafka():
+            await asyncio.sleep(0.2)
+            with publisher.awaiting_kafka():  # a later write: the oldest one counts
+                await asyncio.sleep(0.1)
+                assert publisher.stalled_for() >= 0.3
+            assert publisher.stalled_for() >= 0.3
+        assert publisher.stalled_for() == 0.0
+    finally:
+        await publisher.stop()  # never started: nothing to send

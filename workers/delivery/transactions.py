@@ -143,13 +143,14 @@ class Transactions:
         if producer is None:
             return Committed.CLOSED
         try:
-            await producer.begin_transaction()
-            await self._publisher.send(producer, part.outbox, values)
-            note = "" if self._notes is None else self._notes.note(tp, part.position)
-            await producer.send_offsets_to_transaction(
-                {TopicPartition(*tp): OffsetAndMetadata(part.position, note)}, self._group
-            )
-            await producer.commit_transaction()
+            with self._publisher.awaiting_kafka():
+                await producer.begin_transaction()
+                await self._publisher.send(producer, part.outbox, values)
+                note = "" if self._notes is None else self._notes.note(tp, part.position)
+                await producer.send_offsets_to_transaction(
+                    {TopicPartition(*tp): OffsetAndMetadata(part.position, note)}, self._group
+                )
+                await producer.commit_transaction()
         except ProducerFenced:
             _read_failure(producer)
             log.warning(

@@ -26,10 +26,12 @@ topic with a smaller limit gets there).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaProducer
@@ -115,6 +117,9 @@ class Publisher:
         self._failures = Failures(settings.permanent_error_grace_s)
         self._encoder = encoder  # for result_too_large errors in place of refused records
         self._queued: asyncio.Future[None] | None = None  # done once the last call queued
+        # When each write still waiting on Kafka's acknowledgements began, by ticket.
+        self._awaiting: dict[int, float] = {}
+        self._tickets = itertools.count()
 
     async def start(self) -> None:
         """Connect to Redis and Kafka; raises ``ConnectFailed`` naming the one that could not
@@ -159,8 +164,23 @@ class Publisher:
         return await self._store.ping()
 
     def stalled_for(self) -> float:
-        """Seconds results have been failing to become durable (0 while they do)."""
-        return self._failures.stalled_for()
+        """Seconds results have been failing to become durable (0 while they do): since
+        the first of a run of failed writes, or since the oldest write still waiting on
+        Kafka began, whichever is longer. A broker that went away fails a write only
+        after the producer's request time-out (40 s); its acknowledgements stop at once."""
+        oldest = min(self._awaiting.values(), default=None)
+        waiting = 0.0 if oldest is None else time.monotonic() - oldest
+        return max(self._failures.stalled_for(), waiting)
+
+    @contextlib.contextmanager
+    def awaiting_kafka(self) -> Iterator[None]:
+        """Count the enclosed writes to Kafka, until they end, in ``stalled_for``."""
+        ticket = next(self._tickets)
+        self._awaiting[ticket] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._awaiting[ticket]
 
     @property
     def config_problem(self) -> str | None:
@@ -193,10 +213,13 @@ class Publisher:
             first, queued = queued, None
             await self._send_all(producer, groups, outbox, sent, first)
 
-        await self._failures.retry("kafka", send)
-        if outbox.dead:
-            letters = list(outbox.dead)  # send() empties its list; the outbox is counted after
-            await self._failures.retry("kafka", lambda: self._dead_letters.send(producer, letters))
+        with self.awaiting_kafka():
+            await self._failures.retry("kafka", send)
+            if outbox.dead:
+                letters = list(outbox.dead)  # send() empties its list; counted after
+                await self._failures.retry(
+                    "kafka", lambda: self._dead_letters.send(producer, letters)
+                )
         return PublishReport(duplicates=duplicates)
 
     async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
