@@ -13,10 +13,10 @@ and types of its inputs, its own configuration, torch's version and the device, 
 an entry is used only for exactly the code it was made from. On top of that the
 folder ``<key>`` is the SHA-256 of what the worker knows changes the compiled code
 or makes an old entry useless: the model spec, the weights file (path, size and
-modification time), dtype, channels-last, the largest batch size, CUDA graphs on or
-off, the versions of torch, CUDA, Triton and Python, and the GPU's name and compute
-capability. An upgrade or another card starts a new folder instead of searching an
-old one; old folders can be deleted at any time.
+modification time), dtype, channels-last, the largest batch size, the compiled form
+(``--compile-batch``), CUDA graphs on or off, the versions of torch, CUDA, Triton and
+Python, and the GPU's name and compute capability. An upgrade or another card starts
+a new folder instead of searching an old one; old folders can be deleted at any time.
 """
 
 from __future__ import annotations
