@@ -39,6 +39,7 @@ from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics
 from workers.model.compile_cache import mark_warm, use_compile_cache
 from workers.model.loader import load_handler
+from workers.model.packages import PACKAGES_FOLDER
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
@@ -328,8 +329,8 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
     runner = ModelRunner(
         handler,
         device=settings.device,
-        compile=bool(settings.compile),
-        dynamic_batch=settings.compile_batch == "dynamic",
+        compile=settings.compile_form if settings.compile else None,
+        packages=cache / PACKAGES_FOLDER if cache is not None else None,
         buckets=buckets,
         cuda_graphs=graphs,
     )

@@ -58,7 +58,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "channels_last",
         "decode",
         "compile",
-        "compile_batch",
+        "compile_form",
         "compile_cache",
         "cuda_graphs",
         "cuda_sync",
@@ -137,7 +137,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 EXPERT = frozenset(
     {
         "channels_last",
-        "compile_batch",
+        "compile_form",
         "compile_cache",
         "cuda_graphs",
         "cuda_sync",

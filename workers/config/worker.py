@@ -124,10 +124,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "code is cached in --compile-cache, so the processes of a host and later starts "
         "compile once",
     )
-    compile_batch: Literal["static", "dynamic"] = Field(
-        default="static",
-        description="with --compile: static = one graph a batch-size bucket (each traced "
-        "at every start), dynamic = one graph with a symbolic batch size (two traces)",
+    compile_form: Literal["package", "static", "dynamic"] = Field(
+        default="package",
+        description="with --compile: package = an AOTInductor package a batch-size bucket, "
+        "loaded without tracing (falls back to static for a model torch.export cannot take), "
+        "static = torch.compile, one graph a bucket (each traced at every start), dynamic = "
+        "torch.compile, one graph with a symbolic batch size (two traces)",
     )
     compile_cache: Path | None = Field(
         default=None,

@@ -94,6 +94,20 @@ class Collating(Protocol):
 
 
 @runtime_checkable
+class Exportable(Protocol):
+    """Optional handler hook: ``forward`` as one ``torch.nn.Module``, for ahead-of-time
+    compilation (``workers.model.packages``).
+
+    The module must compute what ``forward`` does on a stacked batch, and every tensor
+    it reads must be one of its parameters or buffers: a compiled package is kept
+    without them and handed the module's own at each start.
+    """
+
+    def exportable(self) -> torch.nn.Module | None:
+        """The module, or ``None`` when this handler's ``forward`` is not one."""
+
+
+@runtime_checkable
 class SplitPostprocess(Protocol):
     """Optional handler hook: ``postprocess`` in two halves, so that nothing waits for
     the device in the middle of a batch.
@@ -184,19 +198,15 @@ class ImageModel:
         self._limits = limits
         self.decode_budget = decode_budget
         """Bounds the memory of CPU decodes running at once (shared by the threads)."""
-        self._channels_last = channels_last
         module = module.to(device=self.device, dtype=dtype)
         if channels_last:
             module = module.to(memory_format=torch.channels_last)
         if set_eval:
             module.eval()
         self.module = module
-        # (pixels / 255 - mean) / std as one multiply-subtract: pixels * scale - shift.
-        shape = (1, image.channels, 1, 1)
-        std_t = torch.tensor(std, dtype=torch.float64).view(shape)
-        mean_t = torch.tensor(mean, dtype=torch.float64).view(shape)
-        self._scale = (1.0 / (255.0 * std_t)).to(self.device, dtype)
-        self._shift = (mean_t / std_t).to(self.device, dtype)
+        self._network = Normalized(module, mean, std, channels_last=channels_last).to(
+            self.device, dtype
+        )
         self.batch_decoder = _batch_decoder(decode, image, self.device, limits)
         """The device JPEG path, or ``None`` when every image is decoded on the CPU."""
 
@@ -233,9 +243,48 @@ class ImageModel:
 
     def normalize(self, batch: torch.Tensor) -> torch.Tensor:
         """uint8 (N, C, H, W) pixels to the module's normalized input (device, dtype, layout)."""
-        # Out of place: a batch already in ``dtype`` must not be changed under the caller.
-        x = batch.to(self.device, self.dtype) * self._scale - self._shift
-        if self._channels_last:
+        return self._network.normalize(batch.to(self.device))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        outputs: torch.Tensor = self._network(batch.to(self.device))
+        return outputs
+
+    def exportable(self) -> torch.nn.Module | None:
+        """The normalization and the module, unless a subclass changed ``forward``."""
+        return self._network if type(self).forward is ImageModel.forward else None
+
+
+class Normalized(torch.nn.Module):
+    """uint8 (N, C, H, W) pixels, normalized with ``mean`` and ``std``, into ``module``.
+
+    The normalization runs in the dtype of the module (``.to`` moves both), as one
+    multiply-subtract: ``(pixels / 255 - mean) / std = pixels * scale - shift``.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__()
+        self.training = False  # only this wrapper: exported modules refuse .eval()
+        self.module = module
+        self.channels_last = channels_last
+        shape = (1, len(mean), 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float64).view(shape)
+        mean_t = torch.tensor(mean, dtype=torch.float64).view(shape)
+        self.scale: torch.Tensor
+        self.shift: torch.Tensor
+        self.register_buffer("scale", 1.0 / (255.0 * std_t), persistent=False)
+        self.register_buffer("shift", mean_t / std_t, persistent=False)
+
+    def normalize(self, batch: torch.Tensor) -> torch.Tensor:
+        # Out of place: a batch already in the dtype must not be changed under the caller.
+        x = batch.to(self.scale.dtype) * self.scale - self.shift
+        if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 

@@ -14,7 +14,7 @@ an entry is used only for exactly the code it was made from. On top of that the
 folder ``<key>`` is the SHA-256 of what the worker knows changes the compiled code
 or makes an old entry useless: the model spec, the weights file (path, size and
 modification time), dtype, channels-last, the largest batch size, the compiled form
-(``--compile-batch``), CUDA graphs on or off, the versions of torch, CUDA, Triton and
+(``--compile-form``), CUDA graphs on or off, the versions of torch, CUDA, Triton and
 Python, and the GPU's name and compute capability. An upgrade or another card starts
 a new folder instead of searching an old one; old folders can be deleted at any time.
 """
@@ -56,7 +56,7 @@ def cache_key(settings: WorkerSettings, device: torch.device) -> str:
         "dtype": settings.dtype,
         "channels_last": settings.channels_last,
         "max_batch_size": settings.max_batch_size,
-        "compile_batch": settings.compile_batch,
+        "compile_form": settings.compile_form,
         "cuda_graphs": settings.cuda_graphs,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

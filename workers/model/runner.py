@@ -22,12 +22,14 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from workers.decode.cuda_sync import event as cuda_event
-from workers.handlers.base import Collating, DeviceInput, Handler, SplitPostprocess
+from workers.handlers.base import Collating, DeviceInput, Exportable, Handler, SplitPostprocess
+from workers.model.packages import packaged_forward
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,9 @@ def batch_buckets(
     return tuple(sorted(sizes))
 
 
+CompileForm = Literal["package", "static", "dynamic"]
+"""How the forward is compiled (``ModelRunner``'s ``compile``, ``--compile-form``)."""
+
 GRAPH_BUCKET_STEP = 32
 """Rows a CUDA graph bucket may pad a batch by, at most (see ``batch_buckets``)."""
 
@@ -127,15 +132,18 @@ class ModelRunner:
         handler: Handler,
         device: str | torch.device = "auto",
         *,
-        compile: bool = False,
-        dynamic_batch: bool = False,
+        compile: CompileForm | None = None,
+        packages: Path | None = None,
         buckets: Sequence[int] = (),
         cuda_graphs: bool = False,
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
-        the same way for both). ``compile`` wraps ``handler.forward`` in ``torch.compile``;
-        the first batch of each new size then compiles, which ``warm_up`` moves to start-up;
-        ``dynamic_batch`` compiles one graph for every batch size instead of one a bucket.
+        the same way for both). ``compile`` compiles ``handler.forward``: ``static`` and
+        ``dynamic`` wrap it in ``torch.compile`` (``compile_forward``), whose first batch
+        of each new size then compiles, which ``warm_up`` moves to start-up; ``package``
+        compiles the forward of each bucket ahead of time into a package kept in the
+        folder ``packages`` (``workers.model.packages``) during ``warm_up``, where the
+        handler is ``Exportable`` and there are buckets, else it falls back to ``static``.
         ``buckets`` (e.g. ``batch_buckets(256)``) pads each batch to the next bucket size;
         the handler's forward must treat batch rows independently (eval-mode models do).
         ``cuda_graphs`` (CUDA, with buckets) records the forward of each bucket size as a
@@ -149,8 +157,12 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.buckets: tuple[int, ...] = tuple(sorted(set(buckets)))
         self._forward: Callable[[Any], Any] = handler.forward
-        if compile:
-            self._forward = compile_forward(handler.forward, self.buckets, dynamic_batch)
+        exportable = handler.exportable() if isinstance(handler, Exportable) else None
+        self._to_package: tuple[torch.nn.Module, Path] | None = None
+        if compile == "package" and packages is not None and exportable and self.buckets:
+            self._to_package = (exportable, packages)  # built in warm_up, from its batches
+        elif compile is not None:
+            self._forward = compile_forward(handler.forward, self.buckets, compile == "dynamic")
         self._collate = handler.collate if isinstance(handler, Collating) else None
         self._split = handler if isinstance(handler, SplitPostprocess) else None
         self._want_graphs = cuda_graphs and self.device.type == "cuda" and bool(self.buckets)
@@ -264,12 +276,33 @@ class ModelRunner:
         sizes = set(batch_sizes)
         if any(size < 1 for size in sizes):
             raise ValueError(f"warm-up batch sizes must be at least 1, got {min(sizes)}")
+        if self._to_package is not None:
+            self._forward = self._packaged(item, *self._to_package)
+            self._to_package = None
         for size in sorted({self._bucket(size) for size in sizes} | set(self.buckets)):
             self.run([item] * size, [{}] * size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self._want_graphs and not self._graphs:
             self._capture(item)
+
+    def _packaged(
+        self, item: torch.Tensor, module: torch.nn.Module, folder: Path
+    ) -> Callable[[Any], Any]:
+        """The forward through a package per bucket, else ``torch.compile``'s (logged)."""
+
+        def example(size: int) -> torch.Tensor:
+            batch = self.prepare([item] * size)
+            if batch.ready is not None:
+                batch.ready.synchronize()
+            if not isinstance(batch.tensor, torch.Tensor):
+                raise TypeError("this handler's batches are lists of images")
+            return batch.tensor
+
+        forward = packaged_forward(module, self.buckets, example, folder)
+        if forward is not None:
+            return forward
+        return compile_forward(self.handler.forward, self.buckets)
 
     @property
     def graphed_sizes(self) -> tuple[int, ...]:
