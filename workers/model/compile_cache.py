@@ -1,10 +1,12 @@
 """Where compiled code is kept, so that a host compiles a model once.
 
-``torch.compile`` writes what it generates (Inductor's compiled graphs, Triton's
-kernels, autotuning results) to a cache folder and reads it back on the next
-compilation of the same graph: a process that finds the work done loads it instead
-of compiling. ``use_compile_cache`` points that folder at
-``<compile_cache>/<key>`` before the first compilation. The supervisor of a host's
+Inductor writes what it generates (compiled graphs, Triton's kernels, autotuning
+results) to a cache folder and reads it back on the next compilation of the same
+graph: a process that finds the work done loads it instead of compiling.
+``use_compile_cache`` points that folder at ``<compile_cache>/<key>`` before the
+first compilation; with ``--compile-form package`` (the default) the compiled
+forward of each batch-size bucket is also kept there, in ``packages/``, and a later
+start loads it without tracing the model (``workers.model.packages``). The supervisor of a host's
 processes (``workers.fleet``) starts one process first and the others once it is
 ready, so they load what it compiled; a restarted process loads it too.
 
