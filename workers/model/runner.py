@@ -159,9 +159,15 @@ class ModelRunner:
         self._forward: Callable[[Any], Any] = handler.forward
         exportable = handler.exportable() if isinstance(handler, Exportable) else None
         self._to_package: tuple[torch.nn.Module, Path] | None = None
-        if compile == "package" and packages is not None and exportable and self.buckets:
+        if compile == "package" and packages is not None and exportable is not None and buckets:
             self._to_package = (exportable, packages)  # built in warm_up, from its batches
         elif compile is not None:
+            if compile == "package":
+                log.info(
+                    "compiling %s with torch.compile: packages need a handler with "
+                    "exportable() and fixed batch sizes",
+                    handler.name,
+                )
             self._forward = compile_forward(handler.forward, self.buckets, compile == "dynamic")
         self._collate = handler.collate if isinstance(handler, Collating) else None
         self._split = handler if isinstance(handler, SplitPostprocess) else None
