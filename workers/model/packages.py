@@ -116,12 +116,15 @@ def build_package(module: torch.nn.Module, example: torch.Tensor, path: Path) ->
             exported.graph_module, inputs, dynamic_shapes="from_example_inputs"
         )
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+    partial_names = _names_path(partial)
     try:
         compiled.save(path=str(partial), format="binary")
-        _names_path(path).write_text(json.dumps(names))
-        partial.replace(path)  # last: a package that exists is whole
+        partial_names.write_text(json.dumps(names))
+        partial_names.replace(_names_path(path))
+        partial.replace(path)  # last: a package that exists is whole, and so are its names
     finally:
         partial.unlink(missing_ok=True)
+        partial_names.unlink(missing_ok=True)
     log.info(
         "built package %s for a batch of %s in %.1f s",
         path.name,
