@@ -38,6 +38,7 @@ from producers.testing import (
     read_results,
     tally,
     unless_one_exits,
+    until,
     until_all_ready,
     until_answered,
 )
@@ -133,7 +134,10 @@ def _start_host(
 def stage_ready(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     """For each count of ``--ready-processes`` on one card: the one command started with an
     empty compile cache (cold: its first process compiles), stopped, started again on
-    the same cache (warm); seconds from start to the host's /readyz 200."""
+    the same cache (warm); seconds from start to the host's /readyz 200. With several
+    processes, also: one of them SIGKILLed on the warm host, seconds to ready again
+    (``restart``: forked by the host's fork server), and a single process (no supervisor)
+    on the same cache (``1x1 warm, alone``)."""
     return asyncio.run(_ready_rows(cfg, args))
 
 
@@ -147,19 +151,43 @@ async def _ready_rows(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         await create_model_topics(settings, model, processes)
         cache = Path(tempfile.mkdtemp(prefix="conveyor-compile-"))
         timed = argparse.Namespace(**{**vars(args), "compile_cache": cache})
+        starts = ["cold", "warm"] + (["alone"] if processes > 1 else [])
         try:
-            for start in ("cold", "warm"):
+            for start in starts:
                 async with _fleet(cfg, model, timed) as fleet:
                     started = time.monotonic()
-                    host = _start_host(fleet, cfg, timed, per_card, 1)
+                    host = _start_host(fleet, cfg, timed, 1 if start == "alone" else per_card, 1)
                     await until_all_ready([host], args.ready_timeout)
                     seconds = time.monotonic() - started
-                rows[f"{text.strip()}x1 {start}"] = {"processes": processes, "ready_s": seconds}
-                print(f"  ready {processes} processes, {start} cache: {seconds:.1f} s", flush=True)
+                    label = "1x1 warm, alone" if start == "alone" else f"{text.strip()}x1 {start}"
+                    _ready_row(rows, label, 1 if start == "alone" else processes, seconds)
+                    if start == "warm" and processes > 1:
+                        restart = await _restart_one(host, args)
+                        _ready_row(rows, f"{text.strip()}x1 restart", processes, restart)
         finally:
             await delete_model_topics(settings, model)
             shutil.rmtree(cache, ignore_errors=True)
     return rows
+
+
+def _ready_row(rows: dict[str, Any], label: str, processes: int, seconds: float) -> None:
+    rows[label] = {"processes": processes, "ready_s": seconds}
+    print(f"  ready {label} ({processes} processes): {seconds:.1f} s", flush=True)
+
+
+async def _restart_one(host: WorkerProcess, args: argparse.Namespace) -> float:
+    """Seconds from one process's SIGKILL to the host's /readyz 200 again (the
+    supervisor's first backoff, 1 s, included)."""
+    victim = host.children()[0]
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+
+    async def unready() -> bool:
+        return not await host.ready()
+
+    await until(unready, "the host unready once a process is killed", 30, host.log, [host])
+    await until_all_ready([host], args.ready_timeout)
+    return time.monotonic() - started
 
 
 # -- the kill test: a GPU worker SIGKILLed mid-run loses nothing ----------------------------

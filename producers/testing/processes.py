@@ -144,15 +144,19 @@ class WorkerProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def children(self) -> list[int]:
-        """The pids of its live child processes (a host's worker processes), from /proc."""
-        found = []
+        """The pids of its live worker processes (a host's), from /proc: its children, and
+        the children of its fork server (``workers.fleet.forkserver``) in its stead."""
+        parents: dict[int, list[int]] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue  # a process that ended meanwhile
-            if int(fields[1]) == self.pid and fields[0] not in ("Z", "X"):
-                found.append(int(stat.parent.name))
+            if fields[0] not in ("Z", "X"):
+                parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        found = []
+        for pid in parents.get(self.pid, []):
+            found += parents.get(pid, []) if _fork_server(pid) else [pid]
         return sorted(found)
 
     def signal(self, signum: signal.Signals) -> None:
@@ -383,3 +387,10 @@ def _raise_if_exited(workers: Iterable[WorkerProcess]) -> None:
 
 def _logs(workers: Sequence[WorkerProcess]) -> Callable[[], str]:
     return lambda: "\n".join(worker.log() for worker in workers)
+
+
+def _fork_server(pid: int) -> bool:
+    try:
+        return b"workers.fleet.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +25,10 @@ from tests.harness import digit_requests
 from workers.exits import EXIT_CONFIG, EXIT_STOPPED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 async def host_metrics(host: WorkerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -53,6 +58,8 @@ async def test_one_command_runs_processes_that_serve_behind_one_port_and_drain_t
     host = workers.start("--processes", "3")
     await host.until_ready(180)  # every process ready: the host's /readyz is 200
     assert len(host.children()) == 3
+    assert "fork server ready" in host.log()
+    assert all(parent(pid) != host.pid for pid in host.children())  # forked, torch imported
 
     requests, ids = digit_requests(digits, 600, prefix=model_name)
     await produce(kafka_bootstrap, topics.requests, requests)
@@ -113,6 +120,9 @@ async def test_a_killed_process_is_started_again_and_nothing_is_lost(
         return len(now) == 2 and victim not in now
 
     await until(replaced, "the killed process is started again", 60, host.log, [host])
+    fork_server = parent(first[1])
+    assert fork_server != host.pid
+    assert all(parent(pid) == fork_server for pid in host.children())  # forked again
     counted = await tally(kafka_bootstrap, redis_url, topics.results, ids, timeout_s=150)
     assert counted.lost == 0, host.log()[-3000:]
     assert counted.duplicate_visible == 0

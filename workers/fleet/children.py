@@ -1,7 +1,9 @@
 """One worker process of the host, as its supervisor sees it: started, relayed, asked, stopped.
 
 A ``Child`` runs ``python -m workers.cli`` with the user's own flags and those that
-make it one of many (its card, its name, a private metrics port). Its output goes
+make it one of many (its card, its name, a private metrics port): forked by the
+host's fork server when there is one that serves (``workers.fleet.forkserver``: torch
+already imported), else as a new process. Its output goes
 to the supervisor's standard error a line at a time, each text line prefixed with
 the child's name and each JSON line given a ``"process"`` field, so the host's log
 stays one readable stream. The child's ``/readyz`` and ``/metrics`` are read on
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import re
 import signal
@@ -20,7 +21,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
+from workers.fleet.forkserver import ForkServer, terminate_with_parent
 from workers.fleet.plan import Slot
 
 log = logging.getLogger(__name__)
@@ -28,45 +31,85 @@ log = logging.getLogger(__name__)
 _METRICS_LINE = re.compile(rb"metrics and health on http://[^:\s]+:(\d+)")
 _CACHE_LINE = re.compile(rb"compile cache: (\S+)")
 _HTTP_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class _Process(Protocol):
+    """What the supervisor uses of a started process: ``asyncio.subprocess.Process`` or
+    the fork server's ``Forked``."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+    async def wait(self) -> int: ...
+    def send_signal(self, signum: int) -> None: ...
 
 
 class Child:
     """A worker process in one ``Slot``; start it again with ``start`` after it exits."""
 
     def __init__(
-        self, slot: Slot, name: str, argv: Sequence[str], env: Mapping[str, str], *, json: bool
+        self,
+        slot: Slot,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        json: bool,
     ) -> None:
         self.slot = slot
         self.name = name
-        self.argv = list(argv)
+        self.module = module
+        self.args = list(args)
         self.env = dict(env)
         self.json = json
+        self.forks: ForkServer | None = None  # the host's fork server, when it has one
         self.port: int | None = None
         self.compile_cache: Path | None = None  # the folder its log names, once it does
         self.started_at = 0.0
         self.starts = 0
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: _Process | None = None
         self._relay: asyncio.Task[None] | None = None
+
+    @property
+    def argv(self) -> list[str]:
+        """Its command line when it starts as a new process."""
+        return [sys.executable, "-m", self.module, *self.args]
 
     async def start(self) -> None:
         self.port = None
+        self._proc = await self._forked() or await self._spawned()
+        self.started_at = time.monotonic()
+        self.starts += 1
+        self._relay = asyncio.create_task(self._relay_output(self._proc), name=f"relay-{self.name}")
+
+    async def _forked(self) -> _Process | None:
+        if self.forks is None or not self.forks.serving:
+            return None
+        try:
+            return await self.forks.launch(self.module, self.args, self.env)
+        except OSError as exc:
+            log.warning("%s starts as a new process: %s", self.name, exc)
+            return None
+
+    async def _spawned(self) -> _Process:
         # A session of its own: a Ctrl-C at the terminal (or a signal to the supervisor's
         # process group) reaches only the supervisor, which passes one SIGTERM on; a
         # second one would end the child's drain. If the supervisor dies without doing
         # so, the kernel sends the child SIGTERM itself (Linux), so none is orphaned.
-        self._proc = await asyncio.create_subprocess_exec(
+        # A forked child has the same session and signal of its own.
+        return await asyncio.create_subprocess_exec(
             *self.argv,
             env=self.env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_terminate_with_parent,
+            preexec_fn=terminate_with_parent,
         )
-        self.started_at = time.monotonic()
-        self.starts += 1
-        self._relay = asyncio.create_task(self._relay_output(self._proc), name=f"relay-{self.name}")
 
     @property
     def pid(self) -> int | None:
@@ -115,7 +158,7 @@ class Child:
             return None
         return body.decode(errors="replace") if status == 200 else None
 
-    async def _relay_output(self, proc: asyncio.subprocess.Process) -> None:
+    async def _relay_output(self, proc: _Process) -> None:
         assert proc.stdout is not None
         out = sys.stderr.buffer
         prefix = f"[{self.name}] ".encode()
@@ -134,15 +177,6 @@ class Child:
             else:
                 out.write(prefix + line)
             out.flush()
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before it runs: SIGTERM when the supervisor's thread that started it
-    ends (``prctl(PR_SET_PDEATHSIG)``); nothing where the call does not exist."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, bytes]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +30,7 @@ from workers.types import ConfigError
 
 log = logging.getLogger("conveyor.fleet")
 
-CHILD_COMMAND = (sys.executable, "-m", "workers.cli")
+CHILD_MODULE = "workers.cli"
 _OVERRIDDEN = frozenset(
     {
         "processes",
@@ -205,14 +204,36 @@ def make_child(
     ]  # fmt: skip
     if "decode_threads" not in settings.model_fields_set:
         overrides += ["--decode-threads", str(threads)]
-    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
-    # Each process's share of the cores for torch's own threads (unless set): otherwise
-    # every process starts one a core, and the host's processes load their models at once.
-    env.setdefault("OMP_NUM_THREADS", str(threads))
     return Child(
         slot,
         slot.name(names.worker),
-        [*CHILD_COMMAND, *flags, *overrides],
-        env,
+        CHILD_MODULE,
+        [*flags, *overrides],
+        child_environment(threads, extra_env),
         json=settings.log_format == "json",
     )
+
+
+def child_environment(threads: int, extra_env: dict[str, str]) -> dict[str, str]:
+    """A worker process's environment: the supervisor's, ``extra_env``, and each process's
+    share of the cores for torch's own threads (unless set): otherwise every process
+    starts one a core, and the host's processes load their models at once."""
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def compiles(settings: WorkerSettings) -> bool:
+    """Whether the processes compile their model (``--compile``, on by default on a GPU)."""
+    return settings.compile or (settings.compile is None and settings.device != "cpu")
+
+
+def preloaded(settings: WorkerSettings) -> list[str]:
+    """What the host's fork server imports for its processes: the worker, torch and
+    torchvision, and, when the model is compiled, Dynamo and Inductor (which load the
+    compiled packages) and Triton."""
+    modules = ["workers.app", "torchvision"]
+    if compiles(settings):
+        modules += ["torch._dynamo", "torch._inductor.compile_fx"]
+        modules += ["torch._inductor.standalone_compile", "triton"]
+    return modules

@@ -13,10 +13,13 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    partitions than planned processes runs fewer, and says how to add partitions;
    an explicit count it cannot run is exit 3 with the same advice;
 3. **MPS**: an MPS server for the cards with several processes (``workers.fleet.mps``);
-4. **start**: one process first, which compiles the model into the host's compile
+4. **start**: the processes are forked by the host's fork server, which imported
+   torch, torchvision and Inductor once (``workers.fleet.forkserver``); one process
+   first, which compiles the model into the host's compile
    cache (``workers.model.compile_cache``); once it has loaded and warmed up, its
    memory on the card is measured (``auto`` fits the count to it) and the others
-   start together, loading what it compiled;
+   start together, loading what it compiled (on the CPU without compiling, all
+   start together);
 5. **watch**: ``/metrics`` on ``--metrics-port`` merges every process's
    (``workers.fleet.exposition``), ``/readyz`` is 200 when every process is ready,
    ``/healthz`` while the supervisor runs. A process that exits is started again
@@ -56,13 +59,23 @@ from workers.exits import (
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
 from workers.fleet.exposition import FleetMetrics, Scrape
-from workers.fleet.host import bases, check_partitions, make_child, start_mps
+from workers.fleet.forkserver import ForkServer
+from workers.fleet.host import (
+    bases,
+    check_partitions,
+    child_environment,
+    compiles,
+    make_child,
+    preloaded,
+    start_mps,
+)
 from workers.fleet.mps import MpsServer, MpsUnavailable
 from workers.observe.health import Check, HealthServer
 
 log = logging.getLogger("conveyor.fleet")
 
 FIRST_START_TIMEOUT_S = 900.0  # a cold compile of a large model on a slow host
+FORK_SERVER_TIMEOUT_S = 300.0  # its imports: ~10 s on a GPU host
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a process up this long starts its backoff afresh
@@ -74,6 +87,7 @@ class _State:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     failure: int | None = None  # the status the host stops with, when a process ended it
     mps: MpsServer | None = None
+    forks: ForkServer | None = None
     children: list[Child] = field(default_factory=list)
     roll: asyncio.Event = field(default_factory=asyncio.Event)  # SIGHUP: restart in turn
     rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
@@ -93,6 +107,23 @@ async def supervise(
     state = _State()
     _stop_on_signals(state)
     started = time.monotonic()
+    # Its imports run while the topics are checked and MPS starts.
+    threads = plan.decode_threads(len(os.sched_getaffinity(0)), len(slots))
+    state.forks = await ForkServer.start(preloaded(settings), child_environment(threads, {}))
+    try:
+        return await _supervise(settings, given, slots, cards, state, started)
+    finally:
+        await state.forks.close()
+
+
+async def _supervise(
+    settings: WorkerSettings,
+    given: tuple[list[str], dict[str, str]],
+    slots: list[plan.Slot],
+    cards: list[plan.Card],
+    state: _State,
+    started: float,
+) -> int:
     slots = await check_partitions(settings, slots)
     try:
         state.mps = start_mps(settings, slots)
@@ -106,6 +137,7 @@ async def supervise(
     flags, secrets = given
     env = {**secrets, **mps_env}
     state.children = [make_child(settings, flags, slot, names, threads, env) for slot in slots]
+    await _use_fork_server(state)
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
@@ -134,6 +166,25 @@ async def supervise(
 # -- starting and watching -----------------------------------------------------------------
 
 
+async def _use_fork_server(state: _State) -> None:
+    """The processes start from the fork server once its imports are done, as new
+    processes when it cannot serve (the reason logged)."""
+    assert state.forks is not None
+    try:
+        serving = await asyncio.wait_for(state.forks.ready(), FORK_SERVER_TIMEOUT_S)
+    except TimeoutError:
+        state.forks.reason = f"its imports took over {FORK_SERVER_TIMEOUT_S:.0f} s"
+        serving = False
+    if serving:
+        for child in state.children:
+            child.forks = state.forks
+    else:
+        log.warning(
+            "worker processes start as new processes, each importing torch itself: %s",
+            state.forks.reason,
+        )
+
+
 async def _start_all(
     settings: WorkerSettings,
     state: _State,
@@ -141,9 +192,12 @@ async def _start_all(
     started: float,
 ) -> None:
     """The first process, until its model is loaded (compiled into the cache); then the
-    others at once."""
+    others at once. On the CPU without compiling, all at once: nothing to share first."""
     first, *rest = state.children
     if state.stop.is_set():
+        return
+    if not cards and not compiles(settings):
+        await asyncio.gather(*(child.start() for child in state.children))
         return
     await first.start()
     loaded = await _until_loaded(first, state)
