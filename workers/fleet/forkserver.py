@@ -142,6 +142,9 @@ class ForkServer:
         in the environment ``env`` (the processes' common one: libraries read some
         variables when they load, such as ``OMP_NUM_THREADS``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # torch.cuda.is_available() asks NVML rather than the CUDA driver, which it would
+        # initialise (a module calling it on import would spoil every fork).
+        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "workers.fleet.forkserver", str(theirs.fileno()), *preload,
@@ -288,11 +291,11 @@ def preload(modules: Sequence[str]) -> str | None:
     for name in modules:
         with contextlib.suppress(ImportError):  # a child imports what it needs itself
             importlib.import_module(name)
-    if _cuda_initialised():
-        return f"importing {', '.join(modules)} initialised CUDA, which a forked process cannot use"
-    if threading.active_count() > 1:
-        names = ", ".join(thread.name for thread in threading.enumerate())
-        return f"importing {', '.join(modules)} started Python threads ({names})"
+        if _cuda_initialised():
+            return f"importing {name} initialised CUDA, which a forked process cannot use"
+        if threading.active_count() > 1:
+            names = ", ".join(thread.name for thread in threading.enumerate())
+            return f"importing {name} started Python threads ({names})"
     return None
 
 
