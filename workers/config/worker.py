@@ -126,7 +126,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     )
     compile_form: Literal["package", "static", "dynamic"] = Field(
         default="package",
-        description="with --compile: package = an AOTInductor package a batch-size bucket, "
+        description="with --compile: package = an Inductor package a batch-size bucket, "
         "loaded without tracing (falls back to static for a model torch.export cannot take), "
         "static = torch.compile, one graph a bucket (each traced at every start), dynamic = "
         "torch.compile, one graph with a symbolic batch size (two traces)",
