@@ -13,7 +13,7 @@ from workers.config.profiles import GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.fleet import mps, plan
 from workers.fleet.exposition import merge
-from workers.fleet.host import child_flags
+from workers.fleet.host import child_flags, preloaded
 from workers.fleet.plan import Card, Slot
 
 H100 = Card(0, "NVIDIA H100 80GB HBM3", 81559, 500)
@@ -168,3 +168,24 @@ def test_profiles_fill_in_only_what_was_not_given() -> None:
     )
     assert cpu.compile is False
     assert cpu.max_batch_size == 64
+
+
+# -- what the fork server imports ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "inductor"),
+    [
+        ({"device": "cuda"}, True),  # compiled by default on a GPU
+        ({"device": "cuda", "compile": False}, False),
+        ({"device": "cpu"}, False),
+        ({"device": "cpu", "compile": True}, True),
+    ],
+)
+def test_the_fork_server_imports_inductor_only_for_a_compiled_model(
+    options: dict[str, object], inductor: bool
+) -> None:
+    modules = preloaded(WorkerSettings.model_validate({"model": "digits", **options}))
+    assert modules[:2] == ["workers.app", "torchvision"]
+    assert ("torch._inductor.standalone_compile" in modules) is inductor
+    assert "workers.cli" not in modules  # the module a child runs as __main__

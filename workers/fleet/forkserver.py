@@ -190,6 +190,8 @@ class ForkServer:
         self._children[pid] = child
         if pid in self._early:
             child.ended(self._early.pop(pid))
+        elif self._reader.done():  # the server ended while the pipe was being wrapped
+            child.orphaned()
         return child
 
     @property
