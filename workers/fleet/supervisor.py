@@ -18,8 +18,7 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    first, which compiles the model into the host's compile
    cache (``workers.model.compile_cache``); once it has loaded and warmed up, its
    memory on the card is measured (``auto`` fits the count to it) and the others
-   start together, loading what it compiled (on the CPU without compiling, all
-   start together);
+   start together, loading what it compiled (and the weights it downloaded);
 5. **watch**: ``/metrics`` on ``--metrics-port`` merges every process's
    (``workers.fleet.exposition``), ``/readyz`` is 200 when every process is ready,
    ``/healthz`` while the supervisor runs. A process that exits is started again
@@ -64,7 +63,6 @@ from workers.fleet.host import (
     bases,
     check_partitions,
     child_environment,
-    compiles,
     make_child,
     preloaded,
     start_mps,
@@ -191,13 +189,10 @@ async def _start_all(
     cards: list[plan.Card],
     started: float,
 ) -> None:
-    """The first process, until its model is loaded (compiled into the cache); then the
-    others at once. On the CPU without compiling, all at once: nothing to share first."""
+    """The first process, until its model is loaded (compiled into the cache, its
+    weights downloaded); then the others at once."""
     first, *rest = state.children
     if state.stop.is_set():
-        return
-    if not cards and not compiles(settings):
-        await asyncio.gather(*(child.start() for child in state.children))
         return
     await first.start()
     loaded = await _until_loaded(first, state)
