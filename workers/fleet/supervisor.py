@@ -135,7 +135,6 @@ async def _supervise(
     flags, secrets = given
     env = {**secrets, **mps_env}
     state.children = [make_child(settings, flags, slot, names, threads, env) for slot in slots]
-    await _use_fork_server(state)
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
@@ -190,8 +189,10 @@ async def _start_all(
     started: float,
 ) -> None:
     """The first process, until its model is loaded (compiled into the cache, its
-    weights downloaded); then the others at once."""
+    weights downloaded); then the others at once. The host's /healthz answers while the
+    fork server imports."""
     first, *rest = state.children
+    await _use_fork_server(state)
     if state.stop.is_set():
         return
     await first.start()
