@@ -358,8 +358,10 @@ class Pipeline:
             if self._lanes.several and outcome.answered:  # a batch is of one lane
                 lane = self._lanes.index[outcome.answered[0].record.topic]
                 self._metrics.lane_queue_wait(self._lanes.names[lane], queue_s)
-        self._outcomes.put_nowait(outcome)
+        # The next batch first: woken before the publisher, the batch loop starts it on
+        # the device before this batch's results are encoded and sent.
         self._arrived.set()  # a partial batch may join the stage now
+        self._outcomes.put_nowait(outcome)
 
     # -- rebalance ----------------------------------------------------------------------
 

@@ -143,6 +143,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("backlog", "paced"),
         help="--profile-s samples the second backlog (throughput) or the paced load (latency)",
     )
+    parser.add_argument(
+        "--profile-gil",
+        action="store_true",
+        help="--profile-s samples only the thread holding the GIL (who keeps the others waiting)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share

@@ -293,20 +293,22 @@ def _profile(
 ) -> subprocess.Popen[bytes]:
     """``--profile-s`` seconds of py-spy samples of the host's first worker process (the
     supervisor itself when it runs just one), named by layout, corpus and phase."""
-    name = f"pyspy-{layout_name(per_card, gpus)}-{corpus.name}-{args.profile_phase}.txt"
+    gil = "-gil" if args.profile_gil else ""
+    name = f"pyspy-{layout_name(per_card, gpus)}-{corpus.name}-{args.profile_phase}{gil}.txt"
     pid = next(iter(host.children()), host.pid)
-    return _sample(pid, args.out / name, args.profile_s)
+    return _sample(pid, args.out / name, args.profile_s, gil=args.profile_gil)
 
 
-def _sample(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes]:
+def _sample(pid: int, path: Path, seconds: float, *, gil: bool = False) -> subprocess.Popen[bytes]:
     """py-spy sampling a worker (every thread, 100 Hz) into collapsed stacks at ``path``,
     without pausing it for each sample: a worker paused for each sample had a p99 of
-    262 ms under the paced load, against 54 in an unsampled run on another H100."""
+    262 ms under the paced load, against 54 in an unsampled run on another H100.
+    ``gil``: only the thread holding the GIL at each sample."""
     beside = Path(sys.executable).with_name("py-spy")
     command = [
         str(beside) if beside.exists() else "py-spy", "record", "--pid", str(pid),
         "--rate", "100", "--threads", "--idle", "--nonblocking", "--duration", str(int(seconds)),
-        "--format", "raw", "--output", str(path),
+        "--format", "raw", "--output", str(path), *(["--gil"] if gil else []),
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
