@@ -88,7 +88,6 @@ async def run_worker(settings: WorkerSettings) -> None:
     metrics = Metrics(settings.served_name, role=settings.role)
     parts = _Parts(stop)
     async with AsyncExitStack() as stack:
-        stack.enter_context(switch_interval(settings.switch_interval_ms))
         # First in, so liveness answers while the model loads; last out, so probes
         # read "not_draining: failed" during the drain rather than a closed port.
         await stack.enter_async_context(
@@ -102,6 +101,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         facts = await _preflight(settings, topics)
         runner, settings = await asyncio.to_thread(_load_model, settings)
         parts.runner = runner
+        stack.enter_context(switch_interval(settings.switch_interval_ms))  # the profile's
         if stop.is_set():
             return
         handler = runner.handler

@@ -42,21 +42,36 @@ def test_the_switch_interval_holds_while_serving_and_returns_after() -> None:
     assert sys.getswitchinterval() == before
 
 
-def test_the_worker_serves_with_its_switch_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("given", "expected_ms"),
+    [({"switch_interval_ms": 0.75}, 0.75), ({"profile": "latency"}, 0.2), ({}, 0.5)],
+)
+def test_the_worker_serves_with_its_switch_interval(
+    monkeypatch: pytest.MonkeyPatch, given: dict[str, object], expected_ms: float
+) -> None:
+    """Given, or the profile's once the model is loaded (``tuned``); restored after."""
     seen: list[float] = []
 
     async def preflight(*_: object) -> None:  # the first step that needs Kafka and Redis
-        seen.append(sys.getswitchinterval())
-        raise ConfigError("stop here")
+        return None
+
+    class Publisher:  # the first part made after the model, before any request
+        def __init__(self, *_: object) -> None:
+            seen.append(sys.getswitchinterval())
+
+        async def __aenter__(self) -> None:
+            raise ConfigError("stop here")
+
+        async def __aexit__(self, *_: object) -> None:
+            return None
 
     monkeypatch.setattr(app, "_preflight", preflight)
-    settings = WorkerSettings(
-        model="bench.identity:IdentityHandler", switch_interval_ms=0.75, metrics_port=0
-    )
+    monkeypatch.setattr(app, "Publisher", Publisher)
+    settings = WorkerSettings(model="bench.identity:IdentityHandler", metrics_port=0, **given)
     before = sys.getswitchinterval()
     with pytest.raises(ConfigError, match="stop here"):
         asyncio.run(app.run_worker(settings))
-    assert seen == [pytest.approx(0.00075)]
+    assert seen == [pytest.approx(expected_ms / 1000.0)]
     assert sys.getswitchinterval() == before
 
 

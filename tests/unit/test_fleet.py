@@ -156,12 +156,14 @@ def test_profiles_fill_in_only_what_was_not_given() -> None:
     assert latency.stage_batches == 3  # given: the profile leaves it
     assert latency.stage_partial_batches == 1
     assert latency.max_delay_ms == 2.0
+    assert latency.switch_interval_ms == 0.2
     assert latency.compile is True
     assert latency.max_batch_size == GPU_IMAGE_BATCH
 
     throughput = tuned(WorkerSettings(model="digits"), cuda=True, fixed_size_images=False)
     assert throughput.max_batch_size == 32  # a model of variable-size images keeps 32
     assert throughput.stage_batches is None  # the model stage's own default (4 on a GPU)
+    assert throughput.switch_interval_ms == 0.5
 
     cpu = tuned(
         WorkerSettings(model="digits", max_batch_size=64), cuda=False, fixed_size_images=True
