@@ -249,6 +249,10 @@ async def _paced(
         if args.profile_s and args.profile_phase == "paced":
             paced_samplers.append(_profile(args, host, per_card, gpus, corpus))
 
+    if args.paced_warmup_s > 0:  # the same load, unmeasured: the broker's first is slower
+        warmup = max(int(paced_rate * args.paced_warmup_s), 1)
+        await _paced_parallel(args, model, corpus, f"{run}-w", warmup, paced_rate, partitions)
+        await _await_results(f"{run}-w", warmup, args, [host])
     sent = await _paced_parallel(
         args, model, corpus, f"{run}-p", count, paced_rate, partitions, on_go=sample_paced
     )
@@ -262,6 +266,7 @@ async def _paced(
     row = {
         "paced_rate": achieved,
         "paced_target": paced_rate,
+        "paced_warmup_s": args.paced_warmup_s,
         # Producers that fell behind their rate (``paced_processes``): their own
         # lag would count as the workers' latency, so the row reports none.
         "paced_kept_up": achieved >= 0.95 * paced_rate,
