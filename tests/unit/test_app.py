@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -47,7 +48,7 @@ def test_the_switch_interval_holds_while_serving_and_returns_after() -> None:
     [({"switch_interval_ms": 0.75}, 0.75), ({"profile": "latency"}, 0.2), ({}, 0.5)],
 )
 def test_the_worker_serves_with_its_switch_interval(
-    monkeypatch: pytest.MonkeyPatch, given: dict[str, object], expected_ms: float
+    monkeypatch: pytest.MonkeyPatch, given: dict[str, Any], expected_ms: float
 ) -> None:
     """Given, or the profile's once the model is loaded (``tuned``); restored after."""
     seen: list[float] = []
