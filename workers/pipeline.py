@@ -358,8 +358,8 @@ class Pipeline:
             if self._lanes.several and outcome.answered:  # a batch is of one lane
                 lane = self._lanes.index[outcome.answered[0].record.topic]
                 self._metrics.lane_queue_wait(self._lanes.names[lane], queue_s)
-        # The next batch first: woken before the publisher, the batch loop starts it on
-        # the device before this batch's results are encoded and sent.
+        # The batch loop is woken before the publisher: the next batch need not wait
+        # behind this one's publishing.
         self._arrived.set()  # a partial batch may join the stage now
         self._outcomes.put_nowait(outcome)
 

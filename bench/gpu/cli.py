@@ -164,7 +164,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=4.0,
         help="seconds of the same paced load first, not measured: a fresh broker's first "
-        "paced traffic acknowledged 20-37 ms late at p99, later ones 3-9 ms",
+        "paced traffic was acknowledged 21-37 ms late at p99, later ones 3-10 ms",
     )
     parser.add_argument(
         "--paced-max-rate",

@@ -29,7 +29,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "stage_batches": 2,
         "stage_partial_batches": 1,
         # The event loop held the GIL 44% of the time at 600 requests/s a process (py-spy
-        # --gil): with 0.2 ms it and the model's threads wait less for each other.
+        # --gil); 0.2 ms lowered the p99 in the worker in two GPU calls of three and
+        # changed nothing in the third (docs/bench-log, 2026-11-28).
         "switch_interval_ms": 0.2,
     },
 }
