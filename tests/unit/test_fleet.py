@@ -13,7 +13,7 @@ from workers.config.profiles import GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.fleet import mps, plan
 from workers.fleet.exposition import merge
-from workers.fleet.host import child_flags, preloaded
+from workers.fleet.host import Bases, child_flags, make_child, preloaded
 from workers.fleet.plan import Card, Slot
 
 H100 = Card(0, "NVIDIA H100 80GB HBM3", 81559, 500)
@@ -103,6 +103,34 @@ def test_children_get_the_users_flags_and_secrets_as_variables() -> None:
         "CONVEYOR_REDIS_URL": "redis://:hunter2@redis:6379/0",
         "CONVEYOR_KAFKA_PASSWORD": "s3cret",
     }
+
+
+def test_each_process_sees_only_its_own_card_as_cuda_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compiled package serves every card: each process is bound to its card by UUID
+    (whatever the host's numbering) and runs on cuda:0; the name keeps the host's index."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    host = [Card(k, H100.name, H100.memory_mb, 0, f"GPU-{k}aa") for k in range(2)]
+    settings = WorkerSettings(model="digits")
+    names = Bases("pod-0", "pod-0")
+    children = [
+        make_child(settings, [], slot, host, names, 4, {})
+        for slot in plan.slots(2, host, cores=16)
+    ]
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["GPU-0aa", "GPU-1aa"]
+    assert [c.name for c in children] == ["pod-0-0-0", "pod-0-1-0"]
+    for child in children:
+        device = child.args[child.args.index("--device") + 1]
+        assert device == "cuda:0"
+
+    # Without UUIDs, the supervisor's own CUDA_VISIBLE_DEVICES says which card index k is.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    bare = [Card(k, H100.name, H100.memory_mb) for k in range(2)]
+    second = make_child(settings, [], Slot(1, 0), bare, names, 4, {})
+    assert second.env["CUDA_VISIBLE_DEVICES"] == "3"
+    on_cpu = make_child(settings, [], Slot(None, 0), [], names, 4, {})
+    assert "--device" in on_cpu.args
+    assert on_cpu.args[on_cpu.args.index("--device") + 1] == "cpu"
+    assert on_cpu.env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the supervisor's, untouched
 
 
 # -- the merged /metrics --------------------------------------------------------------------

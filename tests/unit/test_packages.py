@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from demo.models.digits import DigitsClassifier
-from workers.model.packages import fingerprint_model, packaged_forward
+from workers.model.packages import fingerprint_model, package_fingerprint, packaged_forward
 from workers.model.runner import ModelRunner
 
 BUCKETS = (4,)
@@ -78,6 +78,18 @@ def test_a_model_with_other_layers_or_settings_gets_packages_of_its_own() -> Non
     first.padding = (0, 0)  # same tensors, other code
     fingerprints = {plain, fingerprint(activation), fingerprint(strided)}
     assert len(fingerprints) == 3
+
+
+def test_a_package_built_on_one_card_is_not_the_one_another_card_loads() -> None:
+    """Inductor's code names the card it was compiled on: ``cuda:1`` loading the package
+    built on ``cuda:0`` launched its kernels in the other card's context."""
+    model = fingerprint_model(torch.nn.Linear(2, 2))
+    layout = "(8, 2):torch.float16:(2, 1)"
+    names = {
+        package_fingerprint(model, layout, torch.device(device))
+        for device in ("cuda:0", "cuda:1", "cpu")
+    }
+    assert len(names) == 3
 
 
 class Branching(torch.nn.Module):

@@ -34,8 +34,8 @@ def visible_cards() -> list[Card]:
             chosen.append(match[0])
         rows = chosen
     return [
-        Card(index, name, int(float(total)), int(float(used)))
-        for index, (_, _, name, total, used) in enumerate(rows)
+        Card(index, name, int(float(total)), int(float(used)), uuid)
+        for index, (_, uuid, name, total, used) in enumerate(rows)
     ]
 
 

@@ -189,13 +189,15 @@ def make_child(
     settings: WorkerSettings,
     flags: Sequence[str],
     slot: plan.Slot,
+    cards: Sequence[plan.Card],
     names: Bases,
     threads: int,
     extra_env: dict[str, str],
 ) -> Child:
+    """The process of ``slot``: on a card, bound to it (``card_environment``)."""
     overrides = [
         "--processes", "1",
-        "--device", slot.device,
+        "--device", "cpu" if slot.card is None else "cuda:0",
         "--mps", "off",
         "--group-instance-id", slot.name(names.instance),
         "--worker-id", slot.name(names.worker),
@@ -204,14 +206,39 @@ def make_child(
     ]  # fmt: skip
     if "decode_threads" not in settings.model_fields_set:
         overrides += ["--decode-threads", str(threads)]
+    env = {**extra_env, **card_environment(slot, cards)}
     return Child(
         slot,
         slot.name(names.worker),
         CHILD_MODULE,
         [*flags, *overrides],
-        child_environment(threads, extra_env),
+        child_environment(threads, env),
         json=settings.log_format == "json",
     )
+
+
+def card_environment(slot: plan.Slot, cards: Sequence[plan.Card]) -> dict[str, str]:
+    """What binds a process to its card: ``CUDA_VISIBLE_DEVICES`` naming that card alone
+    (by UUID), so the process sees it as ``cuda:0``.
+
+    A compiled package's code names the device it was compiled on (Inductor's wrapper
+    sets ``cuda:0`` current before each launch, and its Triton kernels are loaded into
+    that device's context): a process on ``cuda:1`` that loaded the package the first
+    process compiled on ``cuda:0`` launched those kernels on its own tensors in another
+    card's context, and CUDA refused (``CUDA driver error: invalid argument``). Every
+    process seeing its card as ``cuda:0`` makes one package valid on every card.
+    """
+    if slot.card is None:
+        return {}
+    card = next(c for c in cards if c.index == slot.card)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if card.uuid:
+        name = card.uuid
+    elif visible:  # numbered among the visible ones, as CUDA numbers them here
+        name = [part.strip() for part in visible.split(",") if part.strip()][card.index]
+    else:
+        name = str(card.index)
+    return {"CUDA_VISIBLE_DEVICES": name}
 
 
 def child_environment(threads: int, extra_env: dict[str, str]) -> dict[str, str]:

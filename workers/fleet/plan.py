@@ -31,12 +31,14 @@ MEMORY_HEADROOM = 0.9
 
 @dataclass(frozen=True, slots=True)
 class Card:
-    """One visible GPU: its index as CUDA numbers it here, its name and memory (MiB)."""
+    """One visible GPU: its index as CUDA numbers it here, its name and memory (MiB), and
+    its UUID (what ``CUDA_VISIBLE_DEVICES`` names it by, whatever the numbering)."""
 
     index: int
     name: str
     memory_mb: int
     used_mb: int = 0
+    uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)

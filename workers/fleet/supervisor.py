@@ -134,7 +134,9 @@ async def _supervise(
     threads = plan.decode_threads(cores, len(slots))
     flags, secrets = given
     env = {**secrets, **mps_env}
-    state.children = [make_child(settings, flags, slot, names, threads, env) for slot in slots]
+    state.children = [
+        make_child(settings, flags, slot, cards, names, threads, env) for slot in slots
+    ]
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),

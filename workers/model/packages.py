@@ -13,9 +13,9 @@ weights: each call passes the tensors of the model just loaded (in the order kep
 beside the package), and a package never serves other weights. Each package is
 named by a fingerprint of what its code depends on beyond the compile cache
 folder's key (``workers.model.compile_cache``): the input's shape, dtype, strides
-and device, the model's layers with their settings (its ``repr``), every
-parameter's and buffer's name, shape, dtype and strides, and the source of every
-module class in the model. A changed model gets new packages, never an old one.
+and device (its index too: the code names it), the model's layers with their
+settings (its ``repr``), every parameter's and buffer's name, shape, dtype and
+strides, and the source of every module class in the model. A changed model gets new packages, never an old one.
 Packages are written under a temporary name and renamed, so a process never loads
 a half-written one.
 
@@ -180,7 +180,14 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fingerprint(model: str, example: torch.Tensor) -> str:
-    text = f"{model}|{_layout(example)}|{example.device.type}"
+    return package_fingerprint(model, _layout(example), example.device)
+
+
+def package_fingerprint(model: str, layout: str, device: torch.device) -> str:
+    """The name of a package for ``model`` (``fingerprint_model``) on inputs of ``layout``
+    on ``device``, its index included: the package's code names the device it was
+    compiled on, so ``cuda:1`` never loads one built on ``cuda:0``."""
+    text = f"{model}|{layout}|{device}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
