@@ -13,6 +13,7 @@ EXIT_UNREACHABLE = 4  # as the client commands' EXIT_UNAVAILABLE
 EXIT_NOT_INSTALLED = 5
 EXIT_ENVIRONMENT = 6
 EXIT_DEVICE = 7  # the model's device failed while serving: restart the worker
+EXIT_NO_CARD = 8  # the host's supervisor: no card's processes can start
 
 EXIT_STATUSES: dict[int, str] = {
     EXIT_STOPPED: "stopped on SIGTERM or Ctrl-C after draining, for --max-drain-ms at most "
@@ -29,6 +30,9 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "
     "of another worker under the same MPS server): restart it; the batches it held went "
     "unanswered, to another worker",
+    EXIT_NO_CARD: "a host of several processes: on every card (or on the CPU) the processes "
+    "failed at start the same way again and again, so none can serve; the log names the "
+    "error once per card (docs/operations.md \"When a card cannot serve\")",
 }
 
 PERMANENT = frozenset({EXIT_BAD_SETTINGS, EXIT_CONFIG, EXIT_NOT_INSTALLED, EXIT_ENVIRONMENT})

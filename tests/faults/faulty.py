@@ -7,13 +7,17 @@ Loaded by the worker as ``--model tests.faults.faulty:FaultyDigits``:
   framework's out-of-memory error, as a GPU would;
 - with ``CONVEYOR_TEST_SLOW_MS=t``, every batch takes at least t ms (a slow model);
 - a request's ``ce_params`` ``{"pad": n}`` adds an n-character string to its
-  answer (a large result).
-Warm-up batches (all equal to ``example_item``) never fail: start-up must succeed.
+  answer (a large result);
+- with ``CONVEYOR_TEST_FAIL_AT_START=s``, a process whose command line has an
+  argument ending in ``s`` (its worker id, ``<host>-cpu-1``, say) fails its first
+  forward, as a process on a card that cannot run the compiled model does.
+Other warm-up batches (all equal to ``example_item``) never fail.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +39,8 @@ class FaultyDigits:
         oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")
         self._oom_above = int(oom_above) if oom_above else None
         self._slow_s = float(os.environ.get("CONVEYOR_TEST_SLOW_MS", "0")) / 1000.0
+        cue = os.environ.get("CONVEYOR_TEST_FAIL_AT_START")
+        self._fails_at_start = bool(cue) and any(arg.endswith(str(cue)) for arg in sys.argv)
 
     def example_item(self) -> torch.Tensor:
         return self._inner.example_item()
@@ -45,6 +51,8 @@ class FaultyDigits:
         return self._inner.preprocess(payload, content_type, {"top_k": params.get("top_k", 5)})
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self._fails_at_start:
+            raise RuntimeError("injected: CUDA driver error: invalid argument")
         if self._is_warm_up(batch):  # faults are for requests; start-up must succeed
             return self._inner.forward(batch)
         if self._oom_above is not None and batch.shape[0] > self._oom_above:

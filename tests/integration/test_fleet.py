@@ -3,11 +3,14 @@
 The real broker and Redis, the supervisor as a real process with real children (no
 MPS, no GPU): they serve together behind one ``/readyz`` and one ``/metrics``; a
 child killed mid-backlog is started again and nothing is lost; SIGTERM drains every
-child; a topic with fewer partitions than processes is a clear exit.
+child; a topic with fewer partitions than processes is a clear exit; a process that
+fails at start the same way again and again is no longer started, says why once, and
+its partitions go to the others.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -145,6 +148,59 @@ async def test_fewer_partitions_than_processes_is_a_clear_exit(
     assert "Add partitions" in log
     assert "--partitions 3" in log
     assert "loaded its model" not in log  # refused before any process started
+
+
+@pytest.mark.timeout(240)
+async def test_a_process_that_fails_at_start_again_and_again_is_retired_and_others_serve(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+) -> None:
+    topics = topics_for(model_name)
+    await create_model_topics(client_settings, model_name, partitions=3)
+    host = workers.start(
+        "--processes", "3", "--session-timeout-ms", "6000", model=faulty.SPEC,
+        env={"CONVEYOR_TEST_FAIL_AT_START": "-cpu-2"},
+    )  # fmt: skip
+    requests, ids = digit_requests(digits, 300, prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)
+
+    async def retired() -> bool:
+        return "It is not started again" in host.log()
+
+    await until(retired, "the failing process is retired", 150, host.log, [host])
+    counted = await tally(kafka_bootstrap, redis_url, topics.results, ids, timeout_s=120)
+    assert counted.lost == 0, host.log()[-3000:]  # its partition went to the others
+    assert counted.duplicate_visible == 0
+    assert len(host.children()) == 2
+
+    log = host.log()
+    said = [line for line in log.splitlines() if "failed at start the same way" in line]
+    assert len(said) == 1, said  # once
+    assert "-cpu-2 failed at start" in said[0]
+    assert "RuntimeError: injected: CUDA driver error: invalid argument" in said[0]
+    assert "restart the host" in said[0]
+    assert log.count("starting it again in") == 2  # three starts in all
+
+    port = host.metrics_port()
+    assert port is not None
+    status, body = await http_get(port, "/readyz")
+    assert status == 503  # serving short of what it should: docs/operations.md
+    checks = json.loads(body)["checks"]
+    assert checks["processes_ready"] == "ok"
+    assert checks["cards"].startswith("not started again after failing at start: ")
+    assert checks["cards"].endswith("-cpu-2")
+    samples = await host_metrics(host)
+    [(_, failed)] = samples["conveyor_fleet_failed_processes"]
+    assert failed == 1.0
+    cards = {labels["state"]: value for labels, value in samples["conveyor_fleet_cards"]}
+    assert cards == {"serving": 1.0, "failed": 0.0}
+
+    host.signal(signal.SIGTERM)
+    assert await host.exited(90) == EXIT_STOPPED
 
 
 @pytest.mark.timeout(240)

@@ -113,8 +113,7 @@ def test_each_process_sees_only_its_own_card_as_cuda_0(monkeypatch: pytest.Monke
     settings = WorkerSettings(model="digits")
     names = Bases("pod-0", "pod-0")
     children = [
-        make_child(settings, [], slot, host, names, 4, {})
-        for slot in plan.slots(2, host, cores=16)
+        make_child(settings, [], slot, host, names, 4, {}) for slot in plan.slots(2, host, cores=16)
     ]
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["GPU-0aa", "GPU-1aa"]
     assert [c.name for c in children] == ["pod-0-0-0", "pod-0-1-0"]

@@ -13,6 +13,7 @@ its port, which its log announces (it listens on a free loopback port).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 _METRICS_LINE = re.compile(rb"metrics and health on http://[^:\s]+:(\d+)")
 _CACHE_LINE = re.compile(rb"compile cache: (\S+)")
 _HTTP_TIMEOUT_S = 5.0
+_KEPT_LINES = 20  # of each run's output, for the error it ended with
 
 
 class _Process(Protocol):
@@ -71,6 +73,8 @@ class Child:
         self.compile_cache: Path | None = None  # the folder its log names, once it does
         self.started_at = 0.0
         self.starts = 0
+        self.ready_seen = False  # its /readyz answered 200 since it last started
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=_KEPT_LINES)
         self._proc: _Process | None = None
         self._relay: asyncio.Task[None] | None = None
 
@@ -81,6 +85,8 @@ class Child:
 
     async def start(self) -> None:
         self.port = None
+        self.ready_seen = False
+        self.last_lines.clear()
         self._proc = await self._forked() or await self._spawned()
         self.started_at = time.monotonic()
         self.starts += 1
@@ -146,6 +152,7 @@ class Child:
             status, _ = await http_get(self.port, "/readyz")
         except (OSError, TimeoutError):
             return False
+        self.ready_seen = self.ready_seen or status == 200
         return status == 200
 
     async def metrics(self) -> str | None:
@@ -164,6 +171,7 @@ class Child:
         prefix = f"[{self.name}] ".encode()
         field = f'{{"process": "{self.name}", '.encode()
         while line := await proc.stdout.readline():
+            self.last_lines.append(line.decode(errors="replace"))
             if self.port is None:
                 found = _METRICS_LINE.search(line)
                 if found:

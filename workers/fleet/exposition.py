@@ -12,7 +12,10 @@ as Prometheus expects of any restart.
 
 The supervisor's own metrics: ``conveyor_fleet_processes`` (the processes the
 host should run, by state: ``wanted``, ``running``, ``ready``) and
-``conveyor_fleet_restarts_total`` (processes started again after an exit).
+``conveyor_fleet_restarts_total`` (processes started again after an exit),
+``conveyor_fleet_failed_processes`` (processes no longer started: they failed at start
+the same way again and again, ``workers.fleet.failing``) and ``conveyor_fleet_cards``
+(the host's cards, the CPU counting as one, by state: ``serving`` or ``failed``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ class FleetMetrics:
             ["model", "state"],
             registry=self._registry,
         ).labels
+        self._failed = Gauge(
+            "conveyor_fleet_failed_processes",
+            "Worker processes not started again: they failed at start the same way "
+            "again and again (the log and /readyz say why).",
+            ["model"],
+            registry=self._registry,
+        ).labels
+        self._cards = Gauge(
+            "conveyor_fleet_cards",
+            "This host's cards (the CPU counts as one), by state: serving, or failed (every "
+            "process of it failed at start and is not started again).",
+            ["model", "state"],
+            registry=self._registry,
+        ).labels
         self._restarts = Counter(
             "conveyor_fleet_restarts_total",
             "Worker processes started again after they exited.",
@@ -66,9 +83,14 @@ class FleetMetrics:
         ).labels(model)
         self._model = model
 
-    def set_processes(self, wanted: int, running: int, ready: int) -> None:
+    def set_processes(self, wanted: int, running: int, ready: int, failed: int = 0) -> None:
         for state, count in (("wanted", wanted), ("running", running), ("ready", ready)):
             self._processes(self._model, state).set(count)
+        self._failed(self._model).set(failed)
+
+    def set_cards(self, serving: int, failed: int) -> None:
+        for state, count in (("serving", serving), ("failed", failed)):
+            self._cards(self._model, state).set(count)
 
     def restarted(self) -> None:
         self._restarts.inc()

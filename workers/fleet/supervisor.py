@@ -26,7 +26,11 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    a status that restarting cannot change (settings, configuration, install,
    environment: ``workers.exits.PERMANENT``), which stops the host with that status;
    a device fault (status 7: under MPS one client's fault ends its card's clients)
-   restarts every process of that card;
+   restarts every process of that card. A process that fails at start the same way
+   again and again, or a card whose processes all do, is not started again
+   (``workers.fleet.failing``): the log says why once, ``/readyz`` names it (the host
+   is unready: it serves, short of what it should), and the metrics count it; when
+   no card is left, the host exits ``EXIT_NO_CARD``;
 6. **roll**: SIGHUP restarts the processes one at a time, each ready before the next
    stops, each reading its settings and model afresh: a new model version without
    downtime (docs/operations.md "Changing the model");
@@ -51,6 +55,7 @@ from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
 from workers.exits import (
     EXIT_DEVICE,
     EXIT_ENVIRONMENT,
+    EXIT_NO_CARD,
     EXIT_STOPPED,
     EXIT_UNREACHABLE,
     PERMANENT,
@@ -58,6 +63,7 @@ from workers.exits import (
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
 from workers.fleet.exposition import FleetMetrics, Scrape
+from workers.fleet.failing import StartFailures, error_line
 from workers.fleet.forkserver import ForkServer
 from workers.fleet.host import (
     bases,
@@ -89,6 +95,8 @@ class _State:
     children: list[Child] = field(default_factory=list)
     roll: asyncio.Event = field(default_factory=asyncio.Event)  # SIGHUP: restart in turn
     rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
+    failures: StartFailures = field(default_factory=lambda: StartFailures({}))
+    retired: set[Child] = field(default_factory=set)  # failed at start: not started again
 
 
 async def supervise(
@@ -140,6 +148,7 @@ async def _supervise(
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
+        "cards": lambda: _cards_serving(state),
         "not_draining": lambda: not state.stop.is_set(),
     }
     try:
@@ -147,6 +156,8 @@ async def _supervise(
             metrics, checks, host=settings.metrics_host, port=settings.metrics_port
         ):
             await _start_all(settings, state, cards, started)
+            state.failures = _tally(state.children)
+            metrics.set_cards(len(state.failures.serving_cards()), 0)
             announce = asyncio.create_task(_announce_ready(state, metrics, started))
             roller = asyncio.create_task(_roll_on_request(state, metrics))
             try:
@@ -315,8 +326,12 @@ async def _watch(state: _State, metrics: FleetMetrics) -> None:
 async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
     failures = 0
     while not state.stop.is_set():
-        status = await child.wait()
-        if state.stop.is_set():
+        watcher = asyncio.create_task(_until_ready(child, state))
+        try:
+            status = await child.wait()
+        finally:
+            watcher.cancel()
+        if state.stop.is_set() or child in state.retired:
             return
         up_s = time.monotonic() - child.started_at
         if child in state.rolling and status == EXIT_STOPPED:  # drained for a rolling restart
@@ -342,6 +357,8 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
             state.failure = status
             state.stop.set()
             return
+        if _failed_at_start(child, status) and _retire(child, status, state, metrics):
+            return
         if status == EXIT_DEVICE:
             _restart_card(child, state)
         failures = 1 if up_s >= STABLE_AFTER_S else failures + 1
@@ -361,6 +378,85 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
         metrics.restarted()
 
 
+async def _until_ready(child: Child, state: _State) -> None:
+    """Poll ``child`` until it is ready (its failed starts then no longer count) or ends."""
+    while child.running:
+        if await child.ready():
+            state.failures.served(child.name)
+            return
+        await asyncio.sleep(_POLL_S)
+
+
+def _failed_at_start(child: Child, status: int) -> bool:
+    """An error exit before it was ever ready: one that a Kafka outage explains (status 4)
+    does not count, nor a signal's (a kill, an out-of-memory kill)."""
+    return status > 0 and status != EXIT_UNREACHABLE and not child.ready_seen
+
+
+def _retire(child: Child, status: int, state: _State, metrics: FleetMetrics) -> bool:
+    """Count ``child``'s failed start; retire what the count condemns (``failing``), say
+    why once, and stop the host when no card is left. Whether ``child`` was retired."""
+    error = error_line(child.last_lines)
+    newly = state.failures.failed(child.name, error)
+    if not newly:
+        return False
+    retired = [c for c in state.children if c.name in newly]
+    state.retired.update(retired)
+    for other in retired:
+        other.signal(signal.SIGTERM)  # a process of that card still starting
+    card = _card(child.slot)
+    many = len(retired) > 1
+    what = (
+        f"{card}: its {len(retired)} worker processes failed at start the same way"
+        if many
+        else f"process {child.name} failed at start the same way again and again"
+    )
+    log.error(
+        "%s (status %d): %s. %s not started again: %s partitions go to the group's other "
+        "processes once its session timeout (--session-timeout-ms) has passed. The whole "
+        "error is in %s output above: fix its cause (a model or compile form that does not "
+        "run on this card, too little memory on it), then restart the host",
+        what,
+        status,
+        error,
+        "They are" if many else "It is",
+        "their" if many else "its",
+        "their" if many else "its",
+    )
+    failed = len(state.failures.failed_cards())
+    metrics.set_cards(len(state.failures.serving_cards()), failed)
+    if state.failures.none_serve:
+        log.error(
+            "no card of this host can serve: stopping the host (exit status %d)", EXIT_NO_CARD
+        )
+        state.failure = EXIT_NO_CARD
+        state.stop.set()
+    return child in retired
+
+
+def _card(slot: plan.Slot) -> str:
+    return "the CPU" if slot.card is None else f"GPU {slot.card}"
+
+
+def _tally(children: list[Child]) -> StartFailures:
+    cards: dict[str, list[str]] = {}
+    for child in children:
+        cards.setdefault(_card(child.slot), []).append(child.name)
+    return StartFailures(cards)
+
+
+def _cards_serving(state: _State) -> bool | str:
+    """/readyz's ``cards`` check: fails, saying why, once any process was retired."""
+    if not state.retired:
+        return True
+    failed = state.failures.failed_cards()
+    said = [f"{card} failed at start: {error}" for card, error in failed.items()]
+    alone = sorted(c.name for c in state.retired if _card(c.slot) not in failed)
+    if alone:
+        said.append(f"not started again after failing at start: {', '.join(alone)}")
+    return "; ".join(said)
+
+
 async def _roll_on_request(state: _State, metrics: FleetMetrics) -> None:
     """On each SIGHUP, restart the processes one at a time: each drains (its partitions go
     to the others only if it is away longer than the session timeout: static membership),
@@ -371,7 +467,7 @@ async def _roll_on_request(state: _State, metrics: FleetMetrics) -> None:
         await state.roll.wait()
         state.roll.clear()
         log.info("SIGHUP: restarting the %d worker processes one at a time", len(state.children))
-        for child in list(state.children):
+        for child in [c for c in state.children if c not in state.retired]:
             if not await _restart_in_turn(child, state):
                 log.error("rolling restart stopped at %s", child.name)
                 break
@@ -438,9 +534,11 @@ def _sources(state: _State) -> list[tuple[str, Scrape]]:
 
 
 async def _all_ready(state: _State, metrics: FleetMetrics) -> bool:
-    ready = await asyncio.gather(*(child.ready() for child in state.children))
+    """Whether every process not retired is ready (``cards`` says what was retired)."""
+    serving = [child for child in state.children if child not in state.retired]
+    ready = await asyncio.gather(*(child.ready() for child in serving))
     running = sum(child.running for child in state.children)
-    metrics.set_processes(len(state.children), running, sum(ready))
+    metrics.set_processes(len(state.children), running, sum(ready), len(state.retired))
     return bool(ready) and all(ready)
 
 

@@ -31,8 +31,9 @@ __all__ = ["Check", "Exposition", "HealthServer", "Readiness"]
 
 log = logging.getLogger(__name__)
 
-# A readiness check: returns True when ready, False or raises when not. May be async.
-Check = Callable[[], bool | Awaitable[bool]]
+# A readiness check: returns True when ready; False, a string saying why not, or raises
+# when not. May be async.
+Check = Callable[[], bool | str | Awaitable[bool | str]]
 
 _MAX_HEAD_BYTES = 8192  # request line + headers; probes send about 200 bytes
 _REASONS = {
@@ -178,6 +179,8 @@ class HealthServer:
             return f"no answer within {self._check_timeout_s:g} s"
         except Exception as exc:  # a failing check means "not ready", never a crashed probe
             return f"{type(exc).__name__}: {exc}"
+        if isinstance(outcome, str):
+            return outcome or "failed"
         return "ok" if outcome else "failed"
 
     async def _beat(self) -> None:
