@@ -24,6 +24,7 @@ import torch
 
 import bench.gpu
 from bench.detect import DETECTORS, print_detect_table, stage_detect
+from bench.gpu.accept import FORMS, ceiling_share, print_accept_table, stage_accept
 from bench.gpu.ceilings import stage_checks, stage_decode, stage_forward, stage_naive, stage_overlap
 from bench.gpu.config import Config, _card, load_model, make_config
 from bench.gpu.corpus import Corpus, build_corpora
@@ -46,6 +47,7 @@ STAGES = (
     "ready",
     "kill",
     "detect",
+    "accept",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -147,6 +149,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile-gil",
         action="store_true",
         help="--profile-s samples only the thread holding the GIL (who keeps the others waiting)",
+    )
+    parser.add_argument(
+        "--accept-forms",
+        default=",".join(FORMS),
+        help="accept: the compile forms to run the default command with",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
@@ -268,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(results, rows, args.out / PLOT_FILE, card)
     print_detect_table(results, card)
     print_table(rows, card, model)
+    if "accept" in results:
+        ceiling_share(results["accept"], results, cfg.max_batch if not args.report else 256)
+        _write_results(results, args.out)
+        print_accept_table(results["accept"], card)
+        rows_run = [r for r in results["accept"].values() if isinstance(r, dict)]
+        return 0 if all(r["passed"] for r in rows_run) else 1
     return 0
 
 
@@ -306,6 +319,8 @@ def _run_stage(
         return stage_kill(cfg, corpora, args)
     if stage == "ready":
         return stage_ready(cfg, args)
+    if stage == "accept":
+        return stage_accept(cfg, corpora, args)
     if stage == "detect":
         return stage_detect(
             str(cfg.device),

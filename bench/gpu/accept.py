@@ -1,0 +1,404 @@
+"""The GPU acceptance run: what a change to the model, decode, fleet or GPU bench code
+must pass on a GPU host before its issue is resolved (``bench/gpu-accept.sh``).
+
+For each compile form (the default, ``package``, then ``static`` and ``dynamic``),
+on one card and, on a host with several, on every card: the default command
+(``conveyor worker --model M --weights W``, nothing else but ``--compile-form`` and
+``--gpus``) started, timed to ready, then
+
+- **served == direct**: 256 images answered by the host agree with a direct eager
+  forward of the same weights on the same kind of card (top-1 the same for 99% of
+  them at least; every served score within 0.02 of the direct softmax's);
+- **throughput**: a backlog's steady-state rate, over the ceiling measured in the
+  same call (the compiled forward at the batch size, and decode+resize: the
+  ``forward`` and ``decode`` stages that run before this one);
+- with the default form on every card: one process **SIGKILLed** mid-backlog (started
+  again, lost 0) and a **SIGHUP** mid-backlog (every process restarted in turn, lost 0).
+
+The weights are random but made to behave like trained ones where agreement is
+judged: batch-norm statistics taken from the corpus (as training would have left
+them) and the last layer scaled so that logits spread (a random classifier's
+near-uniform scores would make top-1 a coin toss at fp16's precision). They are
+saved to a file and served with ``--weights FILE``, as a user's fine-tuned model is.
+
+Prints one table with pass or fail per row and writes ``accept.json`` (with the
+commit) beside the other results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu.config import Config
+from bench.gpu.cores import _pin_services
+from bench.gpu.corpus import Corpus
+from bench.gpu.e2e import UtilizationSampler, _steady_state
+from bench.gpu.host import _await_results, _fleet, _start_host
+from bench.gpu.load import _produce_parallel
+from producers.admin import create_model_topics, delete_model_topics
+from producers.settings import ClientSettings
+from producers.testing import (
+    WorkerProcess,
+    produce,
+    read_results,
+    tally,
+    until,
+    until_all_ready,
+    until_answered,
+)
+from schemas import DEFAULT_LIMITS, ContentType, encode_request, topics_for
+from workers.handlers.base import Collating, ImageClassifier
+from workers.model.loader import load_handler
+
+FORMS = ("package", "static", "dynamic")
+"""``--compile-form``'s values, the default first."""
+
+AGREEMENT_IMAGES = 256
+MIN_TOP1_AGREEMENT = 0.99
+MAX_SCORE_DIFFERENCE = 0.02  # fp16 compiled against fp16 eager, softmax scores
+MIN_CEILING_SHARE = 0.8  # docs/PERF.md's goal: the end to end against its ceiling
+_LOGIT_SPREAD = 4.0  # the standard deviation of the scaled last layer's logits
+
+
+def stage_accept(
+    cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace
+) -> dict[str, Any]:
+    return asyncio.run(_accept(cfg, corpora[-1], args))
+
+
+async def _accept(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
+    args.out.mkdir(parents=True, exist_ok=True)
+    _pin_services(args)
+    weights = Path(tempfile.gettempdir()) / f"conveyor-accept-{cfg.model.replace(':', '-')}.pt"
+    _trained_like(cfg, corpus, weights)
+    direct = _direct_scores(cfg, corpus, weights)
+    cards = torch.cuda.device_count() if cfg.device.type == "cuda" else 0
+    layouts = [1] if cards <= 1 else [1, cards]
+    forms = [form.strip() for form in args.accept_forms.split(",") if form.strip()]
+    rows: dict[str, Any] = {"cards": cards, "commit": _commit(), "weights": "trained-like"}
+    for form in forms:
+        for gpus in layouts:
+            label = f"{form} x{gpus}"
+            faults = form == forms[0] and gpus == layouts[-1]
+            print(f"  accept {label}", flush=True)
+            try:
+                row = await _host_run(cfg, corpus, args, weights, direct, form, gpus, faults)
+            except Exception as exc:  # a failed row is a result: the others still run
+                row = {"error": f"{type(exc).__name__}: {exc}"}
+            row["passed"] = _passed(row, faults)
+            rows[label] = row
+            print(f"  accept {label}: {json.dumps(row, default=str)}", flush=True)
+            (args.out / "accept.json").write_text(json.dumps(rows, indent=2, default=str))
+    return rows
+
+
+# -- the weights and the direct forward ----------------------------------------------------
+
+
+def _trained_like(cfg: Config, corpus: Corpus, path: Path) -> None:
+    """Random weights with batch-norm statistics from ``corpus`` and a last layer whose
+    logits spread, saved to ``path``."""
+    torch.manual_seed(0)
+    handler = _handler(cfg, "random", dtype="float32", decode="cpu")
+    module = handler.module
+    pixels = torch.stack([handler.preprocess(p, ContentType.JPEG, {}) for p in corpus.images[:64]])
+    inputs = handler.normalize(pixels)
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # a plain average over the calibration batch
+    with torch.no_grad():
+        module.train()
+        module(inputs)
+        module.eval()
+        logits = module(inputs).float()
+        last = [m for m in module.modules() if isinstance(m, torch.nn.Linear)][-1]
+        scale = _LOGIT_SPREAD / float(logits.std())
+        last.weight.mul_(scale)
+        if last.bias is not None:
+            last.bias.mul_(scale)
+    torch.save(module.state_dict(), path)
+
+
+def _direct_scores(cfg: Config, corpus: Corpus, weights: Path) -> torch.Tensor:
+    """Softmax scores (images × classes) of a direct eager forward of ``weights``, with the
+    worker's own defaults (dtype, layout, decode) on the same kind of card."""
+    handler = _handler(cfg, str(weights), dtype="auto", decode="auto")
+    payloads = _agreement_payloads(corpus)
+    items = [handler.preprocess(p, ContentType.JPEG, {}) for p in payloads]
+    scores = []
+    with torch.inference_mode():
+        for start in range(0, len(items), 64):
+            chunk = items[start : start + 64]
+            batch = None
+            if isinstance(handler, Collating):
+                batch = handler.collate(chunk, handler.device)
+            if batch is None:
+                batch = torch.stack(chunk).to(handler.device)
+            scores.append(handler.forward(batch).float().softmax(dim=-1).cpu())
+    return torch.cat(scores)
+
+
+def _handler(cfg: Config, weights: str, *, dtype: str, decode: str) -> ImageClassifier:
+    handler = load_handler(
+        cfg.model,
+        device=str(cfg.device),
+        weights=weights,
+        dtype=dtype,
+        channels_last=None,
+        limits=DEFAULT_LIMITS,
+        decode=decode,  # type: ignore[arg-type]
+    )
+    if not isinstance(handler, ImageClassifier):
+        raise SystemExit(f"accept: {cfg.model} is not an image classifier")
+    return handler
+
+
+def _agreement_payloads(corpus: Corpus) -> list[bytes]:
+    return [corpus.images[n % len(corpus.images)] for n in range(AGREEMENT_IMAGES)]
+
+
+# -- one host ------------------------------------------------------------------------------
+
+
+async def _host_run(
+    cfg: Config,
+    corpus: Corpus,
+    args: argparse.Namespace,
+    weights: Path,
+    direct: torch.Tensor,
+    form: str,
+    gpus: int,
+    faults: bool,
+) -> dict[str, Any]:
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    run = uuid.uuid4().hex[:8]
+    model = f"gpuaccept{form}{gpus}r{run}"
+    partitions = 8 * gpus
+    await create_model_topics(settings, model, partitions)
+    timed = argparse.Namespace(
+        **{
+            **vars(args),
+            "worker_options": f"--weights {weights}"
+            + ("" if form == FORMS[0] else f" --compile-form {form}"),
+        }
+    )
+    row: dict[str, Any] = {"form": form, "gpus": gpus}
+    fleet = _fleet(cfg, model, timed)
+    try:
+        started = time.monotonic()
+        host = _start_host(fleet, cfg, timed, None, gpus)
+        await until_all_ready([host], args.ready_timeout, settle_s=1.0)
+        row["ready_s"] = round(time.monotonic() - started, 1)
+        row["processes"] = len(host.children())
+        row["command"] = " ".join(host.config.argv()[3:])
+        row.update(await _agreement(args, model, corpus, direct, host, run))
+        row.update(await _throughput(cfg, args, model, corpus, partitions, host, run))
+        faults = faults and len(host.children()) > 1  # a supervisor (not the CPU's one process)
+        row["faults"] = faults
+        if faults:
+            row["kill"] = await _kill(cfg, args, model, corpus, partitions, host, f"{run}k")
+            row["sighup"] = await _sighup(cfg, args, model, corpus, partitions, host, f"{run}h")
+        row["failed_at_start"] = host.log().count("failed at start the same way")
+    finally:
+        (args.out / f"accept-{form}-x{gpus}.log").write_text(fleet.logs())
+        await fleet.aclose()
+        await delete_model_topics(settings, model)
+    return row
+
+
+async def _agreement(
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    direct: torch.Tensor,
+    host: WorkerProcess,
+    run: str,
+) -> dict[str, Any]:
+    ids = [f"{run}-a-{n}" for n in range(AGREEMENT_IMAGES)]
+    records = [
+        encode_request(payload, request_id=i, content_type=ContentType.JPEG, source="accept")
+        for payload, i in zip(_agreement_payloads(corpus), ids, strict=True)
+    ]
+    await produce(args.kafka_bootstrap, topics_for(model).requests, records)
+    await host.unless_it_dies(until_answered(args.redis_url, ids, len(ids), 120))
+    results = await read_results(args.redis_url, ids)
+    same_top1 = 0
+    largest = 0.0
+    for n, request_id in enumerate(ids):
+        outputs = results[request_id].outputs
+        if not isinstance(outputs, list) or not outputs:
+            raise RuntimeError(f"no classes in {results[request_id]}")
+        same_top1 += int(outputs[0]["index"] == int(direct[n].argmax()))
+        for entry in outputs:
+            largest = max(largest, abs(float(entry["score"]) - float(direct[n, entry["index"]])))
+    return {
+        "top1_agreement": same_top1 / len(ids),
+        "max_score_difference": largest,
+        "top1_direct_mean": float(direct.max(dim=-1).values.mean()),
+    }
+
+
+async def _throughput(
+    cfg: Config,
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    partitions: int,
+    host: WorkerProcess,
+    run: str,
+) -> dict[str, Any]:
+    """The steady state of one backlog (the bench's e2e stage: ``bench.gpu.e2e``)."""
+
+    prefix = f"{run}-t"
+    gpus = max(1, torch.cuda.device_count())
+    with UtilizationSampler(gpus) as gpu:
+        await _produce_parallel(args, model, corpus, prefix, cfg.e2e_count, partitions)
+        results = await _await_results(prefix, cfg.e2e_count, args, [host])
+    steady = _steady_state(results, gpu)
+    return {"img_s": steady["img_s"], "gpu_util_pct": steady["gpu_util_pct"]}
+
+
+async def _kill(
+    cfg: Config,
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    partitions: int,
+    host: WorkerProcess,
+    prefix: str,
+) -> dict[str, Any]:
+    """A process SIGKILLed once a third of a backlog is answered: lost 0, started again."""
+    count = cfg.e2e_count
+    ids = [f"{prefix}-{n}" for n in range(count)]
+    await _produce_parallel(args, model, corpus, prefix, count, partitions)
+    await host.unless_it_dies(until_answered(args.redis_url, ids[: count // 3 : 7], count // 21))
+    victim = host.children()[0]
+    os.kill(victim, signal.SIGKILL)
+    counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
+    await until_all_ready([host], args.ready_timeout)
+    return {
+        "lost": counted.lost,
+        "duplicate_visible": counted.duplicate_visible,
+        "started_again": victim not in host.children() and len(host.children()) > 0,
+    }
+
+
+async def _sighup(
+    cfg: Config,
+    args: argparse.Namespace,
+    model: str,
+    corpus: Corpus,
+    partitions: int,
+    host: WorkerProcess,
+    prefix: str,
+) -> dict[str, Any]:
+    """SIGHUP mid-backlog: every process restarted in turn, lost 0."""
+    count = cfg.e2e_count
+    ids = [f"{prefix}-{n}" for n in range(count)]
+    before = set(host.children())
+    started = time.monotonic()
+    await _produce_parallel(args, model, corpus, prefix, count, partitions)
+    host.signal(signal.SIGHUP)
+
+    async def rolled() -> bool:
+        return "rolling restart done" in host.log()
+
+    await until(rolled, "the rolling restart is done", args.ready_timeout, host.log, [host])
+    seconds = time.monotonic() - started
+    counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
+    return {
+        "lost": counted.lost,
+        "duplicate_visible": counted.duplicate_visible,
+        "all_restarted": not before & set(host.children()),
+        "roll_s": round(seconds, 1),
+    }
+
+
+# -- the verdict ---------------------------------------------------------------------------
+
+
+def _passed(row: dict[str, Any], faults: bool) -> bool:
+    if "error" in row:
+        return False
+    ok: bool = (
+        row["top1_agreement"] >= MIN_TOP1_AGREEMENT
+        and row["max_score_difference"] <= MAX_SCORE_DIFFERENCE
+        and row["failed_at_start"] == 0
+    )
+    if faults and row["faults"]:
+        ok = ok and row["kill"]["lost"] == 0 and row["kill"]["started_again"]
+        ok = ok and row["sighup"]["lost"] == 0 and row["sighup"]["all_restarted"]
+    return ok
+
+
+def ceiling_share(rows: dict[str, Any], results: dict[str, Any], batch: int) -> None:
+    """Each row's rate over the ceilings measured in the same call (the compiled forward
+    at ``batch``; nvJPEG decode+resize of the corpus), in place."""
+    forward = results.get("forward", {}).get("compiled", {}).get(str(batch), {}).get("img_s")
+    decode = _decode_ceiling(results)
+    ceiling = min(c for c in (forward, decode) if c) if (forward or decode) else None
+    for row in rows.values():
+        if isinstance(row, dict) and "img_s" in row and ceiling:
+            row["ceiling_img_s"] = ceiling
+            row["forward_ceiling_img_s"] = forward
+            row["decode_ceiling_img_s"] = decode
+            row["of_ceiling"] = row["img_s"] / ceiling
+
+
+def _decode_ceiling(results: dict[str, Any]) -> float | None:
+    """nvJPEG's decode+resize of the corpus: the command's default decoder on a GPU."""
+    row = results.get("decode", {}).get("224x224", {})
+    rate = row.get("nvjpeg_decode_resize") if isinstance(row, dict) else None
+    return float(rate) if rate else None
+
+
+def print_accept_table(rows: dict[str, Any], card: str) -> None:
+    commit, cards = rows.get("commit", "?"), rows.get("cards")
+    print(f"\nGPU acceptance, {card}, commit {commit}, {cards} card(s)")
+    print(
+        "| run | ready s | top-1 agree | max Δscore | img/s | ÷ ceiling | kill lost "
+        "| SIGHUP lost | pass |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, row in rows.items():
+        if not isinstance(row, dict):
+            continue
+        if "error" in row:
+            print(f"| {label} | {row['error'][:80]} | | | | | | | FAIL |")
+            continue
+        kill = row.get("kill", {}).get("lost", "")
+        hup = row.get("sighup", {}).get("lost", "")
+        share = f"{row['of_ceiling']:.2f}" if "of_ceiling" in row else ""
+        print(
+            f"| {label} | {row['ready_s']} | {row['top1_agreement']:.3f} | "
+            f"{row['max_score_difference']:.4f} | {row['img_s']:,.0f} | {share} | {kill} | "
+            f"{hup} | {'pass' if row['passed'] else 'FAIL'} |"
+        )
+
+
+def _commit() -> str:
+    """The commit measured: ``CONVEYOR_COMMIT`` (the device's copy of the tree has no
+    history), else git's."""
+    if os.environ.get("CONVEYOR_COMMIT"):
+        return os.environ["CONVEYOR_COMMIT"]
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return done.stdout.strip()
