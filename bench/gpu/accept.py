@@ -7,8 +7,13 @@ on one card and, on a host with several, on every card: the default command
 ``--gpus``) started, timed to ready, then
 
 - **served == direct**: 256 images answered by the host agree with a direct eager
-  forward of the same weights on the same kind of card (top-1 the same for 99% of
-  them at least; every served score within 0.02 of the direct softmax's);
+  forward of the same weights, with the worker's defaults (float16), on the same kind
+  of card, within float16's own tolerance: what float16 itself moves the scores,
+  measured in the same call as the eager float16 forward against the eager float32
+  one. Every served score within twice that largest move (0.01 at least) of the
+  direct softmax's, and top-1 differing for no more images than twice float16's
+  count (1% at least). A compiled forward reorders and fuses float16 arithmetic, so
+  it cannot be held to bit equality; it can be held to float16's own noise;
 - **throughput**: a backlog's steady-state rate, over the ceiling measured in the
   same call (the compiled forward at the batch size, and decode+resize: the
   ``forward`` and ``decode`` stages that run before this one);
@@ -67,8 +72,9 @@ FORMS = ("package", "static", "dynamic")
 """``--compile-form``'s values, the default first."""
 
 AGREEMENT_IMAGES = 256
-MIN_TOP1_AGREEMENT = 0.99
-MAX_SCORE_DIFFERENCE = 0.02  # fp16 compiled against fp16 eager, softmax scores
+NOISE_FACTOR = 2.0  # served against direct may differ by twice what float16 moves
+MIN_SCORE_TOLERANCE = 0.01
+MIN_TOP1_TOLERANCE = 0.01  # a share of the images
 MIN_CEILING_SHARE = 0.8  # docs/PERF.md's goal: the end to end against its ceiling
 _LOGIT_SPREAD = 4.0  # the standard deviation of the scaled last layer's logits
 
@@ -84,11 +90,19 @@ async def _accept(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict
     _pin_services(args)
     weights = Path(tempfile.gettempdir()) / f"conveyor-accept-{cfg.model.replace(':', '-')}.pt"
     _trained_like(cfg, corpus, weights)
-    direct = _direct_scores(cfg, corpus, weights)
+    direct = _direct_scores(cfg, corpus, weights, "auto")
+    floor = _compare(direct, _direct_scores(cfg, corpus, weights, "float32"), top_k=5)
+    print(f"  accept: float16 against float32, eager: {json.dumps(floor)}", flush=True)
     cards = torch.cuda.device_count() if cfg.device.type == "cuda" else 0
     layouts = [1] if cards <= 1 else [1, cards]
     forms = [form.strip() for form in args.accept_forms.split(",") if form.strip()]
-    rows: dict[str, Any] = {"cards": cards, "commit": _commit(), "weights": "trained-like"}
+    rows: dict[str, Any] = {
+        "cards": cards,
+        "commit": _commit(),
+        "weights": "trained-like",
+        "float16_noise": floor,
+        "runs": {},
+    }
     for form in forms:
         for gpus in layouts:
             label = f"{form} x{gpus}"
@@ -98,8 +112,8 @@ async def _accept(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict
                 row = await _host_run(cfg, corpus, args, weights, direct, form, gpus, faults)
             except Exception as exc:  # a failed row is a result: the others still run
                 row = {"error": f"{type(exc).__name__}: {exc}"}
-            row["passed"] = _passed(row, faults)
-            rows[label] = row
+            row["passed"] = _passed(row, faults, floor)
+            rows["runs"][label] = row
             print(f"  accept {label}: {json.dumps(row, default=str)}", flush=True)
             (args.out / "accept.json").write_text(json.dumps(rows, indent=2, default=str))
     return rows
@@ -133,10 +147,11 @@ def _trained_like(cfg: Config, corpus: Corpus, path: Path) -> None:
     torch.save(module.state_dict(), path)
 
 
-def _direct_scores(cfg: Config, corpus: Corpus, weights: Path) -> torch.Tensor:
-    """Softmax scores (images × classes) of a direct eager forward of ``weights``, with the
-    worker's own defaults (dtype, layout, decode) on the same kind of card."""
-    handler = _handler(cfg, str(weights), dtype="auto", decode="auto")
+def _direct_scores(cfg: Config, corpus: Corpus, weights: Path, dtype: str) -> torch.Tensor:
+    """Softmax scores (images × classes) of a direct eager forward of ``weights`` in
+    ``dtype`` (``auto``: the worker's default), with the worker's own layout and decode
+    on the same kind of card."""
+    handler = _handler(cfg, str(weights), dtype=dtype, decode="auto")
     payloads = _agreement_payloads(corpus)
     items = [handler.preprocess(p, ContentType.JPEG, {}) for p in payloads]
     scores = []
@@ -236,19 +251,30 @@ async def _agreement(
     await produce(args.kafka_bootstrap, topics_for(model).requests, records)
     await host.unless_it_dies(until_answered(args.redis_url, ids, len(ids), 120))
     results = await read_results(args.redis_url, ids)
-    same_top1 = 0
-    largest = 0.0
+    served = torch.zeros_like(direct)
+    top1 = torch.zeros(len(ids), dtype=torch.long)
     for n, request_id in enumerate(ids):
         outputs = results[request_id].outputs
         if not isinstance(outputs, list) or not outputs:
             raise RuntimeError(f"no classes in {results[request_id]}")
-        same_top1 += int(outputs[0]["index"] == int(direct[n].argmax()))
+        top1[n] = int(outputs[0]["index"])
         for entry in outputs:
-            largest = max(largest, abs(float(entry["score"]) - float(direct[n, entry["index"]])))
+            served[n, int(entry["index"])] = float(entry["score"])
     return {
-        "top1_agreement": same_top1 / len(ids),
-        "max_score_difference": largest,
+        "top1_agreement": float((top1 == direct.argmax(dim=-1)).float().mean()),
+        "max_score_difference": float(((served - direct).abs() * (served > 0)).max()),
         "top1_direct_mean": float(direct.max(dim=-1).values.mean()),
+    }
+
+
+def _compare(scores: torch.Tensor, reference: torch.Tensor, top_k: int) -> dict[str, float]:
+    """How far ``scores`` are from ``reference``: top-1 agreement, and the largest score
+    difference over each image's ``top_k`` classes of ``scores`` (what a worker answers)."""
+    _, indices = scores.topk(top_k, dim=-1)
+    picked = (scores.gather(1, indices) - reference.gather(1, indices)).abs()
+    return {
+        "top1_agreement": float((scores.argmax(-1) == reference.argmax(-1)).float().mean()),
+        "max_score_difference": float(picked.max()),
     }
 
 
@@ -331,12 +357,16 @@ async def _sighup(
 # -- the verdict ---------------------------------------------------------------------------
 
 
-def _passed(row: dict[str, Any], faults: bool) -> bool:
+def _passed(row: dict[str, Any], faults: bool, floor: dict[str, float]) -> bool:
     if "error" in row:
         return False
+    score_tolerance = max(MIN_SCORE_TOLERANCE, NOISE_FACTOR * floor["max_score_difference"])
+    top1_tolerance = max(MIN_TOP1_TOLERANCE, NOISE_FACTOR * (1 - floor["top1_agreement"]))
+    row["score_tolerance"] = score_tolerance
+    row["top1_tolerance"] = top1_tolerance
     ok: bool = (
-        row["top1_agreement"] >= MIN_TOP1_AGREEMENT
-        and row["max_score_difference"] <= MAX_SCORE_DIFFERENCE
+        1 - row["top1_agreement"] <= top1_tolerance
+        and row["max_score_difference"] <= score_tolerance
         and row["failed_at_start"] == 0
     )
     if faults and row["faults"]:
@@ -351,8 +381,8 @@ def ceiling_share(rows: dict[str, Any], results: dict[str, Any], batch: int) -> 
     forward = results.get("forward", {}).get("compiled", {}).get(str(batch), {}).get("img_s")
     decode = _decode_ceiling(results)
     ceiling = min(c for c in (forward, decode) if c) if (forward or decode) else None
-    for row in rows.values():
-        if isinstance(row, dict) and "img_s" in row and ceiling:
+    for row in rows["runs"].values():
+        if "img_s" in row and ceiling:
             row["ceiling_img_s"] = ceiling
             row["forward_ceiling_img_s"] = forward
             row["decode_ceiling_img_s"] = decode
@@ -370,13 +400,11 @@ def print_accept_table(rows: dict[str, Any], card: str) -> None:
     commit, cards = rows.get("commit", "?"), rows.get("cards")
     print(f"\nGPU acceptance, {card}, commit {commit}, {cards} card(s)")
     print(
-        "| run | ready s | top-1 agree | max Δscore | img/s | ÷ ceiling | kill lost "
+        "| run | ready s | top-1 agree (tol.) | max Δscore (tol.) | img/s | ÷ ceiling | kill lost "
         "| SIGHUP lost | pass |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for label, row in rows.items():
-        if not isinstance(row, dict):
-            continue
+    for label, row in rows["runs"].items():
         if "error" in row:
             print(f"| {label} | {row['error'][:80]} | | | | | | | FAIL |")
             continue
@@ -384,8 +412,9 @@ def print_accept_table(rows: dict[str, Any], card: str) -> None:
         hup = row.get("sighup", {}).get("lost", "")
         share = f"{row['of_ceiling']:.2f}" if "of_ceiling" in row else ""
         print(
-            f"| {label} | {row['ready_s']} | {row['top1_agreement']:.3f} | "
-            f"{row['max_score_difference']:.4f} | {row['img_s']:,.0f} | {share} | {kill} | "
+            f"| {label} | {row['ready_s']} | {row['top1_agreement']:.3f} "
+            f"(≥ {1 - row.get('top1_tolerance', 0):.3f}) | {row['max_score_difference']:.4f} "
+            f"(≤ {row.get('score_tolerance', 0):.4f}) | {row['img_s']:,.0f} | {share} | {kill} | "
             f"{hup} | {'pass' if row['passed'] else 'FAIL'} |"
         )
 

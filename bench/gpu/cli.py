@@ -279,8 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ceiling_share(results["accept"], results, cfg.max_batch if not args.report else 256)
         _write_results(results, args.out)
         print_accept_table(results["accept"], card)
-        rows_run = [r for r in results["accept"].values() if isinstance(r, dict)]
-        return 0 if all(r["passed"] for r in rows_run) else 1
+        runs = results["accept"]["runs"].values()
+        return 0 if runs and all(r["passed"] for r in runs) else 1
     return 0
 
 
