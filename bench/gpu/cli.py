@@ -33,6 +33,7 @@ from bench.gpu.host import stage_kill, stage_ready
 from bench.gpu.load import produce_paced_share, produce_share
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
+from bench.gpu.zoo import ZOO, stage_zoo
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
 
@@ -48,6 +49,7 @@ STAGES = (
     "kill",
     "detect",
     "accept",
+    "zoo",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -155,6 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(FORMS),
         help="accept: the compile forms to run the default command with",
     )
+    parser.add_argument("--zoo", default=",".join(ZOO), help="zoo: model specs, comma-separated")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
@@ -321,6 +324,8 @@ def _run_stage(
         return stage_ready(cfg, args)
     if stage == "accept":
         return stage_accept(cfg, corpora, args)
+    if stage == "zoo":
+        return stage_zoo(cfg, corpora, args, save)
     if stage == "detect":
         return stage_detect(
             str(cfg.device),

@@ -1,0 +1,147 @@
+"""The ``zoo`` stage: the one command with its defaults on other models than ResNet-50.
+
+For each spec of ``--zoo`` (random weights: throughput only), on one card: the
+model's own forward ceiling in this process (compiled with ``torch.compile`` at the
+batch size the worker uses, for models that take a fixed-size batch; eager for
+detectors and segmenters, whose images keep their sizes), then ``conveyor worker
+--model SPEC --weights random`` started with nothing else, its time to ready, and a
+backlog's steady-state rate. Fixed-size models get the 224x224 corpus, the others
+640x480. A row is written as each model finishes, so a run cut short keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from bench.gpu.config import Config, _median_forward_s
+from bench.gpu.cores import _pin_services
+from bench.gpu.corpus import Corpus
+from bench.gpu.e2e import UtilizationSampler, _steady_state
+from bench.gpu.host import _await_results, _fleet, _start_host
+from bench.gpu.load import _produce_parallel
+from producers.admin import create_model_topics, delete_model_topics
+from producers.settings import ClientSettings
+from producers.testing import until_all_ready
+from schemas import DEFAULT_LIMITS
+from workers.handlers.base import ImageModel
+from workers.model.loader import load_handler
+
+ZOO = (
+    "timm:vit_base_patch16_224",
+    "torchvision:convnext_tiny",
+    "torchvision:efficientnet_b0",
+    "embedding:resnet50",
+    "torchvision:fasterrcnn_resnet50_fpn",
+    "torchvision:deeplabv3_resnet50",
+)
+_VARIABLE_BATCH = 8  # detectors and segmenters: the eager ceiling's batch of 640x480 images
+
+
+def stage_zoo(
+    cfg: Config,
+    corpora: Sequence[Corpus],
+    args: argparse.Namespace,
+    checkpoint: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    _pin_services(args)
+    by_name = {corpus.name: corpus for corpus in corpora}
+    out: dict[str, Any] = {}
+    for spec in [s.strip() for s in args.zoo.split(",") if s.strip()]:
+        print(f"  zoo {spec}", flush=True)
+        try:
+            row = _one(dataclasses.replace(cfg, model=spec), by_name, args)
+        except Exception as exc:  # one model's failure is its row; the others still run
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        out[spec] = row
+        print(f"  zoo {spec}: {json.dumps(row, default=str)}", flush=True)
+        checkpoint(out)
+    return out
+
+
+def _one(cfg: Config, corpora: dict[str, Corpus], args: argparse.Namespace) -> dict[str, Any]:
+    row = _ceiling(cfg)
+    corpus = corpora["224x224" if row["fixed_size"] else "640x480"]
+    row["corpus"] = corpus.name
+    row |= asyncio.run(_served(cfg, corpus, args))
+    row["of_ceiling"] = row["img_s"] / row["forward_ceiling_img_s"]
+    return row
+
+
+def _ceiling(cfg: Config) -> dict[str, Any]:
+    """The model's forward alone on the card: compiled at the worker's batch size for a
+    fixed-size model, eager on 640x480 images for the others."""
+    torch.manual_seed(0)
+    handler = load_handler(
+        cfg.model,
+        device=str(cfg.device),
+        weights="random",
+        dtype="auto",
+        channels_last=None,
+        limits=DEFAULT_LIMITS,
+        decode="cpu",
+    )
+    fixed = isinstance(handler, ImageModel)
+    if fixed:
+        assert isinstance(handler, ImageModel)
+        image = handler.image
+        size = cfg.max_batch  # the worker's own on a GPU (GPU_IMAGE_BATCH): --max-batch-size
+        shape = (size, image.channels, image.height, image.width)
+        batch: Any = torch.randint(0, 256, shape, dtype=torch.uint8, device=cfg.device)
+        forward = torch.compile(handler.forward)
+    else:
+        size = _VARIABLE_BATCH
+        batch = [
+            torch.randint(0, 256, (3, 480, 640), dtype=torch.uint8, device=cfg.device)
+            for _ in range(size)
+        ]
+        forward = handler.forward
+    started = time.monotonic()
+    seconds = _median_forward_s(forward, batch, cfg.iterations, cfg.device)
+    del handler, forward, batch
+    torch.cuda.empty_cache()
+    return {
+        "fixed_size": fixed,
+        "forward_ceiling_img_s": size / seconds,
+        "forward_ceiling": "compiled" if fixed else "eager",
+        "ceiling_batch": size,
+        "ceiling_s": round(time.monotonic() - started, 1),
+    }
+
+
+async def _served(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    run = uuid.uuid4().hex[:8]
+    model = f"gpuzoo{run}"
+    partitions = 8
+    await create_model_topics(settings, model, partitions)
+    fleet = _fleet(cfg, model, argparse.Namespace(**{**vars(args), "worker_options": ""}))
+    try:
+        started = time.monotonic()
+        host = _start_host(fleet, cfg, args, None, 1)
+        await until_all_ready([host], args.ready_timeout, settle_s=1.0)
+        ready_s = time.monotonic() - started
+        count = cfg.e2e_count if corpus.name == "224x224" else max(cfg.e2e_count // 8, 16)
+        with UtilizationSampler(1) as gpu:
+            await _produce_parallel(args, model, corpus, f"{run}-z", count, partitions)
+            results = await _await_results(f"{run}-z", count, args, [host])
+        steady = _steady_state(results, gpu)
+        return {
+            "ready_s": round(ready_s, 1),
+            "processes": len(host.children()) or 1,
+            "img_s": steady["img_s"],
+            "gpu_util_pct": steady["gpu_util_pct"],
+            "mean_batch": steady["mean_batch"],
+            "command": " ".join(host.config.argv()[3:]),
+        }
+    finally:
+        await fleet.aclose()
+        await delete_model_topics(settings, model)
