@@ -32,7 +32,7 @@ EXIT_STATUSES: dict[int, str] = {
     "unanswered, to another worker",
     EXIT_NO_CARD: "a host of several processes: on every card (or on the CPU) the processes "
     "failed at start the same way again and again, so none can serve; the log names the "
-    "error once per card (docs/operations.md \"When a card cannot serve\")",
+    'error once per card (docs/operations.md "When a card cannot serve")',
 }
 
 PERMANENT = frozenset({EXIT_BAD_SETTINGS, EXIT_CONFIG, EXIT_NOT_INSTALLED, EXIT_ENVIRONMENT})

@@ -75,7 +75,6 @@ AGREEMENT_IMAGES = 256
 NOISE_FACTOR = 2.0  # served against direct may differ by twice what float16 moves
 MIN_SCORE_TOLERANCE = 0.01
 MIN_TOP1_TOLERANCE = 0.01  # a share of the images
-MIN_CEILING_SHARE = 0.8  # docs/PERF.md's goal: the end to end against its ceiling
 _LOGIT_SPREAD = 4.0  # the standard deviation of the scaled last layer's logits
 
 

@@ -15,9 +15,9 @@ named by a fingerprint of what its code depends on beyond the compile cache
 folder's key (``workers.model.compile_cache``): the input's shape, dtype, strides
 and device (its index too: the code names it), the model's layers with their
 settings (its ``repr``), every parameter's and buffer's name, shape, dtype and
-strides, and the source of every module class in the model. A changed model gets new packages, never an old one.
-Packages are written under a temporary name and renamed, so a process never loads
-a half-written one.
+strides, and the source of every module class in the model. A changed model gets
+new packages, never an old one. Packages are written under a temporary name and
+renamed, so a process never loads a half-written one.
 
 A handler qualifies when it is ``Exportable`` (fixed-size image models are); a model
 ``torch.export`` cannot take, or whose package does not build, is compiled by
