@@ -72,6 +72,28 @@ async def test_when_the_server_dies_its_processes_get_sigterm_and_end() -> None:
     await forks.close()
 
 
+async def test_a_server_whose_imports_start_a_native_thread_refuses_naming_it() -> None:
+    forks = await ForkServer.start(["tests.forkserver_native_thread"], server_env())
+    try:
+        assert not await forks.ready()
+        reason = "importing tests.forkserver_native_thread started threads of the process"
+        assert reason in forks.reason
+    finally:
+        await forks.close()
+
+
+async def test_numpy_starts_no_thread_pool_in_the_server_so_it_forks_single_threaded() -> None:
+    """numpy's OpenBLAS starts a thread a core as it loads, unless told not to: a fork
+    beside those threads is what Python warns of (``DeprecationWarning``)."""
+    env = server_env()
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    forks = await ForkServer.start(["numpy", "torch"], env)
+    try:
+        assert await forks.ready(), forks.reason
+    finally:
+        await forks.close()
+
+
 async def test_a_server_whose_imports_start_a_thread_refuses_and_children_start_anew() -> None:
     forks = await ForkServer.start(["tests.forkserver_thread"], server_env())
     try:

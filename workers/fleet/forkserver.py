@@ -9,10 +9,14 @@ request, forks: each child runs ``python -m workers.cli ...`` as a fresh process
 the imports.
 
 Forking is safe only before CUDA is initialised (a forked child cannot use a parent's
-CUDA context) and while no Python thread runs; the server checks both after its
-imports and refuses to serve otherwise, and the supervisor then starts its processes
-the ordinary way. Libraries' native threads (a BLAS pool) handle forks themselves,
-as they do for PyTorch's own forked data loaders.
+CUDA context) and while the process has one thread: a fork copies only the thread
+that calls it, and a lock another thread held stays locked in the child for ever.
+The server checks both after each import and refuses to serve otherwise (naming the
+module and the threads), and the supervisor then starts its processes the ordinary
+way. The one thread the imports used to start is OpenBLAS's pool, which numpy starts
+as it loads: the server runs with ``OPENBLAS_NUM_THREADS=1``, so numpy's own matrix
+products run on one thread in the worker processes (torch's run on its own threads,
+``OMP_NUM_THREADS``, started after the fork).
 
 The protocol, over a ``SOCK_SEQPACKET`` socket pair, one JSON message a packet:
 
@@ -144,7 +148,8 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # torch.cuda.is_available() asks NVML rather than the CUDA driver, which it would
         # initialise (a module calling it on import would spoil every fork).
-        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+        # OpenBLAS's pool would start with numpy's import: the server stays single-threaded.
+        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OPENBLAS_NUM_THREADS": "1"}
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "workers.fleet.forkserver", str(theirs.fileno()), *preload,
@@ -298,7 +303,26 @@ def preload(modules: Sequence[str]) -> str | None:
         if threading.active_count() > 1:
             names = ", ".join(thread.name for thread in threading.enumerate())
             return f"importing {name} started Python threads ({names})"
+        threads = _threads()
+        if len(threads) > 1:
+            return f"importing {name} started threads of the process ({', '.join(threads)})"
     return None
+
+
+def _threads() -> list[str]:
+    """The names of this process's threads (native ones included), where Linux says."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for task in sorted(tasks):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+    return names
 
 
 def _cuda_initialised() -> bool:
