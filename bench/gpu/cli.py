@@ -70,7 +70,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--corpora", default="640x480,224x224", help="image sizes WxH, comma-separated"
     )
     parser.add_argument("--model", default="torchvision:resnet50")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile (always on a GPU, unless --worker-options has --no-compile)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny counts: checks that it runs")
     parser.add_argument("--iterations", type=int, default=30, help="timed forwards per size")
     parser.add_argument(

@@ -48,14 +48,17 @@ class Config:
 
 def make_config(args: argparse.Namespace) -> Config:
     device = resolve_device(args.device)
+    # The ceiling is the forward the command runs: compiled wherever its workers compile
+    # (by default on a GPU), else an eager ceiling would flatter the end to end.
+    compiled = args.compile or (device.type == "cuda" and "--no-compile" not in args.worker_options)
     if args.quick:
-        return Config(device, args.model, (1, 2), 2, args.compile, 2, 8, 4, 8, 16, 2, 4)
+        return Config(device, args.model, (1, 2), 2, compiled, 2, 8, 4, 8, 16, 2, 4)
     return Config(
         device=device,
         model=args.model,
         batch_sizes=tuple(int(n) for n in args.forward_batches.split(",")),
         iterations=args.iterations,
-        compile=args.compile,
+        compile=compiled,
         distinct_images=64,
         decode_count=2048,
         naive_count=500,
