@@ -42,6 +42,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,7 @@ async def _host_run(
     timed = argparse.Namespace(
         **{
             **vars(args),
-            "worker_options": f"--weights {weights}"
+            "worker_options": f"{args.worker_options} --weights {weights}"
             + ("" if form == FORMS[0] else f" --compile-form {form}"),
         }
     )
@@ -220,12 +221,13 @@ async def _host_run(
         row["processes"] = len(host.children())
         row["command"] = " ".join(host.config.argv()[3:])
         row.update(await _agreement(args, model, corpus, direct, host, run))
-        row.update(await _throughput(cfg, args, model, corpus, partitions, host, run))
+        target = _Target(model, partitions, host)
+        row.update(await _throughput(cfg, args, corpus, target, f"{run}-t"))
         faults = faults and len(host.children()) > 1  # a supervisor (not the CPU's one process)
         row["faults"] = faults
         if faults:
-            row["kill"] = await _kill(cfg, args, model, corpus, partitions, host, f"{run}k")
-            row["sighup"] = await _sighup(cfg, args, model, corpus, partitions, host, f"{run}h")
+            row["kill"] = await _kill(cfg, args, corpus, target, f"{run}k")
+            row["sighup"] = await _sighup(cfg, args, corpus, target, f"{run}h")
         row["failed_at_start"] = host.log().count("failed at start the same way")
     finally:
         (args.out / f"accept-{form}-x{gpus}.log").write_text(fleet.logs())
@@ -277,66 +279,65 @@ def _compare(scores: torch.Tensor, reference: torch.Tensor, top_k: int) -> dict[
     }
 
 
+@dataclass(frozen=True)
+class _Target:
+    """A host under test and its model's topics."""
+
+    model: str
+    partitions: int
+    host: WorkerProcess
+
+
+async def _backlog(
+    cfg: Config, args: argparse.Namespace, corpus: Corpus, target: _Target, prefix: str
+) -> list[str]:
+    """A backlog of ``--e2e-count`` requests, visible at once; their ids."""
+    count = cfg.e2e_count
+    await _produce_parallel(args, target.model, corpus, prefix, count, target.partitions)
+    return [f"{prefix}-{n}" for n in range(count)]
+
+
+async def _lost(args: argparse.Namespace, target: _Target, ids: list[str]) -> dict[str, int]:
+    counted = await tally(
+        args.kafka_bootstrap, args.redis_url, topics_for(target.model).results, ids
+    )
+    return {"lost": counted.lost, "duplicate_visible": counted.duplicate_visible}
+
+
 async def _throughput(
-    cfg: Config,
-    args: argparse.Namespace,
-    model: str,
-    corpus: Corpus,
-    partitions: int,
-    host: WorkerProcess,
-    run: str,
+    cfg: Config, args: argparse.Namespace, corpus: Corpus, target: _Target, prefix: str
 ) -> dict[str, Any]:
     """The steady state of one backlog (the bench's e2e stage: ``bench.gpu.e2e``)."""
-
-    prefix = f"{run}-t"
-    gpus = max(1, torch.cuda.device_count())
-    with UtilizationSampler(gpus) as gpu:
-        await _produce_parallel(args, model, corpus, prefix, cfg.e2e_count, partitions)
-        results = await _await_results(prefix, cfg.e2e_count, args, [host])
+    with UtilizationSampler(max(1, torch.cuda.device_count())) as gpu:
+        ids = await _backlog(cfg, args, corpus, target, prefix)
+        results = await _await_results(prefix, len(ids), args, [target.host])
     steady = _steady_state(results, gpu)
     return {"img_s": steady["img_s"], "gpu_util_pct": steady["gpu_util_pct"]}
 
 
 async def _kill(
-    cfg: Config,
-    args: argparse.Namespace,
-    model: str,
-    corpus: Corpus,
-    partitions: int,
-    host: WorkerProcess,
-    prefix: str,
+    cfg: Config, args: argparse.Namespace, corpus: Corpus, target: _Target, prefix: str
 ) -> dict[str, Any]:
     """A process SIGKILLed once a third of a backlog is answered: lost 0, started again."""
-    count = cfg.e2e_count
-    ids = [f"{prefix}-{n}" for n in range(count)]
-    await _produce_parallel(args, model, corpus, prefix, count, partitions)
-    await host.unless_it_dies(until_answered(args.redis_url, ids[: count // 3 : 7], count // 21))
+    host = target.host
+    ids = await _backlog(cfg, args, corpus, target, prefix)
+    third = ids[: len(ids) // 3 : 7]
+    await host.unless_it_dies(until_answered(args.redis_url, third, len(third)))
     victim = host.children()[0]
     os.kill(victim, signal.SIGKILL)
-    counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
+    lost = await _lost(args, target, ids)
     await until_all_ready([host], args.ready_timeout)
-    return {
-        "lost": counted.lost,
-        "duplicate_visible": counted.duplicate_visible,
-        "started_again": victim not in host.children() and len(host.children()) > 0,
-    }
+    return lost | {"started_again": victim not in host.children() and bool(host.children())}
 
 
 async def _sighup(
-    cfg: Config,
-    args: argparse.Namespace,
-    model: str,
-    corpus: Corpus,
-    partitions: int,
-    host: WorkerProcess,
-    prefix: str,
+    cfg: Config, args: argparse.Namespace, corpus: Corpus, target: _Target, prefix: str
 ) -> dict[str, Any]:
     """SIGHUP mid-backlog: every process restarted in turn, lost 0."""
-    count = cfg.e2e_count
-    ids = [f"{prefix}-{n}" for n in range(count)]
+    host = target.host
     before = set(host.children())
     started = time.monotonic()
-    await _produce_parallel(args, model, corpus, prefix, count, partitions)
+    ids = await _backlog(cfg, args, corpus, target, prefix)
     host.signal(signal.SIGHUP)
 
     async def rolled() -> bool:
@@ -344,10 +345,7 @@ async def _sighup(
 
     await until(rolled, "the rolling restart is done", args.ready_timeout, host.log, [host])
     seconds = time.monotonic() - started
-    counted = await tally(args.kafka_bootstrap, args.redis_url, topics_for(model).results, ids)
-    return {
-        "lost": counted.lost,
-        "duplicate_visible": counted.duplicate_visible,
+    return await _lost(args, target, ids) | {
         "all_restarted": not before & set(host.children()),
         "roll_s": round(seconds, 1),
     }

@@ -1,6 +1,6 @@
 """``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``
-and ``bench/gpu/``'s e2e stage (on the CPU) run end to end, so the benchmarks cannot rot.
-Never checks speed."""
+and ``bench/gpu/``'s e2e and acceptance stages (on the CPU) run end to end, so the
+benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -110,6 +110,36 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     assert (kill["lost"], kill["duplicate_visible"]) == (0, 0)
     assert kill["killed"]
     assert kill["started_again"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_acceptance_run_passes_on_the_cpu(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """The acceptance run's every check (served == direct, throughput, a process SIGKILLed,
+    a SIGHUP) with a small torchvision model and two processes on the CPU, so the gate a
+    GPU change must pass works when a GPU call comes."""
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "accept"]
+    argv += ["--model", "torchvision:mobilenet_v3_small", "--corpora", "224x224"]
+    argv += ["--accept-forms", "package", "--worker-options", "--processes 2"]
+    argv += ["--producers", "2", "--e2e-count", "64", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    accept = json.loads((tmp_path / "gpu-bench.json").read_text())["accept"]
+    (row,) = accept["runs"].values()
+    assert row["passed"]
+    assert row["processes"] == 2
+    assert row["top1_agreement"] == 1.0  # float32 on the CPU: served is direct
+    assert row["max_score_difference"] < 1e-4
+    assert row["img_s"] > 0
+    assert (row["kill"]["lost"], row["kill"]["duplicate_visible"]) == (0, 0)
+    assert row["kill"]["started_again"]
+    assert (row["sighup"]["lost"], row["sighup"]["duplicate_visible"]) == (0, 0)
+    assert row["sighup"]["all_restarted"]
+    assert "| package x1 |" in done.stdout  # the table
 
 
 @pytest.mark.timeout(120)
