@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -88,7 +89,16 @@ def stage_accept(
 async def _accept(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     _pin_services(args)
-    weights = Path(tempfile.gettempdir()) / f"conveyor-accept-{cfg.model.replace(':', '-')}.pt"
+    folder = Path(tempfile.mkdtemp(prefix="conveyor-accept-"))  # not in --out: 100 MB
+    try:
+        return await _accept_with(cfg, corpus, args, folder / "weights.pt")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _accept_with(
+    cfg: Config, corpus: Corpus, args: argparse.Namespace, weights: Path
+) -> dict[str, Any]:
     _trained_like(cfg, corpus, weights)
     direct = _direct_scores(cfg, corpus, weights, "auto")
     floor = _compare(direct, _direct_scores(cfg, corpus, weights, "float32"), top_k=5)

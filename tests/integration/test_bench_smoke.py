@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.stats import LATENCY_PARTS
+from producers.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("meta", "transport", "overhead", "latency", "batching")
@@ -125,6 +126,7 @@ def test_gpu_acceptance_run_passes_on_the_cpu(
     argv += ["--accept-forms", "package", "--worker-options", "--processes 2"]
     argv += ["--producers", "2", "--e2e-count", "64", "--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--metrics-port", str(free_port())]  # the host's /metrics
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
 
     assert done.returncode == 0, done.stdout + done.stderr
