@@ -135,7 +135,7 @@ class Row:
 
 
 ROWS: list[Row] = []
-"""Every scenario tallied in this test run, in order (printed by tests/conftest.py)."""
+"""Scenarios tallied in this process since the last ``take_records``, in order."""
 NOTES: list[str] = []
 """Measurements a scenario reports beside its row (printed under the table)."""
 HEADER = (
@@ -144,10 +144,20 @@ HEADER = (
 )
 
 
-def fault_table() -> list[str]:
-    """The Markdown table of ``ROWS``."""
+def take_records() -> tuple[list[str], list[str]]:
+    """The table lines of ``ROWS`` and the ``NOTES`` recorded since the last call, which
+    this clears: tests/conftest.py hands each test's to its report, so the process that
+    prints the table (the one of ``pytest -n``'s controller) has every worker's."""
+    lines, notes = [row.line() for row in ROWS], list(NOTES)
+    ROWS.clear()
+    NOTES.clear()
+    return lines, notes
+
+
+def fault_table(lines: Sequence[str]) -> list[str]:
+    """The Markdown table of rows' ``lines`` (``Row.line``)."""
     rule = "|" + "|".join("-" * len(cell) for cell in HEADER.split("|")[1:-1]) + "|"
-    return [HEADER, rule, *(row.line() for row in ROWS)]
+    return [HEADER, rule, *lines]
 
 
 async def tally_scenario(
