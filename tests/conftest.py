@@ -7,6 +7,7 @@ name, topic names and Redis key prefix, so tests never see each other's data.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import uuid
@@ -23,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.test.globals_test import reset_trace_globals
 from pydantic import SecretStr
 
-from demo.models.digits import build_digits_model, heldout_digits
+from demo.models.digits import build_digits_model, default_model_path, heldout_digits
 from producers.settings import ClientSettings
 from producers.testing import Fleet, WorkerConfig, kafka_admin
 from tests.harness import TEST_WORKER_OPTIONS, fault_table, take_records
@@ -199,8 +200,13 @@ def sdk_spans() -> Iterator[InMemorySpanExporter]:
 @pytest.fixture(scope="session")
 def digits() -> list[tuple[bytes, int]]:
     """The demo model's held-out digits as (PNG, digit); the model is built (cached) first,
-    so the worker processes of the tests load it rather than train it."""
-    build_digits_model()
+    so the worker processes of the tests load it rather than train it. Under ``pytest -n``
+    one worker builds it while the others wait on a lock, then find it current."""
+    path = default_model_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{path.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        build_digits_model(path)
     return heldout_digits()
 
 
