@@ -12,6 +12,10 @@ export REDIS_CLUSTER_PORT ?= 7000
 # The demo model is built here (not in the user's cache) so `make clean` removes it.
 export CONVEYOR_MODEL_DIR ?= $(CURDIR)/.cache/models
 PYTEST_ARGS ?=
+# Test processes side by side (pytest-xdist), one a core of the 2-core machines the suite
+# is timed on; PYTEST_WORKERS=0 runs every test in pytest's own process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo demo-video bench settings-doc clean
 
@@ -20,7 +24,7 @@ help:
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
 	@echo "make up-s3    start SeaweedFS's S3 gateway (127.0.0.1:$(S3_PORT)), built from its Go module once"
 	@echo "make down     stop what 'make up' and 'make up-s3' started"
-	@echo "make test     install, up, run every test, down (even when tests fail)"
+	@echo "make test     install, up, run every test ($(PYTEST_WORKERS) processes side by side), down (even when tests fail)"
 	@echo "make up-cluster    start a 3-broker Kafka (127.0.0.1:$(KAFKA_CLUSTER_PORT)-$$(($(KAFKA_CLUSTER_PORT)+2)))"
 	@echo "                   and a Redis Cluster (127.0.0.1:$(REDIS_CLUSTER_PORT)-$$(($(REDIS_CLUSTER_PORT)+5)))"
 	@echo "make down-cluster  stop what 'make up-cluster' started"
@@ -52,7 +56,7 @@ down:
 	compose/local/down.sh
 
 test: install
-	@status=0; $(MAKE) --no-print-directory up up-s3 && $(PY) -m pytest $(PYTEST_ARGS) || status=$$?; \
+	@status=0; $(MAKE) --no-print-directory up up-s3 && $(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || status=$$?; \
 	  $(MAKE) --no-print-directory down; exit $$status
 
 up-cluster:
@@ -70,7 +74,7 @@ test-cluster: install
 	  $(MAKE) --no-print-directory down-cluster; compose/local/redis.sh stop; exit $$status
 
 unit: install
-	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not integration" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

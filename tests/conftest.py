@@ -7,10 +7,11 @@ name, topic names and Redis key prefix, so tests never see each other's data.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.test.globals_test import reset_trace_globals
 from pydantic import SecretStr
 
-from demo.models.digits import build_digits_model, heldout_digits
+from demo.models.digits import build_digits_model, default_model_path, heldout_digits
 from producers.settings import ClientSettings
 from producers.testing import Fleet, WorkerConfig, kafka_admin
-from tests.harness import NOTES, ROWS, TEST_WORKER_OPTIONS, fault_table
+from tests.harness import TEST_WORKER_OPTIONS, fault_table, take_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,11 +61,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault table of the scenarios that ran (tests.harness.record), also in .run/."""
-    if not ROWS:
+_FAULT_RECORDS = "fault scenarios"  # the name of the user property that carries them
+_REPORTED_ROWS: list[str] = []  # every test's rows, as their reports arrive here
+_REPORTED_NOTES: list[str] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    call: pytest.CallInfo[None],
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test's fault-table rows and notes (tests.harness.tally_scenario) go with its
+    teardown report: with ``pytest -n`` the test ran in a worker process, and only its
+    reports reach the controller, which prints the table."""
+    report: pytest.TestReport = yield
+    if call.when == "teardown":
+        lines, notes = take_records()
+        if lines or notes:
+            report.user_properties.append((_FAULT_RECORDS, {"rows": lines, "notes": notes}))
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Gathers the fault-table rows and notes that reports carry, in the order they come."""
+    for name, value in report.user_properties:
+        if name == _FAULT_RECORDS and isinstance(value, dict):
+            _REPORTED_ROWS.extend(value["rows"])
+            _REPORTED_NOTES.extend(value["notes"])
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    """The fault table of the scenarios that ran, also in .run/ (by the controller alone
+    under ``pytest -n``: a worker has no terminal of its own)."""
+    if not _REPORTED_ROWS or hasattr(config, "workerinput"):
         return
-    lines = [*fault_table(), "", *NOTES]
+    lines = [*fault_table(_REPORTED_ROWS), "", *_REPORTED_NOTES]
     terminalreporter.write_sep("=", "fault scenarios")
     for line in lines:
         terminalreporter.write_line(line)
@@ -168,8 +200,13 @@ def sdk_spans() -> Iterator[InMemorySpanExporter]:
 @pytest.fixture(scope="session")
 def digits() -> list[tuple[bytes, int]]:
     """The demo model's held-out digits as (PNG, digit); the model is built (cached) first,
-    so the worker processes of the tests load it rather than train it."""
-    build_digits_model()
+    so the worker processes of the tests load it rather than train it. Under ``pytest -n``
+    one worker builds it while the others wait on a lock, then find it current."""
+    path = default_model_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{path.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        build_digits_model(path)
     return heldout_digits()
 
 

@@ -4,18 +4,23 @@
 alike; here are the tests' own pieces: the flags every test worker gets, digit
 requests, the fault table (``record`` adds a scenario's ``Tally`` to the table
 printed at the end of the run and written to .run/fault-report.txt) and its
-checks, a worker's metrics, and the exactly-once helpers.
+checks, a worker's metrics, the exactly-once helpers, and ``LocalService``: a Kafka
+broker, Redis server or S3 gateway of a test's own (one it may stop, or one whose whole
+data it may throw away while other tests run beside it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -36,6 +41,7 @@ from producers.testing import (
 from schemas import ContentType, OutgoingRecord, topics_for
 
 T = TypeVar("T")
+_LOCAL_SCRIPTS = Path(__file__).resolve().parents[1] / "compose" / "local"
 TEST_WORKER_OPTIONS = ("--decode-threads", "2", "--session-timeout-ms", "6000")
 """Every test worker's: two decode threads (the machine may have no more cores), and a
 group session short enough that a killed worker's partitions move on within seconds."""
@@ -135,7 +141,7 @@ class Row:
 
 
 ROWS: list[Row] = []
-"""Every scenario tallied in this test run, in order (printed by tests/conftest.py)."""
+"""Scenarios tallied in this process since the last ``take_records``, in order."""
 NOTES: list[str] = []
 """Measurements a scenario reports beside its row (printed under the table)."""
 HEADER = (
@@ -144,10 +150,20 @@ HEADER = (
 )
 
 
-def fault_table() -> list[str]:
-    """The Markdown table of ``ROWS``."""
+def take_records() -> tuple[list[str], list[str]]:
+    """The table lines of ``ROWS`` and the ``NOTES`` recorded since the last call, which
+    this clears: tests/conftest.py hands each test's to its report, so the process that
+    prints the table (the one of ``pytest -n``'s controller) has every worker's."""
+    lines, notes = [row.line() for row in ROWS], list(NOTES)
+    ROWS.clear()
+    NOTES.clear()
+    return lines, notes
+
+
+def fault_table(lines: Sequence[str]) -> list[str]:
+    """The Markdown table of rows' ``lines`` (``Row.line``)."""
     rule = "|" + "|".join("-" * len(cell) for cell in HEADER.split("|")[1:-1]) + "|"
-    return [HEADER, rule, *(row.line() for row in ROWS)]
+    return [HEADER, rule, *lines]
 
 
 async def tally_scenario(
@@ -254,3 +270,55 @@ async def kill_inside_a_transaction(
     finally:
         for reader in readers:
             await reader.stop()
+
+
+# -- services of a test's own ----------------------------------------------------------------
+
+_PORT_VARIABLE = {"kafka.sh": "KAFKA_PORT", "redis.sh": "REDIS_PORT", "seaweedfs.sh": "S3_PORT"}
+
+
+@dataclass
+class LocalService:
+    """A Kafka broker, Redis server or S3 gateway of a test's own, started by compose/local
+    scripts."""
+
+    script: str
+    port: int
+    run_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def _run(self, action: str) -> None:
+        env = {
+            **os.environ,
+            "CONVEYOR_RUN_DIR": str(self.run_dir),
+            _PORT_VARIABLE[self.script]: str(self.port),
+            **self.env,
+        }
+        subprocess.run(
+            [str(_LOCAL_SCRIPTS / self.script), action],
+            env=env,
+            check=True,
+            timeout=180,
+        )
+
+    def start(self) -> None:
+        self._run("start")
+
+    def stop(self) -> None:
+        self._run("stop")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @classmethod
+    def running(cls, script: str, port: int, run_dir: Path, **env: str) -> Iterator[LocalService]:
+        """A fixture's body: the service started, yielded, stopped."""
+        service = cls(script, port, run_dir, env)
+        service.start()
+        yield service
+        service.stop()

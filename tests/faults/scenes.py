@@ -27,8 +27,7 @@ from producers.testing import (
     until_answered,
 )
 from schemas import ModelTopics, OutgoingRecord, topics_for
-from tests.faults.conftest import LocalService
-from tests.harness import check, check_exactly_once, setup_model, tally_scenario
+from tests.harness import LocalService, check, check_exactly_once, setup_model, tally_scenario
 
 EXACTLY_ONCE = ("--delivery", "exactly-once")
 

@@ -46,7 +46,6 @@ from producers.testing import (
 from schemas import ContentType, ErrorCode, OutgoingRecord, Status, consumer_group, encode_request
 from schemas.dlq import ERROR_CODE, ORIGINAL_SHA256, ORIGINAL_SIZE, UNREADABLE_NAMES
 from tests.faults import faulty
-from tests.faults.conftest import LocalService
 from tests.faults.scenes import (
     EXACTLY_ONCE,
     Scenario,
@@ -72,6 +71,7 @@ from tests.faults.scenes import (
 from tests.harness import (
     NOTES,
     TEST_WORKER_OPTIONS,
+    LocalService,
     digit_requests,
     extra_records_uncommitted,
     kill_inside_a_transaction,

@@ -40,8 +40,7 @@ from producers.testing import (
 )
 from schemas import ContentType, ErrorCode, Status, encode_request, redis_dataref, topics_for
 from tests.faults import faulty
-from tests.faults.conftest import LocalService
-from tests.harness import check, peak_rss_mb_while, rss_mb, s3_flags
+from tests.harness import LocalService, check, peak_rss_mb_while, rss_mb, s3_flags
 
 
 def _png(side: int, seed: int = 0) -> bytes:

@@ -22,9 +22,8 @@ import pytest
 
 from producers.testing import Fleet, WorkerProcess, http_get, produce, until, until_answered
 from schemas import topics_for
-from tests.faults.conftest import LocalService
 from tests.faults.faulty import SPEC as FAULTY
-from tests.harness import NOTES, check, setup_model, tally_scenario
+from tests.harness import NOTES, LocalService, check, setup_model, tally_scenario
 from workers.app import CLOSE_S
 
 DRAIN_MS = 2000

@@ -85,7 +85,10 @@ def test_gpu_bench_end_to_end_runs_on_the_cpu(
     argv += ["--corpora", "224x224", "--e2e-configs", "2x1", "--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--profile-s", "1", "--profile-phase", "paced", "--repeats", "1"]
-    argv += ["--paced-warmup-s", "1"]
+    # Two producer processes (not eight, each importing torch) and a paced load capped at
+    # 200/s for 2 s: the same stages and code paths as on a GPU host, at half the cost.
+    argv += ["--paced-warmup-s", "1", "--producers", "2", "--paced-max-rate", "200"]
+    argv += ["--paced-s", "2", "--metrics-port", str(free_port())]  # the host's /metrics
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=340)
 
     assert done.returncode == 0, done.stdout + done.stderr

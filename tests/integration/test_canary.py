@@ -66,9 +66,12 @@ async def test_the_canary_answers_its_share_and_widening_keeps_one_answer_per_id
     await create_model_topics(client_settings, model_name, partitions=PARTITIONS)
     connection = ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     both = ["--delivery", delivery]
+    # A session long enough that the group keeps the primary while it is frozen (below).
+    session = ("--session-timeout-ms", "60000")
     primary = workers.start(
-        *both, "--max-batch-size", "32", "--model-options", json.dumps(PRIMARY), model=SPEC
-    )
+        *both, *session, "--max-batch-size", "32", "--model-options", json.dumps(PRIMARY),
+        model=SPEC,
+    )  # fmt: skip
 
     status, out, err = await conveyor("canary", *connection, "--model", model_name, "--share", "10")
     assert status == 0, err
@@ -86,7 +89,15 @@ async def test_the_canary_answers_its_share_and_widening_keeps_one_answer_per_id
     await until_answered(redis_url, first_ids, PER_SHARE // 5)
 
     # Widened while most of the first requests still wait in the topic: they keep 10%.
-    status, out, err = await conveyor("canary", *connection, "--model", model_name, "--share", "50")
+    # The primary is frozen meanwhile, so they still wait however long the command takes
+    # to start (on a busy machine it once outlasted the rest of the backlog).
+    primary.pause()
+    try:
+        status, out, err = await conveyor(
+            "canary", *connection, "--model", model_name, "--share", "50"
+        )
+    finally:
+        primary.resume()
     assert status == 0, err
     [widened] = json_lines(out)
     assert widened["placed"] == []  # the group has its positions: only markers

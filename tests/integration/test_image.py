@@ -51,7 +51,8 @@ INSTALL = f"pip install '.[{','.join(EXTRAS)}]'"
 BUILD_MODEL = "python -m demo.models.digits"
 ADD_USER = "useradd --create-home --uid 10001 --user-group conveyor"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# One test process runs them all under pytest -n: the image's files are laid out once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.xdist_group("image")]
 
 
 @dataclass

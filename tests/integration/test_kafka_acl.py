@@ -35,6 +35,8 @@ from tests.conftest import REPO
 from tests.harness import NOTES, check, digit_requests, logged_at, tally_scenario
 from workers.app import CLOSE_S
 
+# One test process runs them all under pytest -n: the broker with ACLs starts once.
+pytestmark = pytest.mark.xdist_group("kafka-acl")
 SECURE_SH = REPO / "compose" / "local" / "secure.sh"
 KAFKA_ACLS = REPO / "compose" / "local" / "kafka-acls.sh"
 LIMITED = "conveyor-limited"

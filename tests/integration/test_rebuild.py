@@ -1,16 +1,17 @@
 """`conveyor results rebuild` against the real broker, Redis and a real worker.
 
 A worker answers a backlog (results in Redis and on the reply topic), Redis
-loses everything (FLUSHALL), and the command writes the results back from the
-reply topic: every id readable again with the very bytes it had, its time to
-live as it was, and a second run changes nothing.
+loses everything (FLUSHALL, on a Redis of this module's own: the shared one holds
+other tests' results), and the command writes the results back from the reply
+topic: every id readable again with the very bytes it had, its time to live as it
+was, and a second run changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import orjson
 import pytest
@@ -19,7 +20,7 @@ import redis.asyncio as aioredis
 from producers import AsyncClient, ClientSettings, ContentType
 from producers.admin import create_model_topics
 from producers.cli import main
-from producers.testing import Fleet, produce, requests, until, wait_for_results
+from producers.testing import Fleet, free_port, produce, requests, until, wait_for_results
 from schemas import (
     OutgoingRecord,
     Result,
@@ -30,8 +31,18 @@ from schemas import (
     result_key,
     topics_for,
 )
+from tests.harness import LocalService
 
 DAY_MS = 86_400_000
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """This module's Redis, for its workers, clients and command alike."""
+    service = LocalService("redis.sh", free_port(), tmp_path_factory.mktemp("redis-rebuild"))
+    service.start()
+    yield service.url
+    service.stop()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The Redis ACL users docs/security.md documents are enough, and no more than enough.
 
-The rules are read from the page itself, the users created on the real Redis
-(under names of this test's own), and then: a worker authenticated as the worker
+The rules are read from the page itself, the users created on a real Redis of this
+module's own (under names of each test's own), and then: a worker authenticated as the worker
 user serves a request that a client authenticated as the caller user waits for;
 the worker user can write a batch with a Lua script (SCRIPT LOAD, then EVALSHA
 with SET, GET and PUBLISH); neither can touch anything else.
@@ -36,13 +36,22 @@ from producers.testing import (
     Fleet,
     WorkerProcess,
     count_results,
+    free_port,
     http_get,
     produce,
     until,
 )
 from schemas import consumer_group, result_key, topics_for
 from tests.conftest import REPO
-from tests.harness import NOTES, check, digit_requests, logged_at, metrics, tally_scenario
+from tests.harness import (
+    NOTES,
+    LocalService,
+    check,
+    digit_requests,
+    logged_at,
+    metrics,
+    tally_scenario,
+)
 from workers.app import CLOSE_S
 
 SECURITY_DOC = REPO / "docs" / "security.md"
@@ -53,6 +62,17 @@ local stored = redis.call('GET', KEYS[1])
 redis.call('PUBLISH', KEYS[1], '')
 return stored
 """
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """This module's Redis (for its workers, clients and users alike): its tests empty the
+    script cache so that a limited worker must load the script itself, which the shared
+    Redis cannot promise while other tests' workers load it beside them."""
+    service = LocalService("redis.sh", free_port(), tmp_path_factory.mktemp("redis-acl"))
+    service.start()
+    yield service.url
+    service.stop()
 
 
 def _documented_rules(role: str) -> list[str]:

@@ -41,8 +41,11 @@ PARTITIONS = 4
 DRIFTS = {"v1": 0, "v2": 1}
 CHUNK, PAUSE_S = 40, 0.1  # a steady stream: 40 requests, a pause, 40 more
 # Longer than a process takes to stop and start again: its partitions wait for it rather
-# than move (static membership; docs/operations.md "Rolling restarts").
-SESSION_TIMEOUT_MS = "60000"
+# than move (static membership; docs/operations.md "Rolling restarts"). A host is back in
+# about 10 s; 30 s leaves room for a busy machine. Not longer: a member learns that another
+# joins at its next heartbeat, a third of the session, so the hosts' first joins take up
+# to that each (60 s made them take 20 s).
+SESSION_TIMEOUT_MS = "30000"
 
 
 def write_config(path: Path, version: str) -> None:

@@ -27,6 +27,8 @@ from producers.testing import Fleet, WorkerProcess, free_port, free_ports, http_
 from tests.conftest import REPO
 from tests.harness import requests_by_status
 
+# One test process runs them all under pytest -n: the secured broker starts once.
+pytestmark = pytest.mark.xdist_group("secured")
 SECURE_SH = REPO / "compose" / "local" / "secure.sh"
 _FAIL_WITHIN_S = 30
 

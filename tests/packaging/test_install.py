@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (schemas, common, workers, producers, demo)
 PUBLIC_PACKAGE = producers  # the SDK: what a client-only install is for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# One test process runs them all under pytest -n: the sdist and wheel are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("install")]
 
 
 def _run(argv: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -212,26 +212,33 @@ def test_torch_hub_fetch_downloads_once_and_checks_the_hash_in_the_name(
 
 # -- timm's published weights on the Hugging Face Hub, in a process of its own ---------------
 
+# The Hub client retries a Hub it cannot reach, with backoff (1+2+4+8+8 s): each load's
+# waits are recorded in "waits" rather than slept, so the error after the retries comes at once.
 _LOADS = """
 import json, sys
+from unittest import mock
 from schemas import DEFAULT_LIMITS
 from workers.model.loader import ModelLoadError, load_handler
 for spec, weights in json.loads(sys.argv[1]):
-    try:
-        handler = load_handler(spec, device="cpu", weights=weights, dtype="float32",
-                               channels_last=None, limits=DEFAULT_LIMITS)
-        total = sum(float(t.double().sum()) for t in handler.module.state_dict().values())
-        print(json.dumps({"version": handler.version, "sum": total}), flush=True)
-    except ModelLoadError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+    waits = []
+    with mock.patch("huggingface_hub.utils._http.time.sleep", waits.append):
+        try:
+            handler = load_handler(spec, device="cpu", weights=weights, dtype="float32",
+                                   channels_last=None, limits=DEFAULT_LIMITS)
+            total = sum(float(t.double().sum()) for t in handler.module.state_dict().values())
+            loaded = {"version": handler.version, "sum": total}
+        except ModelLoadError as exc:
+            loaded = {"error": str(exc)}
+    print(json.dumps({**loaded, "waits": waits}), flush=True)
 """
 
 
 def load_elsewhere(
     server: WeightsServer, home: Path, *loads: tuple[str, str | None]
 ) -> tuple[list[dict[str, Any]], str]:
-    """Each load's version and weights' sum, or its error, in a new Python process whose
-    Hugging Face client is pointed at ``server``; and that process's stderr."""
+    """Each load's version and weights' sum, or its error, and the Hub client's backoff
+    waits (not slept), in a new Python process whose Hugging Face client is pointed at
+    ``server``; and that process's stderr."""
     env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(home)}
     env["TORCH_HOME"] = str(home / "torch")
     done = subprocess.run(
@@ -307,3 +314,4 @@ def test_timm_without_a_network_or_without_asking(
     (offline,), _ = load_elsewhere(server, tmp_path, (TIMM_SPEC, "DEFAULT"))
     assert f"cannot download {url}" in offline["error"]
     assert "pass weights=PATH" in offline["error"]
+    assert offline["waits"]  # the error came after the Hub client's retries, not before
