@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import torch
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -48,6 +49,17 @@ def require_listening(service: str, port: int, start: str = "make up") -> None:
             f"Run `{start}` first, or run the whole suite with `make test`.",
             pytrace=False,
         )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n``, each test process's torch gets its share of the cores: with two
+    processes each running as many threads as there are cores, the torch-heavy tests of
+    both spun against each other (the keypoints served-equals-direct test took 136 s, 11 s
+    alone)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        share = (os.cpu_count() or 1) // int(workerinput["workercount"])
+        torch.set_num_threads(max(1, share))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
