@@ -76,6 +76,7 @@ FORMS = ("package", "static", "dynamic")
 AGREEMENT_IMAGES = 256
 NOISE_FACTOR = 2.0  # served against direct may differ by twice what float16 moves
 MIN_SCORE_TOLERANCE = 0.01
+SCALING_FLOOR = {2: 1.9}  # the least speed-up over one card; 0.9 a card from four cards on
 MIN_TOP1_TOLERANCE = 0.01  # a share of the images
 _LOGIT_SPREAD = 4.0  # the standard deviation of the scaled last layer's logits
 
@@ -104,7 +105,7 @@ async def _accept_with(
     floor = _compare(direct, _direct_scores(cfg, corpus, weights, "float32"), top_k=5)
     print(f"  accept: float16 against float32, eager: {json.dumps(floor)}", flush=True)
     cards = torch.cuda.device_count() if cfg.device.type == "cuda" else 0
-    layouts = [1] if cards <= 1 else [1, cards]
+    layouts = card_layouts(cards)
     forms = [form.strip() for form in args.accept_forms.split(",") if form.strip()]
     rows: dict[str, Any] = {
         "cards": cards,
@@ -123,6 +124,7 @@ async def _accept_with(
             except Exception as exc:  # a failed row is a result: the others still run
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             row["passed"] = _passed(row, faults, floor)
+            _scaling(row, rows["runs"].get(f"{form} x1"), gpus)
             rows["runs"][label] = row
             print(f"  accept {label}: {json.dumps(row, default=str)}", flush=True)
             (args.out / "accept.json").write_text(json.dumps(rows, indent=2, default=str))
@@ -130,6 +132,15 @@ async def _accept_with(
 
 
 # -- the weights and the direct forward ----------------------------------------------------
+
+
+def card_layouts(cards: int) -> list[int]:
+    """The numbers of cards a form runs on: one, every power of two below the host's
+    count, and all of them (2 cards → [1, 2]; 4 → [1, 2, 4]; 6 → [1, 2, 4, 6])."""
+    layouts = [1]
+    while layouts[-1] * 2 < cards:
+        layouts.append(layouts[-1] * 2)
+    return [*layouts, cards] if cards > 1 else layouts
 
 
 def _trained_like(cfg: Config, corpus: Corpus, path: Path) -> None:
@@ -231,7 +242,7 @@ async def _host_run(
         row["processes"] = len(host.children())
         row["command"] = " ".join(host.config.argv()[3:])
         row.update(await _agreement(args, model, corpus, direct, host, run))
-        target = _Target(model, partitions, host)
+        target = _Target(model, partitions, host, max(gpus, 1))
         row.update(await _throughput(cfg, args, corpus, target, f"{run}-t"))
         faults = faults and len(host.children()) > 1  # a supervisor (not the CPU's one process)
         row["faults"] = faults
@@ -296,13 +307,15 @@ class _Target:
     model: str
     partitions: int
     host: WorkerProcess
+    cards: int
 
 
 async def _backlog(
     cfg: Config, args: argparse.Namespace, corpus: Corpus, target: _Target, prefix: str
 ) -> list[str]:
-    """A backlog of ``--e2e-count`` requests, visible at once; their ids."""
-    count = cfg.e2e_count
+    """A backlog of ``--e2e-count`` requests a card, visible at once; their ids (the
+    steady state of four cards needs four times the backlog of one)."""
+    count = cfg.e2e_count * target.cards
     await _produce_parallel(args, target.model, corpus, prefix, count, target.partitions)
     return [f"{prefix}-{n}" for n in range(count)]
 
@@ -382,9 +395,24 @@ def _passed(row: dict[str, Any], faults: bool, floor: dict[str, float]) -> bool:
     return ok
 
 
+def scaling_floor(gpus: int) -> float:
+    """The least img/s of ``gpus`` cards over one card's that passes."""
+    return SCALING_FLOOR.get(gpus, 0.9 * gpus)
+
+
+def _scaling(row: dict[str, Any], one: dict[str, Any] | None, gpus: int) -> None:
+    """A row of several cards against the same form on one card, in place."""
+    if gpus <= 1 or not one or "img_s" not in row or not one.get("img_s"):
+        return
+    row["x_one_card"] = row["img_s"] / one["img_s"]
+    row["scaling_floor"] = scaling_floor(gpus)
+    row["passed"] = row["passed"] and row["x_one_card"] >= row["scaling_floor"]
+
+
 def ceiling_share(rows: dict[str, Any], results: dict[str, Any], batch: int) -> None:
     """Each row's rate over the ceilings measured in the same call (the compiled forward
-    at ``batch``; nvJPEG decode+resize of the corpus), in place."""
+    at ``batch``; nvJPEG decode+resize of the corpus), one card's times the row's cards,
+    in place."""
     forward = results.get("forward", {}).get("compiled", {}).get(str(batch), {}).get("img_s")
     decode = _decode_ceiling(results)
     ceiling = min(c for c in (forward, decode) if c) if (forward or decode) else None
@@ -393,7 +421,7 @@ def ceiling_share(rows: dict[str, Any], results: dict[str, Any], batch: int) -> 
             row["ceiling_img_s"] = ceiling
             row["forward_ceiling_img_s"] = forward
             row["decode_ceiling_img_s"] = decode
-            row["of_ceiling"] = row["img_s"] / ceiling
+            row["of_ceiling"] = row["img_s"] / (ceiling * max(1, row.get("gpus", 1)))
 
 
 def _decode_ceiling(results: dict[str, Any]) -> float | None:
@@ -407,21 +435,25 @@ def print_accept_table(rows: dict[str, Any], card: str) -> None:
     commit, cards = rows.get("commit", "?"), rows.get("cards")
     print(f"\nGPU acceptance, {card}, commit {commit}, {cards} card(s)")
     print(
-        "| run | ready s | top-1 agree (tol.) | max Δscore (tol.) | img/s | ÷ ceiling | kill lost "
-        "| SIGHUP lost | pass |"
+        "| run | ready s | top-1 agree (tol.) | max Δscore (tol.) | img/s | ÷ ceiling "
+        "| × one card (floor) | kill lost | SIGHUP lost | pass |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, row in rows["runs"].items():
         if "error" in row:
-            print(f"| {label} | {row['error'][:80]} | | | | | | | FAIL |")
+            print(f"| {label} | {row['error'][:80]} | | | | | | | | FAIL |")
             continue
         kill = row.get("kill", {}).get("lost", "")
         hup = row.get("sighup", {}).get("lost", "")
         share = f"{row['of_ceiling']:.2f}" if "of_ceiling" in row else ""
+        scale = (
+            f"{row['x_one_card']:.2f} (≥ {row['scaling_floor']:.2f})" if "x_one_card" in row else ""
+        )
         print(
             f"| {label} | {row['ready_s']} | {row['top1_agreement']:.3f} "
             f"(≥ {1 - row.get('top1_tolerance', 0):.3f}) | {row['max_score_difference']:.4f} "
-            f"(≤ {row.get('score_tolerance', 0):.4f}) | {row['img_s']:,.0f} | {share} | {kill} | "
+            f"(≤ {row.get('score_tolerance', 0):.4f}) | {row['img_s']:,.0f} | {share} | {scale} | "
+            f"{kill} | "
             f"{hup} | {'pass' if row['passed'] else 'FAIL'} |"
         )
 

@@ -158,3 +158,32 @@ def test_a_run_cut_short_keeps_the_layouts_it_finished(
     first = {"processes": 1, "gpus": 1, "img_s": 123.0}
     assert results["e2e"] == {"1x1 224x224": first}
     assert results["meta"]["model"].endswith("TinyClassifier")
+
+
+def test_acceptance_runs_one_card_powers_of_two_and_every_card() -> None:
+    from bench.gpu.accept import card_layouts
+
+    assert card_layouts(0) == [1]
+    assert card_layouts(1) == [1]
+    assert card_layouts(2) == [1, 2]
+    assert card_layouts(4) == [1, 2, 4]
+    assert card_layouts(6) == [1, 2, 4, 6]
+    assert card_layouts(8) == [1, 2, 4, 8]
+
+
+def test_acceptance_fails_a_row_of_several_cards_that_does_not_scale() -> None:
+    from bench.gpu.accept import _scaling, ceiling_share, scaling_floor
+
+    assert (scaling_floor(2), scaling_floor(4), scaling_floor(8)) == (1.9, 3.6, 7.2)
+    one = {"img_s": 20_000.0, "gpus": 1, "passed": True}
+    two = {"img_s": 39_000.0, "gpus": 2, "passed": True}
+    four = {"img_s": 70_000.0, "gpus": 4, "passed": True}
+    _scaling(two, one, 2)
+    _scaling(four, one, 4)
+    assert two["passed"] and two["x_one_card"] == pytest.approx(1.95)
+    assert not four["passed"] and four["x_one_card"] == pytest.approx(3.5)
+    rows = {"runs": {"package x1": one, "package x2": two}}
+    results = {"forward": {"compiled": {"256": {"img_s": 25_000.0}}}}
+    ceiling_share(rows, results, 256)
+    assert one["of_ceiling"] == pytest.approx(0.8)
+    assert two["of_ceiling"] == pytest.approx(0.78)  # two cards' ceiling is twice one's
