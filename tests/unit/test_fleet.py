@@ -218,3 +218,18 @@ def test_the_fork_server_imports_inductor_only_for_a_compiled_model(
     assert modules[:2] == ["workers.app", "torchvision"]
     assert ("torch._inductor.standalone_compile" in modules) is inductor
     assert "workers.cli" not in modules  # the module a child runs as __main__
+
+
+def test_a_rolling_restart_takes_one_process_of_each_card_at_a_time() -> None:
+    from workers.fleet.children import Child
+    from workers.fleet.supervisor import rolling_turns
+
+    def child(card: int | None, number: int) -> Child:
+        slot = Slot(card, number)
+        return Child(slot, slot.name("h"), "workers.main", [], {}, json=False)
+
+    host = [child(card, n) for card in (0, 1) for n in range(3)] + [child(2, 0)]
+    turns = [[c.name for c in turn] for turn in rolling_turns(host)]
+    assert turns == [["h-0-0", "h-1-0", "h-2-0"], ["h-0-1", "h-1-1"], ["h-0-2", "h-1-2"]]
+    assert [[c.name for c in t] for t in rolling_turns([child(None, 0)])] == [["h-cpu-0"]]
+    assert rolling_turns([]) == []

@@ -180,8 +180,10 @@ def test_acceptance_fails_a_row_of_several_cards_that_does_not_scale() -> None:
     four = {"img_s": 70_000.0, "gpus": 4, "passed": True}
     _scaling(two, one, 2)
     _scaling(four, one, 4)
-    assert two["passed"] and two["x_one_card"] == pytest.approx(1.95)
-    assert not four["passed"] and four["x_one_card"] == pytest.approx(3.5)
+    assert two["passed"]
+    assert two["x_one_card"] == pytest.approx(1.95)
+    assert not four["passed"]
+    assert four["x_one_card"] == pytest.approx(3.5)
     rows = {"runs": {"package x1": one, "package x2": two}}
     results = {"forward": {"compiled": {"256": {"img_s": 25_000.0}}}}
     ceiling_share(rows, results, 256)

@@ -31,8 +31,8 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    (``workers.fleet.failing``): the log says why once, ``/readyz`` names it (the host
    is unready: it serves, short of what it should), and the metrics count it; when
    no card is left, the host exits ``EXIT_NO_CARD``;
-6. **roll**: SIGHUP restarts the processes one at a time, each ready before the next
-   stops, each reading its settings and model afresh: a new model version without
+6. **roll**: SIGHUP restarts the processes one a card at a time, each ready before its
+   card's next one stops, each reading its settings and model afresh: a new model version without
    downtime (docs/operations.md "Changing the model");
 7. **stop**: SIGTERM or SIGINT is passed to every process, which drains and commits;
    the supervisor waits for all of them, quits its MPS server and exits 0. A second
@@ -49,6 +49,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
@@ -458,22 +459,40 @@ def _cards_serving(state: _State) -> bool | str:
 
 
 async def _roll_on_request(state: _State, metrics: FleetMetrics) -> None:
-    """On each SIGHUP, restart the processes one at a time: each drains (its partitions go
-    to the others only if it is away longer than the session timeout: static membership),
-    starts again reading its settings and model afresh (a new config file, new weights at
-    the same path), and is ready before the next one stops. A process that will not start
-    again stops the round; the others keep what they run."""
+    """On each SIGHUP, restart the processes in turns of one a card (one at a time on a
+    host of one card; a card never has more than one of its processes away): each drains
+    (its partitions go to the others only if it is away longer than the session timeout:
+    static membership), starts again reading its settings and model afresh (a new config
+    file, new weights at the same path), and is ready before its card's next one stops. A
+    process that will not start again stops the round; the others keep what they run."""
     while True:
         await state.roll.wait()
         state.roll.clear()
-        log.info("SIGHUP: restarting the %d worker processes one at a time", len(state.children))
-        for child in [c for c in state.children if c not in state.retired]:
-            if not await _restart_in_turn(child, state):
-                log.error("rolling restart stopped at %s", child.name)
+        serving = [c for c in state.children if c not in state.retired]
+        turns = rolling_turns(serving)
+        log.info(
+            "SIGHUP: restarting the %d worker processes in %d turns, one a card at a time",
+            len(serving),
+            len(turns),
+        )
+        for turn in turns:
+            done = await asyncio.gather(*(_restart_in_turn(child, state) for child in turn))
+            if not all(done):
+                failed = ", ".join(c.name for c, ok in zip(turn, done, strict=True) if not ok)
+                log.error("rolling restart stopped at %s", failed)
                 break
         else:
             log.info("rolling restart done: every worker process started again")
         await _all_ready(state, metrics)
+
+
+def rolling_turns(children: Sequence[Child]) -> list[list[Child]]:
+    """The turns of a rolling restart: the n-th turn holds each card's n-th process."""
+    cards: dict[int | None, list[Child]] = {}
+    for child in children:
+        cards.setdefault(child.slot.card, []).append(child)
+    depth = max((len(on_card) for on_card in cards.values()), default=0)
+    return [[on_card[n] for on_card in cards.values() if n < len(on_card)] for n in range(depth)]
 
 
 async def _restart_in_turn(child: Child, state: _State) -> bool:
