@@ -105,7 +105,7 @@ async def _accept_with(
     floor = _compare(direct, _direct_scores(cfg, corpus, weights, "float32"), top_k=5)
     print(f"  accept: float16 against float32, eager: {json.dumps(floor)}", flush=True)
     cards = torch.cuda.device_count() if cfg.device.type == "cuda" else 0
-    layouts = card_layouts(cards)
+    layouts = [int(n) for n in args.accept_cards.split(",") if n.strip()] or card_layouts(cards)
     forms = [form.strip() for form in args.accept_forms.split(",") if form.strip()]
     rows: dict[str, Any] = {
         "cards": cards,

@@ -161,6 +161,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(FORMS),
         help="accept: the compile forms to run the default command with",
     )
+    parser.add_argument(
+        "--accept-cards",
+        default="",
+        help="accept: the numbers of cards to run each form on, e.g. 1,4 (default: one, "
+        "the powers of two below the host's count, and all of them)",
+    )
     parser.add_argument("--zoo", default=",".join(ZOO), help="zoo: model specs, comma-separated")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
