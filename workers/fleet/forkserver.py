@@ -13,10 +13,12 @@ CUDA context) and while the process has one thread: a fork copies only the threa
 that calls it, and a lock another thread held stays locked in the child for ever.
 The server checks both after each import and refuses to serve otherwise (naming the
 module and the threads), and the supervisor then starts its processes the ordinary
-way. The one thread the imports used to start is OpenBLAS's pool, which numpy starts
-as it loads: the server runs with ``OPENBLAS_NUM_THREADS=1``, so numpy's own matrix
-products run on one thread in the worker processes (torch's run on its own threads,
-``OMP_NUM_THREADS``, started after the fork).
+way. Two imports start threads. numpy starts OpenBLAS's pool as it loads: the server runs
+with ``OPENBLAS_NUM_THREADS=1``, so numpy's own matrix products run on one thread in
+the worker processes (torch's run on its own threads, ``OMP_NUM_THREADS``, started
+after the fork). On a GPU host ``torch._inductor.compile_fx`` starts a thread of
+CUDA's driver: the server stops at Inductor's cache (``workers.fleet.host.preloaded``)
+and each process imports the rest itself.
 
 The protocol, over a ``SOCK_SEQPACKET`` socket pair, one JSON message a packet:
 

@@ -257,10 +257,11 @@ def compiles(settings: WorkerSettings) -> bool:
 
 def preloaded(settings: WorkerSettings) -> list[str]:
     """What the host's fork server imports for its processes: the worker, torch and
-    torchvision, and, when the model is compiled, Dynamo and Inductor (which load the
-    compiled packages) and Triton."""
+    torchvision, and, when the model is compiled, Dynamo and Inductor's cache. Not
+    ``torch._inductor.compile_fx`` (nor what imports it): on a GPU host, importing it
+    starts a thread of CUDA's driver (``cuda0000…``, seen on H200 hosts with torch 2.11),
+    and a process with a second thread must not fork; each process imports it itself."""
     modules = ["workers.app", "torchvision"]
     if compiles(settings):
-        modules += ["torch._dynamo", "torch._inductor.compile_fx"]
-        modules += ["torch._inductor.standalone_compile", "triton"]
+        modules += ["torch._dynamo", "torch._inductor.codecache"]
     return modules
