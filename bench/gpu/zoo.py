@@ -143,5 +143,6 @@ async def _served(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict
             "command": " ".join(host.config.argv()[3:]),
         }
     finally:
+        (args.out / f"zoo-{cfg.model.replace(':', '-')}.log").write_text(fleet.logs())
         await fleet.aclose()
         await delete_model_topics(settings, model)
