@@ -42,11 +42,12 @@ INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 def cache_root(settings: WorkerSettings) -> Path:
     """``compile_cache``, else ``$XDG_CACHE_HOME/conveyor-serve/compile``, else
-    ``~/.cache/conveyor-serve/compile``."""
+    ``~/.cache/conveyor-serve/compile``; absolute (Inductor runs its C++ compiler in a
+    folder of its own, where a relative path names nothing)."""
     if settings.compile_cache is not None:
-        return settings.compile_cache
+        return settings.compile_cache.expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "conveyor-serve" / "compile"
+    return (Path(base) / "conveyor-serve" / "compile").absolute()
 
 
 def cache_key(settings: WorkerSettings, device: torch.device) -> str:
