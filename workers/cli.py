@@ -21,6 +21,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, get_args
 
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -33,6 +34,7 @@ import schemas
 from common.install import install_hint
 from common.security import ConnectFailed
 from schemas import Limits
+from workers.config.host import HostFile, read_host_file
 from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
 from workers.exits import (
     EXIT_BAD_SETTINGS,
@@ -44,6 +46,7 @@ from workers.exits import (
     EXIT_STOPPED,
     EXIT_UNREACHABLE,
 )
+from workers.fleet.plan import Card, Slot
 from workers.observe.logs import configure_logging
 
 FLAG_GROUPS: dict[str, tuple[str, ...]] = {
@@ -130,7 +133,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "track_status",
     ),
     "canary and shadow": ("canary", "shadow"),
-    "configuration": ("config_file",),
+    "configuration": ("config_file", "host_model"),
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""
 
@@ -164,6 +167,7 @@ EXPERT = frozenset(
         "redis_replica_acks",
         "s3_region",
         "s3_addressing_style",
+        "host_model",
     }
 )
 """Tuning the profiles and defaults take care of: accepted as any flag, listed only by
@@ -220,6 +224,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, expert: bool = False) -> N
         action=_HelpAll,
         nargs=0,
         help="show every option, the expert tuning included, and exit",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings (each model's, for a host file) and print the processes "
+        "the command would run, then exit: what SIGHUP would load, before it is sent",
     )
     fields = WorkerSettings.model_fields
     for title, names in FLAG_GROUPS.items():
@@ -353,8 +363,11 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+def settings_from_args(args: argparse.Namespace, host_model: str | None = None) -> WorkerSettings:
+    """The settings of ``args`` (for a host file: its model ``host_model``'s)."""
     given = _given(args)
+    if host_model is not None:
+        given["host_model"] = host_model
     if "redis_url" in given:
         given["redis_url"] = SecretStr(given["redis_url"])
     return WorkerSettings(**given)
@@ -387,18 +400,23 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = settings_from_args(args)
+        host = host_of(args)
+        models = (
+            [settings_from_args(args, host_model=m.name) for m in host.models]
+            if host is not None
+            else [settings_from_args(args)]
+        )
     except ValidationError as exc:
         return _fail(describe_error(exc), EXIT_BAD_SETTINGS)
     except SettingsError as exc:  # the config file: missing, unreadable, not TOML, unknown keys
         return _fail(str(exc), EXIT_BAD_SETTINGS)
+    settings = models[0]
     configure_logging(settings.log_level, settings.log_format)
     try:
         # torch is imported only when a worker really starts, so the client-only
         # install has the rest of the command (and this command's --help).
-        from workers.app import run_worker
-        from workers.fleet.host import child_flags, planned
-        from workers.fleet.supervisor import supervise
+        import workers.app
+        import workers.fleet.supervisor  # noqa: F401
         from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
@@ -416,12 +434,10 @@ def run(args: argparse.Namespace) -> int:
             EXIT_NOT_INSTALLED,
         )
     try:
-        slots, cards = ([], []) if settings.processes == "1" else planned(settings)
-        with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
-            if len(slots) > 1:  # several processes: this one supervises them
-                return runner.run(supervise(settings, child_flags(_given(args)), slots, cards))
-            runner.run(run_worker(settings))
-    except (ValueError, FileNotFoundError) as exc:
+        if host is not None:
+            return _serve_host(args, host, models)
+        return _serve(args, settings)
+    except (ValueError, FileNotFoundError) as exc:  # SettingsError too: a host file reread
         return _fail(str(exc), EXIT_BAD_SETTINGS)
     except ConfigError as exc:  # a missing topic, a refused ACL: an operator must act
         return _fail(str(exc), EXIT_CONFIG)
@@ -431,7 +447,78 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_UNREACHABLE)
     except OSError as exc:  # PermissionError, a read-only or full file system, ...
         return _fail(_os_error(exc), EXIT_ENVIRONMENT)
+
+
+def _serve(args: argparse.Namespace, settings: WorkerSettings) -> int:
+    """``conveyor worker`` for one model: its processes' supervisor, or the worker."""
+    from workers.app import run_worker
+    from workers.fleet.host import child_flags, planned
+    from workers.fleet.supervisor import supervise
+
+    slots, cards = ([], []) if settings.processes == "1" else planned(settings)
+    if getattr(args, "check", False):
+        return _check([(settings, slots)])
+    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+        if len(slots) > 1:  # several processes: this one supervises them
+            given = child_flags(_given(args))
+            return runner.run(supervise([(settings, slots)], given, cards))
+        runner.run(run_worker(settings))
     return EXIT_STOPPED
+
+
+def host_of(args: argparse.Namespace) -> HostFile | None:
+    """The host file ``--config-file`` (or ``CONVEYOR_CONFIG_FILE``) names, when it has
+    ``[[models]]`` and this process is not one of its models' (``--host-model``)."""
+    named = getattr(args, "config_file", None) or os.environ.get("CONVEYOR_CONFIG_FILE")
+    if not named or getattr(args, "host_model", None) or os.environ.get("CONVEYOR_HOST_MODEL"):
+        return None
+    host = read_host_file(Path(named), set(WorkerSettings.model_fields))
+    model = getattr(args, "model", None) or os.environ.get("CONVEYOR_MODEL")
+    if host is not None and model:
+        raise SettingsError(
+            f"--model {model} (or CONVEYOR_MODEL) with the host file {named}, which names its "
+            "models in [[models]] tables: drop it, or use a config file without them"
+        )
+    return host
+
+
+def _serve_host(args: argparse.Namespace, file: HostFile, models: list[WorkerSettings]) -> int:
+    """``conveyor worker --config-file HOST.toml``: one supervisor for the file's models."""
+    from workers.fleet.host import Host, child_flags, planned
+    from workers.fleet.supervisor import supervise
+
+    settings = models[0]
+    share = len(models)
+    planned_models = []
+    cards: dict[int, Card] = {}
+    for model in models:
+        slots, chosen = planned(model, share=share)
+        planned_models.append((model, slots))
+        cards.update((card.index, card) for card in chosen)
+    if getattr(args, "check", False):
+        return _check(planned_models)
+    host = Host(
+        Path(args.config_file or os.environ["CONVEYOR_CONFIG_FILE"]),
+        file,
+        lambda name: settings_from_args(args, host_model=name),
+        share,
+    )
+    given = child_flags(_given(args))
+    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+        return runner.run(supervise(planned_models, given, list(cards.values()), host))
+
+
+def _check(models: list[tuple[WorkerSettings, list[Slot]]]) -> int:
+    """``--check``: the settings are valid; the processes each model would run."""
+    for settings, slots in models:
+        where = sorted({slot.device for slot in slots}) or ["cpu"]
+        print(
+            f"model {settings.served_name} ({settings.model}): {max(1, len(slots))} "
+            f"process{'es' if len(slots) > 1 else ''} on {', '.join(where)}; group "
+            f"{settings.group}, requests {settings.topics.requests}"
+        )
+    print("settings valid")
+    return 0
 
 
 def _missing_for_tracing(tracing: str) -> str | None:

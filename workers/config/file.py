@@ -18,6 +18,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from workers.config.host import host_file
+
 
 class ConfigFileSource(PydanticBaseSettingsSource):
     """The TOML file that ``config_file`` names, if a higher source names one.
@@ -37,17 +39,26 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         return None, field_name, False  # unused: __call__ reads the whole file at once
 
     def __call__(self) -> dict[str, Any]:
+        named = self._named("config_file")
+        if not named:
+            return {}
+        return read_config_file(
+            Path(named), set(self.settings_cls.model_fields), self._named("host_model")
+        )
+
+    def _named(self, key: str) -> Any:
+        """``key``'s value in the highest source that sets it, else None."""
         for source in self._naming:
-            named = (
-                source.init_kwargs if isinstance(source, InitSettingsSource) else source()
-            ).get("config_file")
-            if named:
-                return read_config_file(Path(named), set(self.settings_cls.model_fields))
-        return {}
+            values = source.init_kwargs if isinstance(source, InitSettingsSource) else source()
+            if values.get(key):
+                return values[key]
+        return None
 
 
-def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
-    """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong."""
+def read_config_file(path: Path, fields: set[str], model: str | None = None) -> dict[str, Any]:
+    """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong.
+    For a host file (``[[models]]``, ``workers.config.host``): its shared settings with
+    ``model``'s table over them (the shared ones alone without ``model``)."""
     try:
         with path.open("rb") as file:
             values = tomllib.load(file)
@@ -55,7 +66,12 @@ def read_config_file(path: Path, fields: set[str]) -> dict[str, Any]:
         raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = sorted(values.keys() - (fields - {"config_file"}))
+    host = host_file(values, path, fields)
+    if host is not None:
+        return {**host.shared, **host.model(model).table} if model else dict(host.shared)
+    if model:
+        raise SettingsError(f"config file {path}: --host-model {model} needs [[models]] tables")
+    unknown = sorted(values.keys() - (fields - {"config_file", "host_model"}))
     if unknown:
         raise SettingsError(
             f"config file {path}: {', '.join(unknown)} "

@@ -404,7 +404,13 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     config_file: Path | None = Field(
         default=None,
         description="TOML file of settings, keys named as the flags with underscores "
-        "(max_batch_size = 64, a [limits] table); flags and CONVEYOR_* variables win over it",
+        "(max_batch_size = 64, a [limits] table); flags and CONVEYOR_* variables win over it. "
+        "With [[models]] tables it describes a host of several models (docs/operations.md)",
+    )
+    host_model: str | None = Field(
+        default=None,
+        description="the [[models]] table of the host file (--config-file) this process "
+        "serves; the host's supervisor sets it for each of its processes",
     )
 
     @classmethod

@@ -1,0 +1,123 @@
+"""The host file: ``[[models]]`` tables, each model's settings, and what a reload does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic_settings import SettingsError
+
+from workers.config.host import read_host_file, reload_plan
+from workers.config.worker import WorkerSettings
+
+FIELDS = set(WorkerSettings.model_fields)
+
+HOST = """
+kafka_bootstrap = "broker:9092"
+max_batch_size = 16
+
+[[models]]
+model = "digits"
+
+[[models]]
+model = "embedding:resnet18"
+model_name = "faces"
+weights = "random"
+max_batch_size = 64
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "host.toml"
+    path.write_text(text)
+    return path
+
+
+def test_each_model_reads_the_shared_settings_with_its_own_table_over_them(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, HOST)
+    host = read_host_file(path, FIELDS)
+    assert host is not None
+    assert [m.name for m in host.models] == ["digits", "faces"]
+    digits = WorkerSettings(config_file=path, host_model="digits")
+    faces = WorkerSettings(config_file=path, host_model="faces")
+    assert (digits.model, digits.max_batch_size, digits.kafka_bootstrap) == (
+        "digits",
+        16,
+        "broker:9092",
+    )
+    assert (faces.served_name, faces.max_batch_size, faces.weights) == ("faces", 64, "random")
+    # A flag still wins over the file, for every model.
+    assert (
+        WorkerSettings(config_file=path, host_model="faces", max_batch_size=8).max_batch_size == 8
+    )
+
+
+def test_a_plain_config_file_is_no_host_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'model = "digits"\n')
+    assert read_host_file(path, FIELDS) is None
+    with pytest.raises(SettingsError, match="needs \\[\\[models\\]\\] tables"):
+        WorkerSettings(config_file=path, host_model="digits")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('model = "digits"\n[[models]]\nmodel = "digits"\n', "move model"),
+        ("[[models]]\nmax_batch_size = 8\n", "table 1: model is missing"),
+        ('[[models]]\nmodel = "digits"\nbatch = 8\n', "table 1: batch is not a setting"),
+        ('[[models]]\nmodel = "digits"\n[[models]]\nmodel = "demo"\nmodel_name = "digits"\n',
+         "a second model named 'digits'"),
+        ('models = "digits"\n', "must be \\[\\[models\\]\\] tables"),
+        ('[[models]]\nmodel = "digits"\nhost_model = "x"\n', "host_model is not a setting"),
+    ],
+)  # fmt: skip
+def test_a_host_file_that_is_wrong_says_where(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        read_host_file(write(tmp_path, text), FIELDS)
+
+
+def test_asking_for_a_model_the_file_does_not_have_lists_those_it_has(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="no model named 'cats' \\(it has digits, faces\\)"):
+        WorkerSettings(config_file=write(tmp_path, HOST), host_model="cats")
+
+
+def test_a_reload_starts_what_was_added_stops_what_was_removed_and_touches_only_changes(
+    tmp_path: Path,
+) -> None:
+    before = read_host_file(write(tmp_path, HOST), FIELDS)
+    changed = HOST.replace("max_batch_size = 64", "max_batch_size = 32").replace(
+        '[[models]]\nmodel = "digits"\n', '[[models]]\nmodel = "demo"\nmodel_name = "extra"\n'
+    )
+    after = read_host_file(write(tmp_path, changed), FIELDS)
+    assert before is not None
+    assert after is not None
+    plan = reload_plan(before, after)
+    assert (plan.added, plan.removed, plan.changed, plan.unchanged) == (
+        ["extra"],
+        ["digits"],
+        ["faces"],
+        [],
+    )
+    assert plan.describe() == (
+        "start extra; drain and stop digits; restart one process a card at a time faces"
+    )
+    assert reload_plan(before, before).describe() == "leave alone digits, faces"
+    # A shared setting changes every model.
+    shared = read_host_file(write(tmp_path, HOST.replace("16", "24")), FIELDS)
+    assert shared is not None
+    assert reload_plan(before, shared).changed == ["digits", "faces"]
+
+
+def test_check_prints_each_models_processes_and_exits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers.cli import main
+
+    assert main(["--config-file", str(write(tmp_path, HOST)), "--device", "cpu", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "model digits (digits): 1 process on cpu; group conveyor.digits" in out
+    assert "model faces (embedding:resnet18): 1 process on cpu" in out
+    assert main(["--config-file", str(write(tmp_path, HOST)), "--model", "demo", "--check"]) == 2
+    assert "--model demo (or CONVEYOR_MODEL) with the host file" in capsys.readouterr().err
