@@ -222,6 +222,19 @@ def digits() -> list[tuple[bytes, int]]:
     return heldout_digits()
 
 
+@pytest.fixture(scope="session")
+def detector() -> Path:
+    """The demo detector's weights, trained once per machine (about a minute) and cached;
+    under ``pytest -n`` one test process trains while the others wait on a lock."""
+    from demo.models.detector import build_detector, default_model_path
+
+    path = default_model_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{path.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        return build_detector(path)
+
+
 @pytest.fixture
 def workers(
     kafka_bootstrap: str, redis_url: str, model_name: str, tmp_path: Path

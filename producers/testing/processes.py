@@ -70,7 +70,8 @@ class WorkerConfig:
     model_name: str
     kafka_bootstrap: str
     redis_url: str  # a ``redis+cluster://`` URL adds --redis-cluster
-    model: str = "digits"  # --model: a built-in name, a file or a module:Class
+    model: str = "digits"  # --model: a built-in name, a file or a module:Class ("": none,
+    # the models are in a host file's [[models]] tables)
     device: str = "cpu"
     options: tuple[str, ...] = ()  # more flags, after the others: the last one given wins
     env: Mapping[str, str] = field(default_factory=dict)  # over this process's environment
@@ -81,7 +82,7 @@ class WorkerConfig:
     def argv(self) -> list[str]:
         return [
             *self.command,
-            *("--model", self.model, "--model-name", self.model_name),
+            *(("--model", self.model, "--model-name", self.model_name) if self.model else ()),
             *("--kafka-bootstrap", self.kafka_bootstrap, "--redis-url", plain_url(self.redis_url)),
             *(["--redis-cluster"] if is_cluster(self.redis_url) else []),
             *("--device", self.device, "--metrics-port", str(self.metrics_port)),

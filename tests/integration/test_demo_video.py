@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from PIL import GifImagePlugin, Image
 
-from demo.models.detector import build_detector
 from demo.video import main
 
 _SUMMARY = re.compile(r"(\d+)/(\d+) frames answered ok, in order; found (\d+) of (\d+) digits")
@@ -25,9 +24,9 @@ def test_demo_video_detects_the_digits_and_writes_the_annotated_video(
     drop_topics: list[str],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    detector: Path,  # trained once per machine (about a minute), cached after
 ) -> None:
     drop_topics.append(model_name)  # the demo creates them
-    build_detector()  # trained once per machine (about a minute), cached after
     argv = ["--model-name", model_name, "--device", "cpu", "--frames", str(FRAMES)]
     argv += ["--out", str(tmp_path), "--worker-log", str(tmp_path / "worker.log")]
     status = main([*argv, "--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url])

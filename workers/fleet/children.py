@@ -90,6 +90,7 @@ class Child:
         self._proc = await self._forked() or await self._spawned()
         self.started_at = time.monotonic()
         self.starts += 1
+        log.info("process %s started: pid %d", self.name, self._proc.pid)
         self._relay = asyncio.create_task(self._relay_output(self._proc), name=f"relay-{self.name}")
 
     async def _forked(self) -> _Process | None:

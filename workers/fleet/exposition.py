@@ -83,10 +83,14 @@ class FleetMetrics:
         ).labels(model)
         self._model = model
 
-    def set_processes(self, wanted: int, running: int, ready: int, failed: int = 0) -> None:
+    def set_processes(
+        self, wanted: int, running: int, ready: int, failed: int = 0, model: str | None = None
+    ) -> None:
+        """One model's processes (the host's first model by default)."""
+        model = model or self._model
         for state, count in (("wanted", wanted), ("running", running), ("ready", ready)):
-            self._processes(self._model, state).set(count)
-        self._failed(self._model).set(failed)
+            self._processes(model, state).set(count)
+        self._failed(model).set(failed)
 
     def set_cards(self, serving: int, failed: int) -> None:
         for state, count in (("serving", serving), ("failed", failed)):

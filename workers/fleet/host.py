@@ -14,13 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+from pydantic_settings import SettingsError
 
 from common.security import kafka_connect_failed, kafka_options
+from workers.config.host import HostFile, read_host_file
 from workers.config.worker import WorkerSettings
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child
@@ -41,6 +45,7 @@ _OVERRIDDEN = frozenset(
         "worker_id",
         "metrics_host",
         "metrics_port",
+        "host_model",
     }
 )
 
@@ -49,8 +54,30 @@ class FleetError(ConfigError):
     """The host cannot run the processes asked for; the message says what to change."""
 
 
-def planned(settings: WorkerSettings) -> tuple[list[plan.Slot], list[plan.Card]]:
-    """The processes this host would run (before the partition and memory checks).
+@dataclass
+class Host:
+    """A host file (``workers.config.host``) its supervisor serves: where it is, what it
+    said when last read, and each model's settings and processes as they are planned."""
+
+    path: Path
+    file: HostFile
+    settings_for: Callable[[str], WorkerSettings]  # a model's, as its processes read them
+    models: int  # how many share the cores when each plans its processes
+
+    def read(self) -> HostFile:
+        """The file as it is now; raises ``SettingsError`` naming what is wrong."""
+        found = read_host_file(self.path, set(WorkerSettings.model_fields))
+        if found is None:
+            raise SettingsError(f"host file {self.path} has no [[models]] tables any more")
+        return found
+
+    def slots_for(self, settings: WorkerSettings) -> list[plan.Slot]:
+        return planned(settings, share=self.models)[0]
+
+
+def planned(settings: WorkerSettings, share: int = 1) -> tuple[list[plan.Slot], list[plan.Card]]:
+    """The processes this host would run (before the partition and memory checks), a
+    model's ``share`` of the cores going to ``auto`` when several share the host.
     Raises ValueError for cards that are not there."""
     cards = [] if settings.device == "cpu" else gpus.visible_cards()
     if settings.device.startswith("cuda") and not cards:
@@ -59,7 +86,7 @@ def planned(settings: WorkerSettings) -> tuple[list[plan.Slot], list[plan.Card]]
             "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or run on a GPU host"
         )
     chosen = plan.chosen_cards(settings.gpus, settings.device, cards)
-    cores = len(os.sched_getaffinity(0))
+    cores = max(1, len(os.sched_getaffinity(0)) // max(1, share))
     return plan.slots(plan.parse_processes(settings.processes), chosen, cores), chosen
 
 

@@ -44,15 +44,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from workers.config.worker import COMPILE_CACHE_WARM_MARK, WorkerSettings
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from workers.config.host import reload_plan
+from workers.config.worker import WorkerSettings
 from workers.exits import (
     EXIT_DEVICE,
     EXIT_ENVIRONMENT,
@@ -61,12 +64,13 @@ from workers.exits import (
     EXIT_UNREACHABLE,
     PERMANENT,
 )
-from workers.fleet import gpus, plan
-from workers.fleet.children import Child, http_get
+from workers.fleet import plan
+from workers.fleet.children import Child
 from workers.fleet.exposition import FleetMetrics, Scrape
 from workers.fleet.failing import StartFailures, error_line
 from workers.fleet.forkserver import ForkServer
 from workers.fleet.host import (
+    Host,
     bases,
     check_partitions,
     child_environment,
@@ -74,93 +78,100 @@ from workers.fleet.host import (
     preloaded,
     start_mps,
 )
-from workers.fleet.mps import MpsServer, MpsUnavailable
+from workers.fleet.mps import MpsUnavailable
+from workers.fleet.starting import FIRST_START_TIMEOUT_S, start_all, start_model
+from workers.fleet.state import Model, State, left_out, sync
 from workers.observe.health import Check, HealthServer
+from workers.types import ConfigError
 
 log = logging.getLogger("conveyor.fleet")
 
-FIRST_START_TIMEOUT_S = 900.0  # a cold compile of a large model on a slow host
-FORK_SERVER_TIMEOUT_S = 300.0  # its imports: ~10 s on a GPU host
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a process up this long starts its backoff afresh
 _POLL_S = 0.5
 
 
-@dataclass
-class _State:
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    failure: int | None = None  # the status the host stops with, when a process ended it
-    mps: MpsServer | None = None
-    forks: ForkServer | None = None
-    children: list[Child] = field(default_factory=list)
-    roll: asyncio.Event = field(default_factory=asyncio.Event)  # SIGHUP: restart in turn
-    rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
-    failures: StartFailures = field(default_factory=lambda: StartFailures({}))
-    retired: set[Child] = field(default_factory=set)  # failed at start: not started again
-
-
 async def supervise(
-    settings: WorkerSettings,
+    models: Sequence[tuple[WorkerSettings, list[plan.Slot]]],
     given: tuple[list[str], dict[str, str]],
-    slots: list[plan.Slot],
     cards: list[plan.Card],
+    host: Host | None = None,
 ) -> int:
-    """Run ``slots`` until SIGTERM or SIGINT; the exit status of the host.
+    """Run each model's slots until SIGTERM or SIGINT; the exit status of the host.
+    The first model's settings are the host's own (metrics port, MPS, drain bound).
 
     Raises ``ConfigError`` (topics missing, too few partitions for an explicit count)
-    and ``ConnectFailed`` (Kafka unreachable) before any process starts.
+    and ``ConnectFailed`` (Kafka unreachable) before any process starts, for a host of
+    one model; a host file's model that cannot start is left out, said why.
     """
-    state = _State()
+    state = State(host=host)
     _stop_on_signals(state)
     started = time.monotonic()
     # Its imports run while the topics are checked and MPS starts.
-    threads = plan.decode_threads(len(os.sched_getaffinity(0)), len(slots))
-    state.forks = await ForkServer.start(preloaded(settings), child_environment(threads, {}))
+    processes = sum(len(slots) for _, slots in models)
+    threads = plan.decode_threads(len(os.sched_getaffinity(0)), processes)
+    modules = list(dict.fromkeys(m for settings, _ in models for m in preloaded(settings)))
+    state.forks = await ForkServer.start(modules, child_environment(threads, {}))
     try:
-        return await _supervise(settings, given, slots, cards, state, started)
+        return await _supervise(models, given, cards, state, started)
     finally:
         await state.forks.close()
 
 
 async def _supervise(
-    settings: WorkerSettings,
+    models: Sequence[tuple[WorkerSettings, list[plan.Slot]]],
     given: tuple[list[str], dict[str, str]],
-    slots: list[plan.Slot],
     cards: list[plan.Card],
-    state: _State,
+    state: State,
     started: float,
 ) -> int:
-    slots = await check_partitions(settings, slots)
+    settings = models[0][0]  # the host's own
+    for model_settings, slots in models:
+        model = Model(model_settings, slots)
+        state.models[model.name] = model
+        try:
+            model.slots = await check_partitions(model_settings, slots)
+        except ConfigError as exc:
+            if state.host is None:
+                raise
+            left_out(state, model, str(exc))
     try:
-        state.mps = start_mps(settings, slots)
+        state.mps = start_mps(settings, [s for m in state.models.values() for s in m.slots])
     except MpsUnavailable as exc:
         log.error("--mps on, but MPS cannot run here: %s", exc)
         return EXIT_ENVIRONMENT
     mps_env = dict(state.mps.env) if state.mps is not None else {}
-    names = bases(settings)
     cores = len(os.sched_getaffinity(0))
-    threads = plan.decode_threads(cores, len(slots))
+    threads = plan.decode_threads(cores, sum(len(m.slots) for m in state.models.values()))
     flags, secrets = given
     env = {**secrets, **mps_env}
-    state.children = [
-        make_child(settings, flags, slot, cards, names, threads, env) for slot in slots
-    ]
+    for model in state.models.values():
+        if not model.failed:
+            model.children = _children(model, state, flags, cards, threads, env)
+    sync(state)
     metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
         "cards": lambda: _cards_serving(state),
+        "models": lambda: _models_serving(state),
         "not_draining": lambda: not state.stop.is_set(),
     }
     try:
         async with HealthServer(
-            metrics, checks, host=settings.metrics_host, port=settings.metrics_port
+            metrics,
+            checks,
+            host=settings.metrics_host,
+            port=settings.metrics_port,
+            scoped=lambda name: _model_checks(state, metrics, name),
         ):
-            await _start_all(settings, state, cards, started)
+            await start_all(state, cards, started)
             state.failures = _tally(state.children)
             metrics.set_cards(len(state.failures.serving_cards()), 0)
             announce = asyncio.create_task(_announce_ready(state, metrics, started))
-            roller = asyncio.create_task(_roll_on_request(state, metrics))
+            roller = asyncio.create_task(
+                _roll_on_request(state, metrics, _Making(flags, cards, threads, env))
+            )
             try:
                 await _watch(state, metrics)
             finally:
@@ -174,157 +185,60 @@ async def _supervise(
     return EXIT_STOPPED if state.failure is None else state.failure
 
 
+@dataclass(frozen=True)
+class _Making:
+    """What making a model's processes takes beyond its settings (for a model added by
+    SIGHUP): the user's flags, the cards, each process's threads, the environment."""
+
+    flags: list[str]
+    cards: list[plan.Card]
+    threads: int
+    env: dict[str, str]
+
+
+def _children(
+    model: Model,
+    state: State,
+    flags: list[str],
+    cards: list[plan.Card],
+    threads: int,
+    env: dict[str, str],
+) -> list[Child]:
+    """``model``'s processes: named ``<host>-<card>-<n>`` for a host of one model,
+    ``<host>-<model>-<card>-<n>`` for a host file's, which serve ``--host-model``."""
+    names = bases(model.settings)
+    if state.host is not None:
+        names = names._replace(
+            instance=f"{names.instance}-{model.name}", worker=f"{names.worker}-{model.name}"
+        )
+        flags = [*flags, "--host-model", model.name]
+    return [
+        make_child(model.settings, flags, slot, cards, names, threads, env) for slot in model.slots
+    ]
+
+
 # -- starting and watching -----------------------------------------------------------------
 
 
-async def _use_fork_server(state: _State) -> None:
-    """The processes start from the fork server once its imports are done, as new
-    processes when it cannot serve (the reason logged)."""
-    assert state.forks is not None
-    try:
-        serving = await asyncio.wait_for(state.forks.ready(), FORK_SERVER_TIMEOUT_S)
-    except TimeoutError:
-        state.forks.reason = f"its imports took over {FORK_SERVER_TIMEOUT_S:.0f} s"
-        serving = False
-    if serving:
-        for child in state.children:
-            child.forks = state.forks
-    else:
-        log.warning(
-            "worker processes start as new processes, each importing torch itself: %s",
-            state.forks.reason,
-        )
-
-
-async def _start_all(
-    settings: WorkerSettings,
-    state: _State,
-    cards: list[plan.Card],
-    started: float,
-) -> None:
-    """The first process, until its model is loaded (compiled into the cache, its
-    weights downloaded); then the others at once. The host's /healthz answers while the
-    fork server imports."""
-    first, *rest = state.children
-    await _use_fork_server(state)
-    if state.stop.is_set():
-        return
-    await first.start()
-    loaded = await _until_loaded(first, state)
-    if not loaded and state.mps is not None and not state.stop.is_set():
-        status = await first.wait()
-        if status in PERMANENT or status == EXIT_UNREACHABLE:  # not MPS's doing
-            log.error("the first worker process exited with status %s before it was ready", status)
-            state.failure = status
-            state.stop.set()
-            return
-        await _without_mps(state, first, status)
-        loaded = await _until_loaded(first, state)
-    if state.stop.is_set():
-        return
-    if not loaded:
-        status = await first.wait()
-        log.error("the first worker process exited with status %s before it was ready", status)
-        state.failure = status if status > 0 else 1
-        state.stop.set()
-        return
-    log.info(
-        "first process %s ready to share its compiled model after %.1f s; starting %d more",
-        first.name,
-        time.monotonic() - started,
-        len(rest),
-    )
-    rest = _fit_in_memory(settings, state, cards, first, rest)
-    await asyncio.gather(*(child.start() for child in rest))
-
-
-async def _until_loaded(child: Child, state: _State) -> bool:
-    """Whether ``child`` loaded and warmed up its model (its /readyz says so), or found its
-    compile cache warm (nothing left to compile first), before it exited or the host was
-    told to stop."""
-    deadline = time.monotonic() + FIRST_START_TIMEOUT_S
-    while time.monotonic() < deadline and not state.stop.is_set():
-        if not child.running:
-            return False
-        if (
-            child.compile_cache is not None
-            and (child.compile_cache / COMPILE_CACHE_WARM_MARK).exists()
-        ):
-            return True
-        if child.port is not None and await _model_loaded(child.port):
-            return True
-        await asyncio.sleep(_POLL_S)
-    return False
-
-
-async def _model_loaded(port: int) -> bool:
-    try:
-        _, body = await http_get(port, "/readyz")
-        checks = json.loads(body).get("checks", {})
-    except (OSError, TimeoutError, ValueError):
-        return False
-    return bool(checks.get("model_loaded") == "ok")
-
-
-async def _without_mps(state: _State, first: Child, status: int) -> None:
-    """The first process failed under the supervisor's MPS server: run without it."""
-    assert state.mps is not None
-    log.warning(
-        "the first worker process failed under MPS (status %s; MPS logs: %s): running without MPS",
-        status,
-        state.mps.log_tail() or "empty",
-    )
-    state.mps.stop()
-    for child in state.children:
-        for name in state.mps.env:
-            child.env.pop(name, None)
-    state.mps = None
-    await first.start()
-
-
-def _fit_in_memory(
-    settings: WorkerSettings,
-    state: _State,
-    cards: list[plan.Card],
-    first: Child,
-    rest: list[Child],
-) -> list[Child]:
-    """``rest``, without the processes its cards' memory cannot hold (``auto`` only)."""
-    card = next((c for c in cards if c.index == first.slot.card), None)
-    if settings.processes != "auto" or card is None:
-        return rest
-    used = gpus.memory_used_mb(card)
-    if used is None:
-        return rest
-    one = used - card.used_mb
-    keep = []
-    for candidate in cards:
-        wanted = [c for c in state.children if c.slot.card == candidate.index]
-        fit = plan.fit_in_memory(candidate, one, len(wanted))
-        if fit < len(wanted):
-            log.warning(
-                "GPU %d (%s) holds %d processes of %d MiB each, not %d: running %d",
-                candidate.index, candidate.name, fit, one, len(wanted), fit,
-            )  # fmt: skip
-        keep += wanted[:fit]
-    state.children = [c for c in state.children if c in keep]
-    return [c for c in rest if c in keep]
-
-
-async def _watch(state: _State, metrics: FleetMetrics) -> None:
+async def _watch(state: State, metrics: FleetMetrics) -> None:
     """Keep every process running until the host is told to stop (or a process ends it)."""
     if state.stop.is_set():
         return
-    keepers = [asyncio.create_task(_keep(child, state, metrics)) for child in state.children]
+    _keep_all([c for c in state.children if c not in state.retired], state, metrics)
     try:
         await state.stop.wait()
     finally:
-        for keeper in keepers:
+        for keeper in state.keepers:
             keeper.cancel()
-        await asyncio.gather(*keepers, return_exceptions=True)
+        await asyncio.gather(*state.keepers, return_exceptions=True)
 
 
-async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
+def _keep_all(children: Sequence[Child], state: State, metrics: FleetMetrics) -> None:
+    state.keepers = [k for k in state.keepers if not k.done()]
+    state.keepers += [asyncio.create_task(_keep(child, state, metrics)) for child in children]
+
+
+async def _keep(child: Child, state: State, metrics: FleetMetrics) -> None:
     failures = 0
     while not state.stop.is_set():
         watcher = asyncio.create_task(_until_ready(child, state))
@@ -332,7 +246,7 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
             status = await child.wait()
         finally:
             watcher.cancel()
-        if state.stop.is_set() or child in state.retired:
+        if state.stop.is_set() or child in state.retired or child in state.removed:
             return
         up_s = time.monotonic() - child.started_at
         if child in state.rolling and status == EXIT_STOPPED:  # drained for a rolling restart
@@ -379,7 +293,7 @@ async def _keep(child: Child, state: _State, metrics: FleetMetrics) -> None:
         metrics.restarted()
 
 
-async def _until_ready(child: Child, state: _State) -> None:
+async def _until_ready(child: Child, state: State) -> None:
     """Poll ``child`` until it is ready (its failed starts then no longer count) or ends."""
     while child.running:
         if await child.ready():
@@ -394,7 +308,7 @@ def _failed_at_start(child: Child, status: int) -> bool:
     return status > 0 and status != EXIT_UNREACHABLE and not child.ready_seen
 
 
-def _retire(child: Child, status: int, state: _State, metrics: FleetMetrics) -> bool:
+def _retire(child: Child, status: int, state: State, metrics: FleetMetrics) -> bool:
     """Count ``child``'s failed start; retire what the count condemns (``failing``), say
     why once, and stop the host when no card is left. Whether ``child`` was retired."""
     error = error_line(child.last_lines)
@@ -446,7 +360,7 @@ def _tally(children: list[Child]) -> StartFailures:
     return StartFailures(cards)
 
 
-def _cards_serving(state: _State) -> bool | str:
+def _cards_serving(state: State) -> bool | str:
     """/readyz's ``cards`` check: fails, saying why, once any process was retired."""
     if not state.retired:
         return True
@@ -458,32 +372,103 @@ def _cards_serving(state: _State) -> bool | str:
     return "; ".join(said)
 
 
-async def _roll_on_request(state: _State, metrics: FleetMetrics) -> None:
+async def _roll_on_request(state: State, metrics: FleetMetrics, making: _Making) -> None:
     """On each SIGHUP, restart the processes in turns of one a card (one at a time on a
     host of one card; a card never has more than one of its processes away): each drains
     (its partitions go to the others only if it is away longer than the session timeout:
     static membership), starts again reading its settings and model afresh (a new config
     file, new weights at the same path), and is ready before its card's next one stops. A
-    process that will not start again stops the round; the others keep what they run."""
+    process that will not start again stops the round; the others keep what they run.
+
+    A host file is read again first: models added start, models removed drain and stop,
+    models changed (their table, or the shared settings) restart in turns as above, and
+    the others are not touched."""
     while True:
         await state.roll.wait()
         state.roll.clear()
-        serving = [c for c in state.children if c not in state.retired]
-        turns = rolling_turns(serving)
-        log.info(
-            "SIGHUP: restarting the %d worker processes in %d turns, one a card at a time",
-            len(serving),
-            len(turns),
-        )
-        for turn in turns:
-            done = await asyncio.gather(*(_restart_in_turn(child, state) for child in turn))
-            if not all(done):
-                failed = ", ".join(c.name for c, ok in zip(turn, done, strict=True) if not ok)
-                log.error("rolling restart stopped at %s", failed)
-                break
+        if state.host is None:
+            await _roll(state.children, state)
         else:
-            log.info("rolling restart done: every worker process started again")
+            await _reload(state, metrics, making)
         await _all_ready(state, metrics)
+
+
+async def _roll(children: Sequence[Child], state: State) -> None:
+    serving = [c for c in children if c not in state.retired]
+    turns = rolling_turns(serving)
+    log.info(
+        "SIGHUP: restarting %d worker processes in %d turns, one a card at a time",
+        len(serving),
+        len(turns),
+    )
+    for turn in turns:
+        done = await asyncio.gather(*(_restart_in_turn(child, state) for child in turn))
+        if not all(done):
+            failed = ", ".join(c.name for c, ok in zip(turn, done, strict=True) if not ok)
+            log.error("rolling restart stopped at %s", failed)
+            return
+    log.info("rolling restart done: every worker process started again")
+
+
+async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:
+    """SIGHUP on a host file: what changed in it, done (``workers.config.host``)."""
+    assert state.host is not None
+    try:
+        after = state.host.read()
+        fresh = {m.name: state.host.settings_for(m.name) for m in after.models}
+    except (SettingsError, ValidationError, ValueError) as exc:
+        log.error("SIGHUP: the host file is not reloaded, nothing changes: %s", exc)
+        return
+    before = state.host.file
+    reload = reload_plan(before, after, running=list(state.models))
+    for name in [*reload.changed, *reload.unchanged]:
+        model = state.models[name]
+        if model.failed:  # left out before: tried again, as a model added, changed or not
+            for listed in (reload.changed, reload.unchanged):
+                if name in listed:
+                    listed.remove(name)
+            reload.added.append(name)
+            state.models.pop(name)
+            state.retired.difference_update(model.children)
+    log.info("SIGHUP: host file %s: %s", state.host.path, reload.describe())
+    state.host.file = after
+    gone = [state.models.pop(name) for name in reload.removed]
+    leaving = [c for model in gone for c in model.children if c not in state.retired]
+    state.removed.update(leaving)
+    sync(state)
+    for child in leaving:
+        child.signal(signal.SIGTERM)
+    for name in reload.changed:
+        model = state.models[name]
+        model.settings = fresh[name]
+        await _roll(model.children, state)
+    for name in reload.added:
+        await _add(fresh[name], state, metrics, making)
+    if leaving:
+        await asyncio.gather(*(c.wait() for c in leaving))
+        log.info("models %s drained and stopped", ", ".join(m.name for m in gone))
+    state.failures = _tally([c for c in state.children if c not in state.retired])
+    log.info("rolling restart done: host file reloaded")
+
+
+async def _add(
+    settings: WorkerSettings, state: State, metrics: FleetMetrics, making: _Making
+) -> None:
+    """A model the host file gained: planned, checked and started as at the host's start."""
+    assert state.host is not None
+    model = Model(settings, [])
+    state.models[model.name] = model
+    try:
+        model.slots = await check_partitions(settings, state.host.slots_for(settings))
+    except (ConfigError, ValueError) as exc:
+        left_out(state, model, str(exc))
+        return
+    model.children = _children(model, state, making.flags, making.cards, making.threads, making.env)
+    sync(state)
+    for child in model.children:
+        child.forks = state.forks  # a child starts as a new process when it does not serve
+    await start_model(model, state, making.cards, time.monotonic())
+    _keep_all([c for c in model.children if c not in state.retired], state, metrics)
 
 
 def rolling_turns(children: Sequence[Child]) -> list[list[Child]]:
@@ -495,7 +480,7 @@ def rolling_turns(children: Sequence[Child]) -> list[list[Child]]:
     return [[on_card[n] for on_card in cards.values() if n < len(on_card)] for n in range(depth)]
 
 
-async def _restart_in_turn(child: Child, state: _State) -> bool:
+async def _restart_in_turn(child: Child, state: State) -> bool:
     """Stop ``child`` and wait until its successor is ready; False if it does not get there."""
     starts = child.starts
     state.rolling.add(child)  # left there if it fails: its keeper leaves it stopped
@@ -511,29 +496,32 @@ async def _restart_in_turn(child: Child, state: _State) -> bool:
     return False
 
 
-async def _announce_ready(state: _State, metrics: FleetMetrics, started: float) -> None:
+async def _announce_ready(state: State, metrics: FleetMetrics, started: float) -> None:
     """Log once when every process is first ready: the host's time to ready."""
     while True:
         if await _all_ready(state, metrics):
             break
         await asyncio.sleep(_POLL_S)  # readiness is polled: it lives in the processes
-    devices = sorted({child.slot.device for child in state.children})
+    serving = [child for child in state.children if child not in state.retired]
+    devices = sorted({child.slot.device for child in serving})
+    left_out = [model.name for model in state.models.values() if model.failed]
     log.info(
-        "host ready: %d worker processes on %s, %.1f s after start",
-        len(state.children),
+        "host ready: %d worker processes on %s, %.1f s after start%s",
+        len(serving),
         ", ".join(devices),
         time.monotonic() - started,
+        f" (left out, unready: {', '.join(left_out)})" if left_out else "",
     )
 
 
-def _restart_card(failed: Child, state: _State) -> None:
+def _restart_card(failed: Child, state: State) -> None:
     """A device fault: the card's other processes stop too (their keepers start them again)."""
     for child in state.children:
         if child is not failed and child.slot.card == failed.slot.card and child.running:
             child.signal(signal.SIGTERM)
 
 
-async def _stop_all(state: _State, settings: WorkerSettings) -> None:
+async def _stop_all(state: State, settings: WorkerSettings) -> None:
     """SIGTERM to every process, then wait for their drains (SIGKILL past the bound)."""
     running = [child for child in state.children if child.running]
     for child in running:
@@ -548,20 +536,49 @@ async def _stop_all(state: _State, settings: WorkerSettings) -> None:
         await asyncio.gather(*(c.wait() for c in running))
 
 
-def _sources(state: _State) -> list[tuple[str, Scrape]]:
+def _sources(state: State) -> list[tuple[str, Scrape]]:
     return [(child.name, child.metrics) for child in state.children]
 
 
-async def _all_ready(state: _State, metrics: FleetMetrics) -> bool:
-    """Whether every process not retired is ready (``cards`` says what was retired)."""
-    serving = [child for child in state.children if child not in state.retired]
+async def _all_ready(state: State, metrics: FleetMetrics) -> bool:
+    """Whether every process not retired is ready (``cards`` and ``models`` say what
+    was retired)."""
+    every = await asyncio.gather(
+        *(_model_ready(model, state, metrics) for model in list(state.models.values()))
+    )
+    return bool(every) and all(every)
+
+
+async def _model_ready(model: Model, state: State, metrics: FleetMetrics) -> bool:
+    """Whether ``model``'s processes not retired are all ready; its metrics set."""
+    children = model.children
+    serving = [c for c in children if c not in state.retired]
     ready = await asyncio.gather(*(child.ready() for child in serving))
-    running = sum(child.running for child in state.children)
-    metrics.set_processes(len(state.children), running, sum(ready), len(state.retired))
-    return bool(ready) and all(ready)
+    running = sum(child.running for child in children)
+    failed = len(children) - len(serving)
+    metrics.set_processes(len(children), running, sum(ready), failed, model=model.name)
+    return all(ready)
 
 
-def _stop_on_signals(state: _State) -> None:
+def _models_serving(state: State) -> bool | str:
+    """/readyz's ``models`` check: fails, naming each model that cannot serve and why."""
+    failed = [f"model {m.name}: {m.failed}" for m in state.models.values() if m.failed]
+    return "; ".join(failed) or True
+
+
+def _model_checks(state: State, metrics: FleetMetrics, name: str) -> dict[str, Check] | None:
+    """/readyz?model=NAME: that model's readiness alone (None: no such model here)."""
+    model = state.models.get(name)
+    if model is None:
+        return None
+    return {
+        "processes_ready": lambda: _model_ready(model, state, metrics),
+        "model": lambda: f"cannot serve: {model.failed}" if model.failed else True,
+        "not_draining": lambda: not state.stop.is_set(),
+    }
+
+
+def _stop_on_signals(state: State) -> None:
     """First SIGTERM/SIGINT: every process drains. Second: they are killed, and so is this."""
     loop = asyncio.get_running_loop()
 

@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,12 +93,15 @@ class HealthServer:
         check_timeout_s: float = 2.0,
         request_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        scoped: Callable[[str], Mapping[str, Check] | None] | None = None,
     ) -> None:
         """``host`` and ``port``: where to listen (the defaults are the settings'
         ``metrics_host`` and ``metrics_port``); ``port`` 0 picks a free port (tests), read
-        the bound one from `port`."""
+        the bound one from `port`. ``scoped``: the checks of ``/readyz?model=NAME`` (None
+        for a name it does not know: 404)."""
         self._metrics = metrics
         self._checks = dict(checks)
+        self._scoped = scoped
         self._host = host
         self._requested_port = port
         self._heartbeat_s = heartbeat_s
@@ -163,12 +167,15 @@ class HealthServer:
 
     async def readiness(self) -> Readiness:
         """Run every check (each bounded by ``check_timeout_s``); also sets conveyor_ready."""
+        state = await self._run_checks(self._checks)
+        self._metrics.set_ready(state.ready)
+        return state
+
+    async def _run_checks(self, checks: Mapping[str, Check]) -> Readiness:
         # Concurrently: a probe waits for the slowest check, not for their sum.
-        results = await asyncio.gather(*(self._run_check(c) for c in self._checks.values()))
-        outcomes = dict(zip(self._checks, results, strict=True))
-        ready = all(outcome == "ok" for outcome in outcomes.values())
-        self._metrics.set_ready(ready)
-        return Readiness(ready, outcomes)
+        results = await asyncio.gather(*(self._run_check(c) for c in checks.values()))
+        outcomes = dict(zip(checks, results, strict=True))
+        return Readiness(all(outcome == "ok" for outcome in outcomes.values()), outcomes)
 
     async def _run_check(self, check: Check) -> str:
         try:
@@ -225,10 +232,11 @@ class HealthServer:
         if method not in ("GET", "HEAD"):
             response = _Response(405, _TEXT, b"only GET and HEAD\n", allow="GET, HEAD")
         else:
-            response = await self._route(target.split("?", 1)[0])
+            path, _, query = target.partition("?")
+            response = await self._route(path, urllib.parse.parse_qs(query))
         return _encode(response, head=method == "HEAD")
 
-    async def _route(self, path: str) -> _Response:
+    async def _route(self, path: str, query: Mapping[str, list[str]]) -> _Response:
         if path == "/metrics":
             await self.readiness()  # keeps conveyor_ready current between probes
             body = self._metrics.render()
@@ -238,6 +246,14 @@ class HealthServer:
         if path == "/healthz":
             alive, why = self.liveness()
             return _text(200 if alive else 503, why + "\n")
+        if path == "/readyz" and "model" in query and self._scoped is not None:
+            name = query["model"][0]
+            checks = self._scoped(name)
+            if checks is None:
+                return _text(404, f"no model {name!r} on this host\n")
+            state = await self._run_checks(checks)
+            scoped = {"ready": state.ready, "model": name, "checks": state.checks}
+            return _Response(200 if state.ready else 503, _JSON, json.dumps(scoped).encode())
         if path == "/readyz":
             state = await self.readiness()
             body = json.dumps({"ready": state.ready, "checks": state.checks}).encode()
