@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from schemas import topics_for
+from workers.config.host import read_host_file
 from workers.config.worker import DEFAULT_METRICS_PORT as DEFAULT_PORT
 from workers.config.worker import WorkerSettings
 
@@ -135,9 +136,16 @@ def test_the_gpu_worker_runs_the_one_command_on_every_card(services: dict[str, A
     assert "CONVEYOR_PROCESSES" not in env  # auto: eight a card, a supervisor and MPS
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert (device["driver"], device["count"]) == ("nvidia", "all")
+    assert "CONVEYOR_MODEL" not in env  # the models are the host file's
+    command = gpu["command"]
+    assert command[:2] == ["conveyor", "worker"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in gpu["volumes"] if v.startswith("./")}
+    host = COMPOSE_DIR / mounted[command[command.index("--config-file") + 1]]
+    found = read_host_file(host, set(WorkerSettings.model_fields))
+    assert found is not None
+    assert [m.name for m in found.models] == ["resnet50", "embeddings"]
     script = "\n".join(services["topics"]["command"])
-    assert "conveyor.resnet50.requests" in script  # served_name of torchvision:resnet50
-    assert WorkerSettings(model=env["CONVEYOR_MODEL"]).served_name == "resnet50"
+    assert "conveyor.{resnet50,embeddings}.{requests,results,dlq}" in script
     partitions = _env(services["topics"])["GPU_PARTITIONS"]
     assert re.fullmatch(r"\$\{CONVEYOR_GPU_PARTITIONS:-8\}", partitions)
 
