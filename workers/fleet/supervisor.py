@@ -1,5 +1,11 @@
 """The supervisor: one ``conveyor worker`` runs a host's worker processes at full speed.
 
+A host serves one model, or the models of a host file (``workers.config.host``): each
+has its own processes, topics and group, and the steps below apply to each in turn,
+under one fork server, one MPS server and one health port (``/readyz?model=NAME`` for
+one model). A host file's model that cannot serve is left out, named in ``/readyz``,
+while the others serve; SIGHUP rereads the file and does what changed.
+
 On a GPU host one worker process leaves its card idle part of the time (its event
 loop fetches, parses and publishes for every batch); several processes per card
 under an MPS server fill it. The supervisor assembles that from the one command:
@@ -13,7 +19,7 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    partitions than planned processes runs fewer, and says how to add partitions;
    an explicit count it cannot run is exit 3 with the same advice;
 3. **MPS**: an MPS server for the cards with several processes (``workers.fleet.mps``);
-4. **start**: the processes are forked by the host's fork server, which imported
+4. **start** (``workers.fleet.starting``): the processes are forked by the host's fork server, which imported
    torch, torchvision and Inductor once (``workers.fleet.forkserver``); one process
    first, which compiles the model into the host's compile
    cache (``workers.model.compile_cache``); once it has loaded and warmed up, its
