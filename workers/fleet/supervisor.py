@@ -19,10 +19,10 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    partitions than planned processes runs fewer, and says how to add partitions;
    an explicit count it cannot run is exit 3 with the same advice;
 3. **MPS**: an MPS server for the cards with several processes (``workers.fleet.mps``);
-4. **start** (``workers.fleet.starting``): the processes are forked by the host's fork server, which imported
-   torch, torchvision and Inductor once (``workers.fleet.forkserver``); one process
-   first, which compiles the model into the host's compile
-   cache (``workers.model.compile_cache``); once it has loaded and warmed up, its
+4. **start** (``workers.fleet.starting``): the processes are forked by the host's fork
+   server, which imported torch, torchvision and Inductor's cache once
+   (``workers.fleet.forkserver``); one process first, which compiles the model into
+   the host's compile cache (``workers.model.compile_cache``); once it has loaded and warmed up, its
    memory on the card is measured (``auto`` fits the count to it) and the others
    start together, loading what it compiled (and the weights it downloaded);
 5. **watch**: ``/metrics`` on ``--metrics-port`` merges every process's
