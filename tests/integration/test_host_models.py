@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
@@ -101,6 +102,18 @@ async def test_one_command_serves_several_models_and_reloads_what_changed(
         await until(named, f"/readyz names {broken}", 60, host.log, [host])
         assert (await model_ready(host, broken))["ready"] is False
         assert f"model {broken} cannot serve, the host's other models serve on" in host.log()
+        status, body = await http_get(host.metrics_port() or 0, "/metrics")
+        assert status == 200
+        samples = {
+            (s.name, s.labels.get("model"), s.labels.get("state")): s.value
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+            if s.name.startswith("conveyor_fleet_")
+        }
+        for name in (classifier, boxes, embedder):
+            assert samples[("conveyor_fleet_processes", name, "ready")] == 1.0
+        assert samples[("conveyor_fleet_failed_processes", broken, None)] == 1.0
+        assert samples[("conveyor_fleet_ready", "host", None)] == 0.0
 
         # Each model answers its own requests, before and across the reload.
         sent: dict[str, list[str]] = {}

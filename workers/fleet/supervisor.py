@@ -156,7 +156,9 @@ async def _supervise(
         if not model.failed:
             model.children = _children(model, state, flags, cards, threads, env)
     sync(state)
-    metrics = FleetMetrics(settings.served_name, lambda: _sources(state))
+    # A host file's host-wide gauges (ready, cards, restarts, loop lag) say model="host".
+    label = "host" if state.host is not None else settings.served_name
+    metrics = FleetMetrics(label, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
         "cards": lambda: _cards_serving(state),
