@@ -7,7 +7,6 @@ the one ``config_file`` names in a higher source.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from workers.config.host import host_file
+from workers.config.host import host_file, load_toml
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):
@@ -59,13 +58,7 @@ def read_config_file(path: Path, fields: set[str], model: str | None = None) -> 
     """The settings in TOML file ``path``; raises ``SettingsError`` naming what is wrong.
     For a host file (``[[models]]``, ``workers.config.host``): its shared settings with
     ``model``'s table over them (the shared ones alone without ``model``)."""
-    try:
-        with path.open("rb") as file:
-            values = tomllib.load(file)
-    except OSError as exc:
-        raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    values = load_toml(path)
     host = host_file(values, path, fields)
     if host is not None:
         return {**host.shared, **host.model(model).table} if model else dict(host.shared)

@@ -126,14 +126,18 @@ def host_file(values: Mapping[str, Any], path: Path, fields: set[str]) -> HostFi
 def read_host_file(path: Path, fields: set[str]) -> HostFile | None:
     """The host file at ``path``, or None when it is a plain config file (no
     ``[[models]]``). Raises ``SettingsError`` naming what is wrong."""
+    return host_file(load_toml(path), path, fields)
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """A config file's values; raises ``SettingsError`` naming the file and the fault."""
     try:
         with path.open("rb") as file:
-            values = tomllib.load(file)
+            return tomllib.load(file)
     except OSError as exc:
         raise SettingsError(f"config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
-    return host_file(values, path, fields)
 
 
 def reload_plan(before: HostFile, after: HostFile, running: Sequence[str] | None = None) -> Reload:
