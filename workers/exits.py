@@ -18,7 +18,9 @@ EXIT_NO_CARD = 8  # the host's supervisor: no card's processes can start
 EXIT_STATUSES: dict[int, str] = {
     EXIT_STOPPED: "stopped on SIGTERM or Ctrl-C after draining, for --max-drain-ms at most "
     "(what was left unanswered stays uncommitted, for another worker)",
-    EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file",
+    EXIT_BAD_SETTINGS: "invalid settings, config file, model spec or model file, or more "
+    "processes than the cards' memory holds (the log says what one process takes and what "
+    "is left)",
     EXIT_CONFIG: "the model's topics are missing, or Kafka or Redis refused access (ACLs; "
     "the message names the grant): an operator must act",
     EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "

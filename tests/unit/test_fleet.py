@@ -67,10 +67,106 @@ def test_the_cards_chosen() -> None:
 
 def test_memory_measured_on_the_first_process_caps_the_count() -> None:
     card = Card(0, "small", memory_mb=24_000, used_mb=1_000)
-    assert plan.fit_in_memory(card, first_mb=5_000, wanted=8) == 4  # (21,600 - 1,000) // 5,000
-    assert plan.fit_in_memory(card, first_mb=1_000, wanted=8) == 8
-    assert plan.fit_in_memory(card, first_mb=50_000, wanted=8) == 1  # one runs whatever it costs
-    assert plan.fit_in_memory(card, first_mb=0, wanted=8) == 8  # nothing measured
+    assert plan.fit_in_memory(card, process_mb=5_000, wanted=8) == 4  # (21,600 - 1,000) // 5,000
+    assert plan.fit_in_memory(card, process_mb=1_000, wanted=8) == 8
+    assert plan.fit_in_memory(card, process_mb=50_000, wanted=8) == 0
+    assert plan.fit_in_memory(card, process_mb=0, wanted=8) == 8  # nothing measured
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_numbers() -> None:
+    full = [Card(0, "H200", 100_000, used_mb=61_000), Card(1, "H200", 100_000, used_mb=1_000)]
+    # auto: as many as fit on each card
+    assert plan.memory_plan(full, {0: 8, 1: 8}, 10_000, exact=False) == ({0: 2, 1: 8}, "")
+    # a count asked for that a card cannot hold: refused, with what it needs and what is left
+    fit, why = plan.memory_plan(full, {0: 8, 1: 8}, 10_000, exact=True)
+    assert fit == {0: 2, 1: 8}
+    assert why.startswith(
+        "8 process(es) of 10,000 MiB each need 80,000 MiB on GPU 0 (H200), which has "
+        "29,000 MiB left for them (90% of its 100,000 MiB, 61,000 MiB in use beside them)"
+    )
+    assert plan.memory_plan(full, {1: 8}, 10_000, exact=True) == ({1: 8}, "")
+    # auto, and no card holds one: refused
+    fit, why = plan.memory_plan(full, {0: 8, 1: 8}, 95_000, exact=False)
+    assert fit == {0: 0, 1: 0}
+    assert "95,000 MiB each" in why
+    assert "give it a card of its own" in why
+
+
+def test_a_second_model_is_planned_beside_what_the_first_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's other models count at what their processes take once loaded, even while
+    they are still loading (the card's use measured then is lower); a warm start reads one
+    process's memory from the compile cache."""
+    from workers.fleet import starting
+    from workers.fleet.children import Child
+    from workers.fleet.host import Host
+    from workers.fleet.state import Model, State
+
+    card = Card(0, "H200", 100_000, used_mb=1_000)
+    monkeypatch.setattr(starting, "memory_used", lambda cards: {0: 20_000})
+
+    def model(name: str, processes: str, process_mb: float | None = None) -> Model:
+        settings = WorkerSettings(
+            model="torchvision:resnet50", model_name=name, processes=processes
+        )
+        kept = Model(settings, [], process_mb=process_mb)
+        kept.children = [
+            Child(Slot(0, n), f"h-{name}-0-{n}", "m", [], {}, json=False) for n in range(4)
+        ]
+        return kept
+
+    def host(second: Model) -> State:
+        first = model("a", "auto", process_mb=10_000)  # 4 x 10,000 MiB, still loading
+        state = State(models={"a": first, "b": second}, baseline_mb={0: 1_000})
+        state.host = Host(tmp_path / "host.toml", None, WorkerSettings, 2)  # type: ignore[arg-type]
+        second.children[0].compile_cache = tmp_path
+        return state
+
+    (tmp_path / starting.MEMORY_RECORD).write_text("30000\n")
+    auto = model("b", "auto")
+    state = host(auto)
+    rest = starting._fit_in_memory(
+        auto, state, [card], auto.children[0], auto.children[1:], {0: 20_000}
+    )
+    assert rest == []
+    assert [c.name for c in auto.children] == ["h-b-0-0"]
+    assert auto.process_mb == 30_000
+    assert not auto.failed
+
+    exact = model("b", "4")
+    state = host(exact)
+    rest = starting._fit_in_memory(
+        exact, state, [card], exact.children[0], exact.children[1:], {0: 20_000}
+    )
+    assert rest == []
+    assert exact.failed.startswith(
+        "it does not fit on its cards: 4 process(es) of 30,000 MiB each need 120,000 MiB on "
+        "GPU 0 (H200), which has 49,000 MiB left for them"
+    )
+    assert not state.stop.is_set()  # the host's other model serves on
+
+
+def test_one_process_memory_is_measured_once_and_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.fleet import starting
+    from workers.fleet.children import Child
+    from workers.fleet.state import Model, State
+
+    card = Card(0, "H200", 100_000, used_mb=1_000)
+    monkeypatch.setattr(starting, "memory_used", lambda cards: {0: 13_000})  # after the first
+    settings = WorkerSettings(model="torchvision:resnet50", processes="auto")
+    model = Model(settings, [])
+    model.children = [Child(Slot(0, n), f"h-0-{n}", "m", [], {}, json=False) for n in range(8)]
+    model.children[0].compile_cache = tmp_path
+    state = State(models={"m": model}, baseline_mb={0: 1_000})
+    rest = starting._fit_in_memory(
+        model, state, [card], model.children[0], model.children[1:], {0: 1_000}
+    )
+    assert len(rest) == 6  # 89,000 MiB left for processes of 12,000 MiB: seven in all
+    assert starting.recorded_memory(tmp_path) == 12_000
+    assert starting.recorded_memory(tmp_path / "missing") is None
 
 
 def test_decode_threads_share_the_cores() -> None:

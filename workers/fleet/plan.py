@@ -11,15 +11,17 @@
 - **at most ``MAX_PER_CARD``** (8) a card: eight reached the card's ceiling on
   every corpus measured, and each more process holds its own model, CUDA graphs
   and compile-time memory on the card;
-- **memory**: no more than the card's free memory holds, measured on the running
-  host once the first process has loaded and warmed up its model (``fit_in_memory``).
+- **memory**: no more than the card's free memory holds beside the host's other models,
+  one process measured on the running host once the first has loaded and warmed up its
+  model, and recorded in the compile cache for warm starts (``memory_plan``). A count
+  that was asked for and does not fit refuses the model, with the numbers.
 
 On the CPU, ``auto`` is one process: the model's own threads use the cores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_PER_CARD = 8
@@ -100,13 +102,46 @@ def slots(processes: int | None, cards: Sequence[Card], cores: int) -> list[Slot
     return [Slot(cards[k % len(cards)].index, k // len(cards)) for k in range(count)]
 
 
-def fit_in_memory(card: Card, first_mb: float, wanted: int) -> int:
-    """How many of ``wanted`` processes fit on ``card`` when one takes ``first_mb`` (its
-    model, graphs and workspace, measured), beside what was in use before (``used_mb``)."""
-    if first_mb <= 0:
+def fit_in_memory(card: Card, process_mb: float, wanted: int) -> int:
+    """How many of ``wanted`` processes fit on ``card`` when each takes ``process_mb``
+    (its model, graphs and workspace, measured), beside what is in use there
+    (``used_mb``), within ``MEMORY_HEADROOM`` of the card."""
+    if process_mb <= 0:
         return wanted
-    room = card.memory_mb * MEMORY_HEADROOM - card.used_mb
-    return max(1, min(wanted, int(room // first_mb)))
+    return max(0, min(wanted, int(room_mb(card) // process_mb)))
+
+
+def room_mb(card: Card) -> float:
+    """What processes may still fill on ``card``: its headroom less what is in use."""
+    return max(0.0, card.memory_mb * MEMORY_HEADROOM - card.used_mb)
+
+
+def memory_plan(
+    cards: Sequence[Card], wanted: Mapping[int, int], process_mb: float, *, exact: bool
+) -> tuple[dict[int, int], str]:
+    """Each card's processes of one model (``wanted``: by card index) when each takes
+    ``process_mb``, beside what is in use on each card (``used_mb``: the host's other
+    models); and why the model is refused, or "": a count that was asked for
+    (``exact``) and that a card cannot hold, or, for ``auto``, no process anywhere."""
+    fit = {
+        c.index: fit_in_memory(c, process_mb, wanted[c.index]) for c in cards if wanted.get(c.index)
+    }
+    short = [c for c in cards if c.index in fit and fit[c.index] < wanted[c.index]]
+    if not short or (not exact and any(fit.values())):
+        return fit, ""
+    card = short[0]
+    need = wanted[card.index] * process_mb
+    return fit, (
+        f"{wanted[card.index]} process(es) of {process_mb:,.0f} MiB each need {need:,.0f} MiB "
+        f"on GPU {card.index} ({card.name}), which has {room_mb(card):,.0f} MiB left for them "
+        f"({MEMORY_HEADROOM:.0%} of its {card.memory_mb:,} MiB, {card.used_mb:,} MiB in use "
+        f"beside them); "
+        + (
+            "lower its processes or give it a card of its own"
+            if exact
+            else "give it a card of its own"
+        )
+    )
 
 
 def decode_threads(cores: int, processes: int) -> int:

@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import signal
 import time
+from pathlib import Path
 
 from workers.config.worker import COMPILE_CACHE_WARM_MARK
-from workers.exits import EXIT_UNREACHABLE, PERMANENT
+from workers.exits import EXIT_BAD_SETTINGS, EXIT_UNREACHABLE, PERMANENT
 from workers.fleet import gpus, plan
 from workers.fleet.children import Child, http_get
 from workers.fleet.failing import error_line
@@ -22,6 +24,8 @@ log = logging.getLogger("conveyor.fleet")
 FIRST_START_TIMEOUT_S = 900.0  # a cold compile of a large model on a slow host
 FORK_SERVER_TIMEOUT_S = 300.0  # its imports: ~10 s on a GPU host
 _POLL_S = 0.5
+MEMORY_RECORD = "process-memory-mib"
+"""The file of a compile cache folder that holds what one process took on its card."""
 
 
 async def use_fork_server(state: State) -> None:
@@ -49,6 +53,7 @@ async def start_all(state: State, cards: list[plan.Card], started: float) -> Non
     downloaded); then its others at once. The host's /healthz answers while the fork
     server imports."""
     await use_fork_server(state)
+    state.baseline_mb = memory_used(cards)
     for model in state.models.values():
         if state.stop.is_set():
             return
@@ -60,14 +65,15 @@ async def start_model(model: Model, state: State, cards: list[plan.Card], starte
     first, *rest = model.children
     before = memory_used(cards)
     await first.start()
-    loaded = await _until_loaded(first, state)
+    planned = bool(cards)
+    loaded = await _until_loaded(first, state, planned)
     if not loaded and state.mps is not None and not state.stop.is_set():
         status = await first.wait()
         if status in PERMANENT or status == EXIT_UNREACHABLE:  # not MPS's doing
             _first_failed(model, state, status)
             return
         await _without_mps(state, first, status)
-        loaded = await _until_loaded(first, state)
+        loaded = await _until_loaded(first, state, planned)
     if state.stop.is_set():
         return
     if not loaded:
@@ -81,6 +87,8 @@ async def start_model(model: Model, state: State, cards: list[plan.Card], starte
         len(rest),
     )
     rest = _fit_in_memory(model, state, cards, first, rest, before)
+    if model.failed:
+        return
     await asyncio.gather(*(child.start() for child in rest))
 
 
@@ -108,23 +116,46 @@ def memory_used(cards: list[plan.Card]) -> dict[int, int]:
     return used
 
 
-async def _until_loaded(child: Child, state: State) -> bool:
+async def _until_loaded(child: Child, state: State, planned: bool) -> bool:
     """Whether ``child`` loaded and warmed up its model (its /readyz says so), or found its
-    compile cache warm (nothing left to compile first), before it exited or the host was
-    told to stop."""
+    compile cache warm (nothing left to compile first; on cards, its memory a process
+    recorded there too), before it exited or the host was told to stop."""
     deadline = time.monotonic() + FIRST_START_TIMEOUT_S
     while time.monotonic() < deadline and not state.stop.is_set():
         if not child.running:
             return False
+        folder = child.compile_cache
         if (
-            child.compile_cache is not None
-            and (child.compile_cache / COMPILE_CACHE_WARM_MARK).exists()
+            folder is not None
+            and (folder / COMPILE_CACHE_WARM_MARK).exists()
+            and (not planned or recorded_memory(folder) is not None)
         ):
             return True
         if child.port is not None and await _model_loaded(child.port):
             return True
         await asyncio.sleep(_POLL_S)
     return False
+
+
+def recorded_memory(folder: Path | None) -> float | None:
+    """MiB one process of the model took on its card at an earlier start, as recorded in
+    its compile cache folder, or None."""
+    if folder is None:
+        return None
+    try:
+        value = float((folder / MEMORY_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+def _record_memory(folder: Path | None, process_mb: float) -> None:
+    if folder is None:
+        return
+    try:
+        (folder / MEMORY_RECORD).write_text(f"{process_mb:.0f}\n")
+    except OSError:
+        return  # a read-only cache: the next start measures again
 
 
 async def _model_loaded(port: int) -> bool:
@@ -160,33 +191,70 @@ def _fit_in_memory(
     rest: list[Child],
     before: dict[int, int],
 ) -> list[Child]:
-    """``rest``, without the processes its cards' memory cannot hold (``auto`` only): one
-    process takes what its card's use grew by while ``first`` loaded, beside what was in
-    use before (the host's other models included)."""
+    """``rest``, without the processes its cards' memory cannot hold beside the host's
+    other models; the model refused, with the numbers, when a count asked for does not
+    fit or (``auto``) no process does. One process takes what its card's use grew by
+    while ``first`` loaded, recorded in the compile cache for the warm starts after it."""
     card = next((c for c in cards if c.index == first.slot.card), None)
-    if model.settings.processes != "auto" or card is None or card.index not in before:
+    if card is None or card.index not in before:
         return rest
-    now = memory_used(cards)
-    if card.index not in now:
-        return rest
-    one = now[card.index] - before[card.index]
-    keep = [first]
-    for candidate in cards:
-        wanted = [c for c in rest if c.slot.card == candidate.index]
-        if not wanted:
-            continue
-        if candidate.index == card.index:  # beside what was in use before the first loaded
-            room = dataclasses.replace(candidate, used_mb=before[card.index])
-            fit = plan.fit_in_memory(room, one, len(wanted) + 1) - 1
-        else:
-            used = now.get(candidate.index, candidate.used_mb)
-            fit = plan.fit_in_memory(dataclasses.replace(candidate, used_mb=used), one, len(wanted))
-        if fit < len(wanted):
+    process_mb = recorded_memory(first.compile_cache)
+    if process_mb is None:
+        grown = memory_used(cards).get(card.index, before[card.index]) - before[card.index]
+        if grown <= 0:
+            return rest  # nothing measurable
+        process_mb = float(grown)
+        _record_memory(first.compile_cache, process_mb)
+    model.process_mb = process_mb
+    beside = [
+        dataclasses.replace(c, used_mb=_in_use_beside(model, state, c, before)) for c in cards
+    ]
+    wanted: dict[int, int] = {}
+    for child in model.children:
+        if child.slot.card is not None:
+            wanted[child.slot.card] = wanted.get(child.slot.card, 0) + 1
+    exact = model.settings.processes != "auto"
+    fit, refused = plan.memory_plan(beside, wanted, process_mb, exact=exact)
+    if refused:
+        _refuse(model, state, refused)
+        return []
+    keep: list[Child] = []
+    for candidate in beside:
+        on_card = [c for c in model.children if c.slot.card == candidate.index]
+        if len(on_card) > fit.get(candidate.index, 0):
             log.warning(
-                "GPU %d (%s) holds %d more processes of %s of %d MiB each, not %d: running %d",
-                candidate.index, candidate.name, fit, model.name, one, len(wanted), fit,
+                "GPU %d (%s) holds %d processes of %s of %.0f MiB each beside what is in use "
+                "there (%d MiB), not %d: running %d",
+                candidate.index, candidate.name, fit[candidate.index], model.name, process_mb,
+                candidate.used_mb, len(on_card), fit[candidate.index],
             )  # fmt: skip
-        keep += wanted[:fit]
+        keep += on_card[: fit.get(candidate.index, 0)]
+    if first not in keep:
+        state.retired.add(first)
+        first.signal(signal.SIGTERM)
     model.children = [c for c in model.children if c in keep]
     sync(state)
     return [c for c in rest if c in keep]
+
+
+def _in_use_beside(model: Model, state: State, card: plan.Card, before: dict[int, int]) -> int:
+    """MiB in use on ``card`` beside ``model``'s processes: what was measured before its
+    first started, or what the host's other models' processes there take (measured once a
+    process, as they may still be loading) above the host's own use, whichever is more."""
+    planned = state.baseline_mb.get(card.index, 0) + sum(
+        (other.process_mb or 0) * sum(1 for c in other.children if c.slot.card == card.index)
+        for other in state.models.values()
+        if other is not model and not other.failed
+    )
+    return int(max(before.get(card.index, card.used_mb), planned))
+
+
+def _refuse(model: Model, state: State, why: str) -> None:
+    """A model its cards cannot hold: a host of one model stops; a host file's model is
+    left out, the others serve on."""
+    if state.host is None:
+        log.error("the model does not fit on its cards: %s", why)
+        state.failure = EXIT_BAD_SETTINGS
+        state.stop.set()
+        return
+    left_out(state, model, f"it does not fit on its cards: {why}")

@@ -31,6 +31,7 @@ class Model:
     slots: list[plan.Slot]
     children: list[Child] = field(default_factory=list)
     failed: str = ""
+    process_mb: float | None = None  # one process's memory on its card, once measured
 
     @property
     def name(self) -> str:
@@ -52,6 +53,7 @@ class State:
     rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
     failures: StartFailures = field(default_factory=lambda: StartFailures({}))
     retired: set[Child] = field(default_factory=set)  # failed at start: not started again
+    baseline_mb: dict[int, int] = field(default_factory=dict)  # each card's use before any model
 
 
 def sync(state: State) -> None:
