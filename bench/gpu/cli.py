@@ -33,6 +33,7 @@ from bench.gpu.host import stage_kill, stage_ready
 from bench.gpu.load import produce_paced_share, produce_share
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
+from bench.gpu.together import TOGETHER, stage_together
 from bench.gpu.zoo import ZOO, stage_zoo
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
@@ -50,6 +51,7 @@ STAGES = (
     "detect",
     "accept",
     "zoo",
+    "together",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -168,6 +170,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the powers of two below the host's count, and all of them)",
     )
     parser.add_argument("--zoo", default=",".join(ZOO), help="zoo: model specs, comma-separated")
+    parser.add_argument("--together", default=TOGETHER, help="together: two model specs")
+    parser.add_argument(
+        "--together-s", type=float, default=6.0, help="together: seconds each backlog lasts alone"
+    )
+    parser.add_argument(
+        "--together-refused",
+        type=int,
+        default=400,
+        help="together: processes the second model asks for in the last host (more than fit)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
@@ -316,26 +328,21 @@ def _run_stage(
     args: argparse.Namespace,
     save: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    if stage == "forward":
-        return stage_forward(cfg)
-    if stage == "decode":
-        return stage_decode(cfg, corpora, spec)
-    if stage == "naive":
-        return stage_naive(cfg, corpora)
-    if stage == "checks":
-        return stage_checks(cfg, corpora)
-    if stage == "pipeline":
-        return stage_pipeline(cfg, corpora)
-    if stage == "overlap":
-        return stage_overlap(cfg, corpora)
-    if stage == "kill":
-        return stage_kill(cfg, corpora, args)
-    if stage == "ready":
-        return stage_ready(cfg, args)
-    if stage == "accept":
-        return stage_accept(cfg, corpora, args)
-    if stage == "zoo":
-        return stage_zoo(cfg, corpora, args, save)
+    simple: dict[str, Callable[[], dict[str, Any]]] = {
+        "forward": lambda: stage_forward(cfg),
+        "decode": lambda: stage_decode(cfg, corpora, spec),
+        "naive": lambda: stage_naive(cfg, corpora),
+        "checks": lambda: stage_checks(cfg, corpora),
+        "pipeline": lambda: stage_pipeline(cfg, corpora),
+        "overlap": lambda: stage_overlap(cfg, corpora),
+        "kill": lambda: stage_kill(cfg, corpora, args),
+        "ready": lambda: stage_ready(cfg, args),
+        "accept": lambda: stage_accept(cfg, corpora, args),
+        "zoo": lambda: stage_zoo(cfg, corpora, args, save),
+        "together": lambda: stage_together(cfg, corpora, args),
+    }
+    if stage in simple:
+        return simple[stage]()
     if stage == "detect":
         return stage_detect(
             str(cfg.device),
