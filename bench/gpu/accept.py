@@ -1,10 +1,12 @@
 """The GPU acceptance run: what a change to the model, decode, fleet or GPU bench code
 must pass on a GPU host before its issue is resolved (``bench/gpu-accept.sh``).
 
-For each compile form (the default, ``package``, then ``static`` and ``dynamic``),
-on one card and, on a host with several, on every card: the default command
-(``conveyor worker --model M --weights W``, nothing else but ``--compile-form`` and
-``--gpus``) started, timed to ready, then
+First each compile form (the default, ``package``, then ``static`` and ``dynamic``)
+is compiled into the compile cache, all at once, by a host of one process each. Then
+for each form, on one card and, on a host with several, on every card: the default
+command (``conveyor worker --model M --weights W``, nothing else but
+``--compile-form`` and ``--gpus``) started from that warm cache, as a restart starts,
+timed to ready, then
 
 - **served == direct**: 256 images answered by the host agree with a direct eager
   forward of the same weights, with the worker's defaults (float16), on the same kind
@@ -114,6 +116,9 @@ async def _accept_with(
         "float16_noise": floor,
         "runs": {},
     }
+    if len(forms) * len(layouts) > 1:
+        rows["compile_s"] = await _compile_forms(cfg, args, weights, forms)
+        print(f"  accept: compiled, side by side: {json.dumps(rows['compile_s'])}", flush=True)
     for form in forms:
         for gpus in layouts:
             label = f"{form} x{gpus}"
@@ -225,13 +230,7 @@ async def _host_run(
     model = f"gpuaccept{form}{gpus}r{run}"
     partitions = 8 * gpus
     await create_model_topics(settings, model, partitions)
-    timed = argparse.Namespace(
-        **{
-            **vars(args),
-            "worker_options": f"{args.worker_options} --weights {weights}"
-            + ("" if form == FORMS[0] else f" --compile-form {form}"),
-        }
-    )
+    timed = _form_args(args, weights, form)
     row: dict[str, Any] = {"form": form, "gpus": gpus}
     fleet = _fleet(cfg, model, timed)
     try:
@@ -255,6 +254,45 @@ async def _host_run(
         await fleet.aclose()
         await delete_model_topics(settings, model)
     return row
+
+
+def _form_args(args: argparse.Namespace, weights: Path, form: str) -> argparse.Namespace:
+    """``args`` for a host of the default command with ``form``: the weights, and
+    ``--compile-form`` unless it is the default."""
+    options = f"{args.worker_options} --weights {weights}"
+    if form != FORMS[0]:
+        options += f" --compile-form {form}"
+    return argparse.Namespace(**{**vars(args), "worker_options": options})
+
+
+async def _compile_forms(
+    cfg: Config, args: argparse.Namespace, weights: Path, forms: Sequence[str]
+) -> dict[str, float]:
+    """Each form's compiled forward built into the compile cache at once, by a host of
+    one process on the first card each, before any row: every row then starts as a
+    user's restart does, from a warm cache. Seconds each took, compiling side by side
+    (on one card alone: ``bench.gpu --stages ready``)."""
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    run = uuid.uuid4().hex[:8]
+
+    async def one(n: int, form: str) -> float:
+        model = f"gpuacceptcompile{form}r{run}"
+        await create_model_topics(settings, model, 1)
+        side = _form_args(args, weights, form)
+        side.metrics_port = args.metrics_port + 1 + n  # the hosts run at once
+        fleet = _fleet(cfg, model, side)
+        try:
+            started = time.monotonic()
+            host = _start_host(fleet, cfg, side, 1, 1)
+            await until_all_ready([host], args.ready_timeout)
+            return round(time.monotonic() - started, 1)
+        finally:
+            (args.out / f"accept-compile-{form}.log").write_text(fleet.logs())
+            await fleet.aclose()
+            await delete_model_topics(settings, model)
+
+    seconds = await asyncio.gather(*(one(n, form) for n, form in enumerate(forms)))
+    return dict(zip(forms, seconds, strict=True))
 
 
 async def _agreement(
@@ -434,6 +472,9 @@ def _decode_ceiling(results: dict[str, Any]) -> float | None:
 def print_accept_table(rows: dict[str, Any], card: str) -> None:
     commit, cards = rows.get("commit", "?"), rows.get("cards")
     print(f"\nGPU acceptance, {card}, commit {commit}, {cards} card(s)")
+    if rows.get("compile_s"):
+        took = ", ".join(f"{form} {s} s" for form, s in rows["compile_s"].items())
+        print(f"Compiled first, side by side, one process each: {took}; every row starts warm.")
     print(
         "| run | ready s | top-1 agree (tol.) | max Δscore (tol.) | img/s | ÷ ceiling "
         "| × one card (floor) | kill lost | SIGHUP lost | pass |"
