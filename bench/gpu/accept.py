@@ -122,7 +122,7 @@ async def _accept_with(
     for form in forms:
         for gpus in layouts:
             label = f"{form} x{gpus}"
-            faults = form == forms[0] and gpus == layouts[-1]
+            faults = form == FORMS[0] and gpus == layouts[-1]
             print(f"  accept {label}", flush=True)
             try:
                 row = await _host_run(cfg, corpus, args, weights, direct, form, gpus, faults)
