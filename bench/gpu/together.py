@@ -131,12 +131,11 @@ async def _serve(
         counts = [max(2048, math.ceil(rate * args.together_s)) for rate in guesses]
         prefixes = [f"{label}-{name}" for name in models]
         with UtilizationSampler(1) as gpu:
-            await asyncio.gather(
-                *(
-                    _produce_parallel(args, name, corpus, prefix, count, _PARTITIONS)
-                    for name, prefix, count in zip(models, prefixes, counts, strict=True)
-                )
-            )
+            # The largest backlog first: it takes longest to write, and the others then
+            # arrive while it is being answered.
+            written = sorted(zip(counts, models, prefixes, strict=True), reverse=True)
+            for count, name, prefix in written:
+                await _produce_parallel(args, name, corpus, prefix, count, _PARTITIONS)
             results = await asyncio.gather(
                 *(
                     _await_results(prefix, count, args, [host])
