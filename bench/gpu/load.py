@@ -49,14 +49,29 @@ async def _produce_parallel(
     (which read ``read_committed``) see the whole backlog at once, so what is timed
     is their rate, not the producers'.
     """
-    procs = await _producers(
-        args, "--produce", model, corpus, prefix, count, partitions, args.producers
-    )
+    return await produce_at_once(args, corpus, [(model, prefix, count)], partitions, on_visible)
+
+
+async def produce_at_once(
+    args: argparse.Namespace,
+    corpus: Corpus,
+    backlogs: Sequence[tuple[str, str, int]],
+    partitions: int,
+    on_visible: Callable[[], None] | None = None,
+) -> float:
+    """Backlogs (model, request id prefix, count) of several models written as
+    ``_produce_parallel`` writes one, ``--producers`` processes each, and made visible
+    at the same moment; the records/s of the writing, all backlogs together."""
+    procs = []
+    for model, prefix, count in backlogs:
+        procs += await _producers(
+            args, "--produce", model, corpus, prefix, count, partitions, args.producers
+        )
     await _all_say(procs, b"ready")  # each once its records are built
     started = time.perf_counter()
     await _tell_all(procs, b"go")
     await _all_say(procs, b"sent")  # each once its share is written, not yet committed
-    rate = _rate(count, time.perf_counter() - started)
+    rate = _rate(sum(count for _, _, count in backlogs), time.perf_counter() - started)
     if on_visible is not None:  # the workers are about to see the backlog
         on_visible()
     await _tell_all(procs, b"commit")

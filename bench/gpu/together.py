@@ -4,9 +4,13 @@ both at once, in the same call (``docs/operations.md``, "Several models on one h
 For the two specs of ``--together`` (random weights: throughput only), ``conveyor
 worker --config-file host.toml --gpus 0`` with a host file of one model, then of the
 other, each given a backlog alone (its rate: A, B); then the host file of both, each
-given a backlog at once, each model's rate counted over the time both were served
-(a, b). Time-sharing the card perfectly would give ``a/A + b/B = 1``; the issue's
-bar is 0.9. Each backlog is sized from the rate alone to last ``--together-s``.
+given a backlog at once (visible at the same moment), each model's rate counted over
+the time both were answered (a, b). Time-sharing the card perfectly would give
+``a/A + b/B = 1``; the bar is 0.9. Where one model's answers all come before the
+other's (no such window: the card was not shared but taken in turn), the verdict is
+the whole run's: the seconds the two backlogs take one after the other at their rates
+alone over the seconds they took together. Each backlog is sized from the rate alone
+to last ``--together-s``.
 
 Last, the same two models with the second asking for ``--together-refused``
 processes, more than the card holds: the host starts, refuses that model at start
@@ -30,7 +34,7 @@ from bench.gpu.cores import _pin_services
 from bench.gpu.corpus import Corpus
 from bench.gpu.e2e import UtilizationSampler, _steady_state
 from bench.gpu.host import _await_results, _start_host
-from bench.gpu.load import _produce_parallel
+from bench.gpu.load import produce_at_once
 from bench.stats import durable_ms
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
@@ -70,9 +74,7 @@ async def _together(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> di
             _say(out, f"{spec} alone")
         both = dict(zip(names, specs, strict=True))
         row = await _serve(cfg, corpus, args, "together", both, alone)
-        row["sum_of_shares"] = sum(row["rates"][n] / a for n, a in zip(names, alone, strict=True))
-        row["bar"] = _BAR
-        row["passed"] = row["sum_of_shares"] >= _BAR
+        _shares(row, names, alone)
         out["together"] = row
         _say(out, "together")
         if cfg.device.type == "cuda":  # the CPU has no memory plan: nothing is refused
@@ -131,11 +133,8 @@ async def _serve(
         counts = [max(2048, math.ceil(rate * args.together_s)) for rate in guesses]
         prefixes = [f"{label}-{name}" for name in models]
         with UtilizationSampler(1) as gpu:
-            # The largest backlog first: it takes longest to write, and the others then
-            # arrive while it is being answered.
-            written = sorted(zip(counts, models, prefixes, strict=True), reverse=True)
-            for count, name, prefix in written:
-                await _produce_parallel(args, name, corpus, prefix, count, _PARTITIONS)
+            backlogs = list(zip(models, prefixes, counts, strict=True))
+            await produce_at_once(args, corpus, backlogs, _PARTITIONS)  # visible at once
             results = await asyncio.gather(
                 *(
                     _await_results(prefix, count, args, [host])
@@ -164,23 +163,43 @@ async def _serve(
 def _overlap(
     names: list[str], results: Sequence[Sequence[Result]], gpu: UtilizationSampler
 ) -> dict[str, Any]:
-    """Each model's rate over the window all of them were being answered: from the
-    latest of their 10th-percentile durable times to the earliest of their 90th."""
+    """When each model's answers came (seconds from the first answer of any), and each
+    one's rate over the window all were being answered: from the latest of their
+    10th-percentile durable times to the earliest of their 90th (none when one model's
+    answers all came before another's)."""
     times = [sorted(durable_ms(r) for r in rs) for rs in results]
-    low = max(t[len(t) // 10] for t in times)
-    high = min(t[(len(t) * 9) // 10] for t in times)
-    if high <= low:
-        raise RuntimeError("the backlogs were not answered at the same time: no overlap")
-    seconds = (high - low) / 1000.0
-    rates = {
-        name: sum(1 for x in t if low <= x <= high) / seconds
+    start = min(t[0] for t in times)
+    spans = {
+        name: [round((t[0] - start) / 1000.0, 2), round((t[-1] - start) / 1000.0, 2)]
         for name, t in zip(names, times, strict=True)
     }
-    return {
-        "rates": rates,
-        "overlap_s": round(seconds, 2),
-        "gpu_util_pct": gpu.mean_between(low / 1000.0, high / 1000.0),
-    }
+    row: dict[str, Any] = {"answered_s": spans, "seconds": max(s[1] for s in spans.values())}
+    low = max(t[len(t) // 10] for t in times)
+    high = min(t[(len(t) * 9) // 10] for t in times)
+    if high > low:
+        seconds = (high - low) / 1000.0
+        row["overlap_s"] = round(seconds, 2)
+        row["rates"] = {
+            name: sum(1 for x in t if low <= x <= high) / seconds
+            for name, t in zip(names, times, strict=True)
+        }
+        row["gpu_util_pct"] = gpu.mean_between(low / 1000.0, high / 1000.0)
+    return row
+
+
+def _shares(row: dict[str, Any], names: list[str], alone: list[float]) -> None:
+    """The verdict, in place: each model's rate together over its rate alone, summed
+    (``a/A + b/B``: 1 is perfect time-sharing) over the window both were answered; and
+    the same over the whole run, which needs no such window: the seconds the backlogs
+    would take one after the other at their rates alone, over the seconds they took
+    together, first answer to last (ramp and drain included)."""
+    if "rates" in row:
+        row["sum_of_shares"] = sum(row["rates"][n] / a for n, a in zip(names, alone, strict=True))
+    apart = sum(row["counts"][n] / a for n, a in zip(names, alone, strict=True))
+    row["whole_run_share"] = apart / row["seconds"] if row["seconds"] > 0 else math.nan
+    verdict = row.get("sum_of_shares", row["whole_run_share"])
+    row["bar"] = _BAR
+    row["passed"] = verdict >= _BAR
 
 
 async def _refused(
