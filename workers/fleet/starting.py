@@ -199,13 +199,16 @@ def _fit_in_memory(
     if card is None or card.index not in before:
         return rest
     process_mb = recorded_memory(first.compile_cache)
+    how = "as recorded in its compile cache"
     if process_mb is None:
         grown = memory_used(cards).get(card.index, before[card.index]) - before[card.index]
         if grown <= 0:
             return rest  # nothing measurable
         process_mb = float(grown)
+        how = "measured on its first process"
         _record_memory(first.compile_cache, process_mb)
     model.process_mb = process_mb
+    log.info("a process of %s takes %.0f MiB of its card, %s", model.name, process_mb, how)
     beside = [
         dataclasses.replace(c, used_mb=_in_use_beside(model, state, c, before)) for c in cards
     ]
