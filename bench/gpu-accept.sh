@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU acceptance run (bench/gpu/accept.py): on a GPU host with .gpu/ carried
 # (bench/gpu-carry.sh), from the repository root. Ceilings first (the compiled forward
-# at the batch size, decode+resize), then the default command with each compile form
-# on one card and on every card. Prints the table; results and logs in $OUT (or
+# at the batch size, decode+resize), then every compile form compiled side by side, then
+# the default command with each form on one card and on every card, from that cache. Prints the table; results and logs in $OUT (or
 # .run/gpu-accept). Exit 0 when every row passes. Extra flags go to python -m bench.gpu
 # (e.g. --accept-forms package to run the default form alone).
 set -euo pipefail
