@@ -193,3 +193,62 @@ async def _flow(
             sent[name] += ids
         await asyncio.sleep(0.5)
     return sent
+
+
+@pytest.mark.timeout(300)
+async def test_a_changed_process_count_applies_on_sighup(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+    tmp_path: Path,
+) -> None:
+    """A model whose count changes is drained and started anew with the new count, its
+    requests answered across it; a count its topic cannot serve changes nothing."""
+    name = f"{model_name}n"
+    await create_model_topics(client_settings, name, partitions=2)
+    models = {name: {"model": "digits", "processes": "1"}}
+    path = host_file(tmp_path / "host.toml", models)
+    try:
+        host = workers.start("--config-file", str(path), model="")
+        await until(_ready_of(host, name), f"{name} is ready", 120, host.log, [host])
+        [before] = host.children()
+
+        models[name]["processes"] = "2"
+        host_file(path, models)
+        flowing = asyncio.create_task(_flow(kafka_bootstrap, digits, [name]))
+        host.signal(signal.SIGHUP)
+
+        async def two() -> bool:
+            return len(host.children()) == 2 and await _ready_of(host, name)()
+
+        await until(two, f"two processes of {name} ready", 120, host.log, [host])
+        assert before not in host.children()
+        assert f"model {name}: 1 processes become 2" in host.log()
+        during = await flowing
+        counted = await tally(kafka_bootstrap, redis_url, topics_for(name).results, during[name])
+        assert counted.lost == 0, host.log()[-3000:]
+
+        models[name]["processes"] = "3"  # the topic has 2 partitions
+        host_file(path, models)
+        serving = set(host.children())
+        host.signal(signal.SIGHUP)
+
+        async def refused() -> bool:
+            return f"SIGHUP: model {name} keeps its 2 processes" in host.log()
+
+        await until(refused, "the count refused", 60, host.log, [host])
+        await until(
+            lambda: "host file reloaded" in host.log().split("keeps its 2")[-1],
+            "the reload is done",
+            60,
+            host.log,
+            [host],
+        )
+        assert set(host.children()) == serving
+        host.signal(signal.SIGTERM)
+        assert await host.exited(90) == EXIT_STOPPED
+    finally:
+        await delete_model_topics(client_settings, name)

@@ -448,8 +448,12 @@ async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:
         child.signal(signal.SIGTERM)
     for name in reload.changed:
         model = state.models[name]
-        model.settings = fresh[name]
-        await _roll(model.children, state)
+        slots = await _replanned(model, fresh[name], state)
+        if slots is None:
+            model.settings = fresh[name]
+            await _roll(model.children, state)
+        elif slots:
+            await _replace(model, fresh[name], slots, state, metrics, making)
     for name in reload.added:
         await _add(fresh[name], state, metrics, making)
     if leaving:
@@ -459,15 +463,62 @@ async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:
     log.info("rolling restart done: host file reloaded")
 
 
-async def _add(
-    settings: WorkerSettings, state: State, metrics: FleetMetrics, making: _Making
+async def _replanned(
+    model: Model, settings: WorkerSettings, state: State
+) -> list[plan.Slot] | None:
+    """A changed model's processes under its new settings, checked against its topics,
+    when they are not the ones it runs (its count or cards changed); None when they
+    are; [] when they cannot be had (the error logged: the model keeps its processes)."""
+    assert state.host is not None
+    try:
+        slots = state.host.slots_for(settings)
+        if slots == model.slots:
+            return None
+        checked = await check_partitions(settings, slots)
+    except (ConfigError, ValueError) as exc:
+        log.error("SIGHUP: model %s keeps its %d processes: %s", model.name, len(model.slots), exc)
+        return []
+    return checked
+
+
+async def _replace(
+    model: Model,
+    settings: WorkerSettings,
+    slots: list[plan.Slot],
+    state: State,
+    metrics: FleetMetrics,
+    making: _Making,
 ) -> None:
-    """A model the host file gained: planned, checked and started as at the host's start."""
+    """A model whose processes change in count or cards: drained and stopped, then
+    started anew as the host file now says (its static members' names change)."""
+    log.info(
+        "model %s: %d processes become %d: draining them, then starting the new ones",
+        model.name, len(model.slots), len(slots),
+    )  # fmt: skip
+    state.models.pop(model.name)
+    leaving = [c for c in model.children if c not in state.retired]
+    state.removed.update(leaving)
+    sync(state)
+    for child in leaving:
+        child.signal(signal.SIGTERM)
+    await asyncio.gather(*(c.wait() for c in leaving))
+    await _add(settings, state, metrics, making, slots)
+
+
+async def _add(
+    settings: WorkerSettings,
+    state: State,
+    metrics: FleetMetrics,
+    making: _Making,
+    slots: list[plan.Slot] | None = None,
+) -> None:
+    """A model the host file gained: planned, checked and started as at the host's
+    start (``slots``: already planned and checked)."""
     assert state.host is not None
     model = Model(settings, [])
     state.models[model.name] = model
     try:
-        model.slots = await check_partitions(settings, state.host.slots_for(settings))
+        model.slots = slots or await check_partitions(settings, state.host.slots_for(settings))
     except (ConfigError, ValueError) as exc:
         left_out(state, model, str(exc))
         return
