@@ -2,7 +2,7 @@
 must pass on a GPU host before its issue is resolved (``bench/gpu-accept.sh``).
 
 First each compile form (the default, ``package``, then ``static`` and ``dynamic``)
-is compiled into the compile cache, all at once, by a host of one process each. Then
+is compiled into the compile cache, all at once, by a host of two processes each. Then
 for each form, on one card and, on a host with several, on every card: the default
 command (``conveyor worker --model M --weights W``, nothing else but
 ``--compile-form`` and ``--gpus``) started from that warm cache, as a restart starts,
@@ -269,21 +269,22 @@ async def _compile_forms(
     cfg: Config, args: argparse.Namespace, weights: Path, forms: Sequence[str]
 ) -> dict[str, float]:
     """Each form's compiled forward built into the compile cache at once, by a host of
-    one process on the first card each, before any row: every row then starts as a
-    user's restart does, from a warm cache. Seconds each took, compiling side by side
-    (on one card alone: ``bench.gpu --stages ready``)."""
+    two processes on the first card each (its supervisor records what a process takes
+    of the card), before any row: every row then starts as a user's restart does, from
+    a warm cache. Seconds each took, compiling side by side (on one card alone:
+    ``bench.gpu --stages ready``)."""
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
 
     async def one(n: int, form: str) -> float:
         model = f"gpuacceptcompile{form}r{run}"
-        await create_model_topics(settings, model, 1)
+        await create_model_topics(settings, model, 2)
         side = _form_args(args, weights, form)
         side.metrics_port = args.metrics_port + 1 + n  # the hosts run at once
         fleet = _fleet(cfg, model, side)
         try:
             started = time.monotonic()
-            host = _start_host(fleet, cfg, side, 1, 1)
+            host = _start_host(fleet, cfg, side, 2, 1)  # a supervisor: it records memory
             await until_all_ready([host], args.ready_timeout)
             return round(time.monotonic() - started, 1)
         finally:
@@ -474,7 +475,7 @@ def print_accept_table(rows: dict[str, Any], card: str) -> None:
     print(f"\nGPU acceptance, {card}, commit {commit}, {cards} card(s)")
     if rows.get("compile_s"):
         took = ", ".join(f"{form} {s} s" for form, s in rows["compile_s"].items())
-        print(f"Compiled first, side by side, one process each: {took}; every row starts warm.")
+        print(f"Compiled first, side by side, two processes each: {took}; every row starts warm.")
     print(
         "| run | ready s | top-1 agree (tol.) | max Δscore (tol.) | img/s | ÷ ceiling "
         "| × one card (floor) | kill lost | SIGHUP lost | pass |"
