@@ -25,6 +25,7 @@ from common.security import (
 )
 from schemas import ModelTopics
 from schemas.fastpath import ResultEncoder
+from workers.chain.joins import Chained, Joins
 from workers.config.profiles import tuned
 from workers.config.worker import WorkerSettings
 from workers.decode.budget import DecodeBudget
@@ -48,6 +49,7 @@ from workers.publish.answers import Answers
 from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 from workers.publish.shadow import NoResultStore
+from workers.types import ConfigError
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
     from workers.observe.tracing import Tracing
@@ -111,13 +113,18 @@ async def run_worker(settings: WorkerSettings) -> None:
         publisher = parts.publisher = await stack.enter_async_context(
             Publisher(settings, topics, facts, encoder, store, metrics)
         )
+        joins = await _open_joins(settings, encoder, publisher)
+        if joins is not None:
+            stack.push_async_callback(joins.aclose)
         group = settings.group
         request_topics = [topics.lane(lane.name) for lane in settings.request_lanes]
         split = Split(settings.role)
         consumer = Consumer(settings, request_topics, group, metrics, split)
         transactions = None
         if settings.delivery == "exactly-once":
-            transactions = Transactions(publisher, group, settings.transaction_timeout_ms, split)
+            transactions = Transactions(
+                publisher, group, settings.transaction_timeout_ms, split, joins
+            )
             stack.push_async_callback(transactions.aclose)
             consumer.on_assign(transactions.open)  # fence the previous owner, then fetch
         parts.consumer = await stack.enter_async_context(consumer)
@@ -127,6 +134,8 @@ async def run_worker(settings: WorkerSettings) -> None:
             settings.worker_id,
             publisher.max_result_bytes,
             shadow=settings.shadow,
+            chained=settings.then is not None,
+            children=joins is not None,
         )
         claims = parts.claims = await stack.enter_async_context(Claims.open(settings, metrics))
         admission = await stack.enter_async_context(Admission.open(settings, metrics))
@@ -137,7 +146,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         pipeline = Pipeline(
             settings,
             consumer,
-            publisher,
+            publisher if joins is None else Chained(joins, publisher),
             runner,
             answers,
             metrics,
@@ -170,6 +179,36 @@ async def run_worker(settings: WorkerSettings) -> None:
             totals.duplicates,
             totals.handed_back,
         )
+
+
+async def _open_joins(
+    settings: WorkerSettings, encoder: ResultEncoder, publisher: Publisher
+) -> Joins | None:
+    """The pipeline step of every publish (``workers.chain``): joins the answers of child
+    requests, and with ``then`` sends this worker's boxes to the next model. A shadow
+    has none (its answers are its own), nor has a worker on a Redis Cluster, where
+    ``then`` is refused: a child request is answered there under its own id."""
+    if settings.shadow or settings.redis_cluster:
+        return None
+    stage = settings.next_stage
+    next_partitions = 1
+    if stage is not None:
+        count = await publisher.partition_count(stage.topic)
+        if count is None:
+            raise ConfigError(
+                f"the next model's request topic {stage.topic} does not exist: create it "
+                f"(conveyor topics create --model {stage.model} --partitions N)"
+            )
+        next_partitions = count
+    return Joins.open(
+        settings,
+        encoder,
+        publisher.retried,
+        stage=stage,
+        next_partitions=next_partitions,
+        max_result_bytes=publisher.max_result_bytes,
+        results_topic=settings.topics.results,
+    )
 
 
 async def serve(

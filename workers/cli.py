@@ -133,6 +133,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "track_status",
     ),
     "canary and shadow": ("canary", "shadow"),
+    "pipelines": ("then", "then_options"),
     "configuration": ("config_file", "host_model"),
 }
 """Sections of ``conveyor worker --help``, in order, each with its fields in order."""

@@ -192,9 +192,49 @@ class DeadLetter:
     headers: list[tuple[str, bytes | None]]
 
 
+@dataclass(slots=True, eq=False)
+class Parent:
+    """An answer that feeds a next stage (``workers.chain``): its document is not a result
+    yet, but the start of the request's join."""
+
+    item: Item
+    output: Any  # the model's output, as the document has it
+    document: bytes  # this stage's result document
+
+
+@dataclass(slots=True)
+class ChildAnswer:
+    """The result document of a child request (``schemas.chain``): it goes to its
+    parent's join, not to the result cache under its own id."""
+
+    request_id: str
+    parent: str
+    index: int
+    count: int
+    document: bytes
+    partition: int  # the child request's partition
+
+
+@dataclass(slots=True)
+class Request:
+    """A request record for another model's topic (a pipeline's child)."""
+
+    topic: str
+    partition: int
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
 @dataclass(slots=True)
 class Outbox:
-    """One publish call's results, in parallel lists, and its dead letters."""
+    """One publish call's results, in parallel lists, and its dead letters.
+
+    In a pipeline (``workers.chain``) it also carries, before ``Chain.settle``, the
+    answers that feed a next stage (``parents``) and the answers of child requests
+    (``children``); after it, the child requests to send (``requests``) and, among
+    the results, the parents whose every child is answered.
+    """
 
     ids: list[str] = field(default_factory=list)
     values: list[bytes] = field(default_factory=list)
@@ -202,6 +242,9 @@ class Outbox:
     reply_to: list[str | None] = field(default_factory=list)  # None: the results topic
     partitions: list[int] = field(default_factory=list)  # the request's partition
     dead: list[DeadLetter] = field(default_factory=list)
+    parents: list[Parent] = field(default_factory=list)
+    children: list[ChildAnswer] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
 
     def add(
         self,
@@ -270,6 +313,15 @@ class ResultSink(Protocol):
 
     async def publish(self, outbox: Outbox) -> PublishReport:
         """Return once every result and dead letter in ``outbox`` is durable."""
+
+
+class Chain(Protocol):
+    """The pipeline step of a publish (``workers.chain.joins.Joins``): run on an outbox
+    before its results are written."""
+
+    async def settle(self, outbox: Outbox) -> None:
+        """Move ``outbox.parents`` and ``outbox.children`` into joins; add the child
+        requests to send and the parents' results that are complete."""
 
 
 class PartitionCommit(NamedTuple):

@@ -41,6 +41,7 @@ from schemas import (
 from workers.batching.lanes import LaneSpec, checked_lanes, parse_lanes
 from workers.config.dataref import DatarefSettings
 from workers.config.file import ConfigFileSource
+from workers.config.next_stage import NextStage
 
 MODEL_DIR_VARIABLE = "CONVEYOR_MODEL_DIR"
 """Folder of the demo models' artifacts, read by ``demo.models``. Not a field:
@@ -106,6 +107,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default_factory=dict,
         description="JSON object of model options, e.g. '{\"min_size\": 640}': keyword "
         "arguments of torchvision's model builder, of timm.create_model, or of your handler class",
+    )
+    then: str | None = Field(
+        default=None,
+        description="a pipeline's next model: the boxes of each answer go to its request "
+        "topic as crops, and the answer is written once every crop is answered "
+        "(docs/models.md, Pipelines)",
+    )
+    then_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="JSON object saying which boxes go to the next model: min_score, "
+        "classes, max_children, margin, params (docs/models.md, Pipelines)",
     )
     preprocess: Literal["auto", "reference", "fast"] = Field(
         default="auto",
@@ -387,7 +399,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="port of /metrics, /healthz and /readyz (0: any free port)",
     )
 
-    @field_validator("model_options", mode="before")
+    @field_validator("model_options", "then_options", mode="before")
     @classmethod
     def _json_object(cls, value: Any) -> Any:
         if not isinstance(value, str):
@@ -501,6 +513,29 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
                 "at-least-once for --shadow workers"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_next_stage(self) -> WorkerSettings:
+        if self.then is None:
+            if self.then_options:
+                raise ValueError("then_options says which boxes go to the next model: set then too")
+            return self
+        NextStage.parse(self.then, self.then_options, self.topic_prefix)  # names what is wrong
+        if self.then == self.served_name:
+            raise ValueError(f"then names the next model; {self.then!r} is this worker's own")
+        if self.redis_cluster:
+            raise ValueError(
+                "a pipeline's joins need a standalone Redis for now: leave then unset with "
+                "redis_cluster"
+            )
+        return self
+
+    @property
+    def next_stage(self) -> NextStage | None:
+        """The model this worker's answers feed (``then``), and which boxes it gets."""
+        if self.then is None:
+            return None
+        return NextStage.parse(self.then, self.then_options, self.topic_prefix)
 
     @model_validator(mode="after")
     def _check_drain(self) -> WorkerSettings:

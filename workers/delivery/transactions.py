@@ -35,7 +35,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from workers.publish.errors import WriteRefused
 from workers.publish.publisher import Publisher
-from workers.types import Committed, PartitionCommit, PositionNotes
+from workers.types import Chain, Committed, PartitionCommit, PositionNotes
 from workers.types import TopicPartition as TP
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,13 @@ class Transactions:
         group: str,
         timeout_ms: int,
         notes: PositionNotes | None = None,
+        chain: Chain | None = None,
     ) -> None:
-        """``notes`` give the metadata committed with each position (the consumer's)."""
+        """``notes`` give the metadata committed with each position (the consumer's);
+        ``chain`` runs a pipeline's step on each part first, so a parent's child requests
+        are sent in the transaction that commits the parent (``workers.chain``)."""
         self._publisher = publisher
+        self._chain = chain
         self._group = group
         self._notes = notes
         self._timeout_ms = timeout_ms
@@ -110,6 +114,9 @@ class Transactions:
         Returns how each part's transaction ended, and how many results were already in
         Redis (their stored bytes went to the reply topic instead).
         """
+        if self._chain is not None:
+            for part in parts:
+                await self._chain.settle(part.outbox)
         ids = [i for part in parts for i in part.outbox.ids]
         values = [v for part in parts for v in part.outbox.values]
         sent, duplicates = await self._publisher.store(ids, values)

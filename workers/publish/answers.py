@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import ContractError, ErrorCode, Status, dlq_headers, status_for
+from schemas.chain import child_of
 from schemas.fastpath import ResultEncoder
 from workers.offsets import Span
-from workers.types import DeadLetter, Item, Outbox, Outcome, Refusal
+from workers.types import ChildAnswer, DeadLetter, Item, Outbox, Outcome, Parent, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ class Answers:
 
     A shadow's answers (``shadow``) are results for its own results topic alone: every
     ``ce_replyto`` is ignored and no record is dead-lettered (``workers.publish.shadow``).
+
+    In a pipeline (``workers.chain``): with ``chained`` (the worker has a next stage),
+    every answer the model gave goes to ``Outbox.parents`` rather than the results; with
+    ``children`` (the worker joins), the answer of a child request (``schemas.chain``),
+    whatever its status, goes to ``Outbox.children``. A shadow does neither: its answers
+    are its own.
     """
 
     def __init__(
@@ -52,10 +59,14 @@ class Answers:
         max_result_bytes: int,
         *,
         shadow: bool = False,
+        chained: bool = False,
+        children: bool = False,
     ) -> None:
         self._encoder = ResultEncoder(model, model_version, worker)
         self._worker = worker
         self._shadow = shadow
+        self._chained = chained and not shadow
+        self._children = children and not shadow
         self.max_result_bytes = max_result_bytes
         """Largest result document the reply topic takes; larger answers become
         ``result_too_large`` errors in both places."""
@@ -92,22 +103,48 @@ class Answers:
                 "batch_size": size,
                 "published_ms": now_ms,
             }
+            answered = False
             try:
                 data = encode(meta.id, _OK, output, None, timings, item.attempt)
                 if len(data) > limit:
                     data = self._too_large(item, len(data), timings)
                 else:
                     ok += 1
+                    answered = True
             except ContractError as exc:
                 log.error("result for %s cannot be encoded: %s", meta.id, exc)
                 message = f"the model's output could not be encoded: {exc}"
                 data = self._error(meta.id, ErrorCode.internal, message, timings, built)
-            reply_to = None if shadow else meta.reply_to
-            add(meta.id, data, headers(meta.id, meta.traceparent), reply_to, record.partition)
             produced.append(record.timestamp)
             spans.append(item.span)
+            if self._children and self._joined(
+                meta.id, record.headers, data, record.partition, built
+            ):
+                continue
+            if answered and self._chained:
+                built.outbox.parents.append(Parent(item, output, data))
+                continue
+            reply_to = None if shadow else meta.reply_to
+            add(meta.id, data, headers(meta.id, meta.traceparent), reply_to, record.partition)
         if ok:
             built.statuses[_OK.value] = built.statuses.get(_OK.value, 0) + ok
+
+    @staticmethod
+    def _joined(
+        request_id: str,
+        headers: Any,
+        data: bytes,
+        partition: int,
+        built: Built,
+    ) -> bool:
+        """Put the answer of a child request in ``built``'s children; False for a plain one."""
+        child = child_of(headers)
+        if child is None:
+            return False
+        built.outbox.children.append(
+            ChildAnswer(request_id, child.parent, child.index, child.count, data, partition)
+        )
+        return True
 
     def _too_large(self, item: Item, size: int, timings: dict[str, Any]) -> bytes:
         log.error(
@@ -146,13 +183,17 @@ class Answers:
             data = self._error(
                 refusal.request_id, refusal.code, refusal.message, timings, built, refusal.attempt
             )
-            built.outbox.add(
-                refusal.request_id,
-                data,
-                self._encoder.headers(refusal.request_id, refusal.traceparent),
-                None if self._shadow else refusal.reply_to,
-                record.partition,
+            joined = self._children and self._joined(
+                refusal.request_id, record.headers, data, record.partition, built
             )
+            if not joined:
+                built.outbox.add(
+                    refusal.request_id,
+                    data,
+                    self._encoder.headers(refusal.request_id, refusal.traceparent),
+                    None if self._shadow else refusal.reply_to,
+                    record.partition,
+                )
             built.produced_ms.append(record.timestamp)
         if refusal.dead_letter and not self._shadow:
             headers = dlq_headers(

@@ -31,8 +31,8 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
@@ -52,9 +52,11 @@ from workers.publish.cluster_store import open_result_store
 from workers.publish.dead_letters import RECORD_OVERHEAD, TOO_LARGE, DeadLetters, send_one
 from workers.publish.errors import Failures, WriteRefused, is_outage, refused_at_start
 from workers.publish.result_store import ResultStore
-from workers.types import Outbox, PublishReport
+from workers.types import Outbox, PublishReport, Request
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _TOPIC_CHECK_TIMEOUT_S = 5.0
 _UNKNOWN_TOPIC_RECHECK_S = 60.0
@@ -69,6 +71,24 @@ class _Queued(NamedTuple):
     partition: int
     members: list[int]  # the outbox's indices of its results
     acked: asyncio.Future[Any] | Exception  # done once the broker acknowledged it
+
+
+async def _send_requests(producer: AIOKafkaProducer, requests: Sequence[Request]) -> None:
+    """Send a pipeline's child requests (``workers.chain``), one producer batch per
+    partition as far as they fit, and wait for every acknowledgement."""
+    by_partition: dict[tuple[str, int], list[Request]] = defaultdict(list)
+    for request in requests:
+        by_partition[(request.topic, request.partition)].append(request)
+    acks = []
+    for (topic, partition), members in by_partition.items():
+        batch = producer.create_batch()
+        for r in members:
+            if batch.append(key=r.key, value=r.value, timestamp=None, headers=r.headers) is None:
+                acks.append(await producer.send_batch(batch, topic, partition=partition))
+                batch = producer.create_batch()
+                batch.append(key=r.key, value=r.value, timestamp=None, headers=r.headers)
+        acks.append(await producer.send_batch(batch, topic, partition=partition))
+    await asyncio.gather(*acks)
 
 
 async def _acked(acked: asyncio.Future[Any] | Exception) -> None:
@@ -220,7 +240,25 @@ class Publisher:
                 await self._failures.retry(
                     "kafka", lambda: self._dead_letters.send(producer, letters)
                 )
+            if outbox.requests:
+                requests = outbox.requests
+                await self._failures.retry("kafka", lambda: _send_requests(producer, requests))
         return PublishReport(duplicates=duplicates)
+
+    async def retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, repeated through outages of ``what`` ("redis" or "kafka"), which
+        count for readiness as the publisher's own writes do."""
+        return await self._failures.retry(what, call)
+
+    async def partition_count(self, topic: str) -> int | None:
+        """How many partitions ``topic`` has; None when it does not exist."""
+        try:
+            partitions = await asyncio.wait_for(
+                self._producer.partitions_for(topic), _TOPIC_CHECK_TIMEOUT_S
+            )
+        except (TimeoutError, KafkaError):
+            return None
+        return len(partitions) if partitions else None
 
     async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Write results to Redis, first result wins (retried through outages).
@@ -243,6 +281,7 @@ class Publisher:
         through ``producer``, e.g. inside a transaction; raises the first error."""
         await self._send_all(producer, await self._groups(outbox), outbox, values)
         await self._dead_letters.send(producer, list(outbox.dead))
+        await _send_requests(producer, outbox.requests)
 
     def transactional_producer(self, transactional_id: str, timeout_ms: int) -> AIOKafkaProducer:
         """A producer sized as this publisher's, for transactions under ``transactional_id``."""

@@ -1,0 +1,117 @@
+"""The pure parts of pipelines: child headers, the next stage's rule, cutting crops."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from schemas.chain import COUNT_H, INDEX_H, PARENT_H, Child, child_id, child_of, join_key
+from schemas.headers import ContentType
+from workers.chain.crops import cut, pixel_box
+from workers.config.next_stage import NextStage
+
+
+def _headers(
+    parent: bytes | None, index: bytes | None, count: bytes | None
+) -> list[tuple[str, bytes | None]]:
+    headers: list[tuple[str, bytes | None]] = [("ce_id", b"x"), ("ce_source", b"s")]
+    for name, value in ((PARENT_H, parent), (INDEX_H, index), (COUNT_H, count)):
+        if value is not None:
+            headers.append((name, value))
+    return headers
+
+
+def test_a_child_names_its_parent_place_and_count() -> None:
+    assert child_of(_headers(b"frame-7", b"2", b"3")) == Child("frame-7", 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("parent", "index", "count"),
+    [
+        (None, b"0", b"1"),  # no parent: a plain request
+        (b"p", None, b"1"),
+        (b"p", b"0", None),
+        (b"p", b"1", b"1"),  # index past the count
+        (b"p", b"-1", b"2"),
+        (b"p", b"0", b"0"),
+        (b"p", b"0", b"99999"),  # more children than a parent may have
+        (b"p", b"0x1", b"2"),
+        (b"bad id!", b"0", b"1"),
+        (b"\xff", b"0", b"1"),
+    ],
+)
+def test_headers_that_do_not_name_a_child_make_a_plain_request(
+    parent: bytes | None, index: bytes | None, count: bytes | None
+) -> None:
+    assert child_of(_headers(parent, index, count)) is None
+
+
+def test_child_ids_stay_valid_request_ids() -> None:
+    assert child_id("cam-1:42", 3) == "cam-1:42:3"
+    long = "a" * 128
+    made = child_id(long, 1000)
+    assert len(made) <= 128
+    assert made.endswith(":1000")
+    assert made != child_id("b" * 128, 1000)
+    assert join_key("p-1") == "conveyor:join:p-1"
+
+
+def _detections(*scored: tuple[float, str, int]) -> dict[str, object]:
+    found = [
+        {"box": [0, 0, 4, 4], "score": s, "label": label, "index": i} for s, label, i in scored
+    ]
+    return {"type": "conveyor.detection.v1", "width": 8, "height": 8, "detections": found}
+
+
+def test_the_next_stage_takes_boxes_by_score_class_and_count() -> None:
+    stage = NextStage.parse("digits", {"min_score": 0.5, "max_children": 2}, "conveyor")
+    assert stage.topic == "conveyor.digits.requests"
+    output = _detections((0.9, "3", 3), (0.6, "1", 1), (0.55, "7", 7), (0.2, "2", 2))
+    assert stage.select(output) == [0, 1]
+    by_class = NextStage.parse("d", {"classes": ["7", 1], "min_score": 0}, "conveyor")
+    assert by_class.select(output) == [1, 2]
+    assert stage.select([{"label": "cat", "score": 1.0}]) == []  # a classifier's answer
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"min_score": 2}, "min_score"),
+        ({"margin": -0.1}, "margin"),
+        ({"max_children": 0}, "max_children"),
+        ({"max_children": True}, "max_children"),
+        ({"classes": "cat"}, "classes"),
+        ({"params": [1]}, "params"),
+        ({"top": 3}, "top"),
+    ],
+)
+def test_a_bad_option_is_named(options: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        NextStage.parse("digits", options, "conveyor")
+
+
+def test_boxes_grow_by_their_margin_and_stay_in_the_image() -> None:
+    assert pixel_box((10.2, 20.5, 19.8, 30.0), 0.0, 100, 100) == (10, 20, 20, 30)
+    assert pixel_box((10, 20, 20, 30), 0.1, 100, 100) == (9, 19, 21, 31)
+    assert pixel_box((-5, -5, 200, 50), 0.5, 100, 60) == (0, 0, 100, 60)
+    assert pixel_box((99.5, 59.9, 99.5, 59.9), 0.0, 100, 60) == (99, 59, 100, 60)
+
+
+def test_crops_are_the_pixels_of_their_boxes() -> None:
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    crops = cut(
+        buffer.getvalue(),
+        ContentType.PNG,
+        [(1, 2, 11, 7), (30.5, 20, 40, 30)],
+        0.0,
+        max_pixels=10_000,
+    )
+    first, second = (np.asarray(Image.open(io.BytesIO(c))) for c in crops)
+    assert np.array_equal(first, pixels[2:7, 1:11])
+    assert np.array_equal(second, pixels[20:30, 30:40])

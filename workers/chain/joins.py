@@ -1,0 +1,410 @@
+"""Pipelines between models: a parent's crops go out as child requests, and the parent's
+one result is written once every child is answered.
+
+Each request a chained worker answers (the *parent*) starts a *join*: the Redis hash
+``conveyor:join:<parent id>`` (``schemas.chain.join_key``) holding the parent's
+document, how many children it has, which of its detections they are, where its
+result goes, and, as they come, each child's result document (``c0``, ``c1``, ...).
+
+- **The first stage** (``Joins.emit``): one script call per publish writes each parent's
+  join unless one is there (a redelivered parent uses the document stored first, so
+  its children are the first run's, whatever this run found); a parent whose result
+  is already written gets it back, as any redelivered request. Then the crops are cut
+  (``workers.chain.crops``) and added to the outbox as child requests, which the
+  publisher sends, acknowledged, before the parent's position is committed (inside
+  the partition's transaction in exactly-once delivery).
+- **The next stage** (``Joins.join``): every worker adds the answers of child requests
+  to their parents' joins (``HSETNX``: a child answered twice keeps its first answer),
+  one script call per publish; the call that completes a join gets all of it back and
+  adds the parent's result to the outbox, where it is written as every result is:
+  Redis first, first result wins, then the parent's reply topic.
+
+A crash anywhere repeats a step, never changes one: the join and each child are
+written once, the parent's result is written once, and the last step is redone by
+whichever redelivered child finds the join complete. The scripts touch one key each
+(or, for a parent, its join and its result), so a publish costs one Redis call per
+stage whatever its size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+
+from common.security import redis_options
+from schemas import ContractError, ErrorCode, result_key, status_for
+from schemas.chain import COUNT_H, INDEX_H, PARENT_H, child_id, join_key
+from schemas.fastpath import ResultEncoder
+from schemas.headers import ContentType
+from workers.chain.crops import cut
+from workers.config.next_stage import NextStage
+from workers.config.worker import WorkerSettings
+from workers.types import Chain, ChildAnswer, Outbox, Parent, PublishReport, Request, ResultSink
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
+
+_META_FIELDS = 6  # doc, count, boxes, reply, trace, next
+_SOCKET_TIMEOUT_S = 10.0
+
+PARENT_SCRIPT = """
+local ttl = ARGV[1]
+local out = {}
+for i = 1, #KEYS / 2 do
+  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
+  local a = 1 + 6 * (i - 1)
+  if redis.call('EXISTS', result) == 1 then
+    out[i] = {2}
+  elseif redis.call('HSETNX', join, 'doc', ARGV[a + 1]) == 1 then
+    redis.call('HSET', join, 'count', ARGV[a + 2], 'boxes', ARGV[a + 3], 'reply', ARGV[a + 4],
+               'trace', ARGV[a + 5], 'next', ARGV[a + 6])
+    redis.call('EXPIRE', join, ttl)
+    out[i] = {0}
+  else
+    out[i] = {1, redis.call('HGET', join, 'doc')}
+  end
+end
+return out
+"""
+"""KEYS: per parent its join and its result key. ARGV[1]: the TTL; then per parent its
+document, child count, detection indices (JSON), reply topic, trace context, next model.
+Returns per parent {0} (this call started the join), {1, document} (a join was there:
+its document) or {2} (the parent's result is written)."""
+
+CHILD_SCRIPT = """
+local out = {}
+for i, join in ipairs(KEYS) do
+  local count = redis.call('HGET', join, 'count')
+  local a = 3 * (i - 1)
+  if count ~= ARGV[a + 1] or tonumber(ARGV[a + 2]) >= tonumber(count) then
+    out[i] = -1
+  else
+    redis.call('HSETNX', join, 'c' .. ARGV[a + 2], ARGV[a + 3])
+    if redis.call('HLEN', join) - 6 >= tonumber(count) then
+      out[i] = redis.call('HGETALL', join)
+    else
+      out[i] = 0
+    end
+  end
+end
+return out
+"""
+"""KEYS: the join of each child answer; ARGV: per child its parent's child count, its
+index and its document. Returns per child -1 (no such join, as after it expired, or one
+whose count or indices the child does not fit), 0 (children still missing) or every
+field of the complete join."""
+
+_NEW, _STORED, _ANSWERED = 0, 1, 2
+
+
+class Joins:
+    """The pipeline step of every publish (``workers.types.Chain``): starts the joins of a
+    chained worker's answers and adds child answers to theirs.
+
+    ``stage`` is the worker's next stage (None: it has none, but still answers children
+    of other models' requests); ``retry`` repeats a Redis call through outages (the
+    publisher's, so they count for readiness).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        encoder: ResultEncoder,
+        retry: Retry[Any],
+        *,
+        stage: NextStage | None,
+        next_partitions: int,
+        ttl_s: int,
+        max_pixels: int,
+        max_payload_bytes: int,
+        max_result_bytes: int,
+        results_topic: str,
+        worker: str,
+    ) -> None:
+        self._redis = client
+        self._encoder = encoder
+        self._retry = retry
+        self._stage = stage
+        self._next_partitions = next_partitions
+        self._ttl_s = ttl_s
+        self._max_pixels = max_pixels
+        self._max_payload_bytes = max_payload_bytes
+        self._max_result_bytes = max_result_bytes
+        self._results_topic = results_topic
+        self._source = f"conveyor.chain/{worker}".encode()
+        self._parents = client.register_script(PARENT_SCRIPT)
+        self._children = client.register_script(CHILD_SCRIPT)
+
+    @classmethod
+    def open(
+        cls,
+        settings: WorkerSettings,
+        encoder: ResultEncoder,
+        retry: Retry[Any],
+        *,
+        stage: NextStage | None,
+        next_partitions: int,
+        max_result_bytes: int,
+        results_topic: str,
+    ) -> Joins:
+        url = settings.redis_url.get_secret_value()
+        options = {"socket_timeout": _SOCKET_TIMEOUT_S, **redis_options(settings)}
+        return cls(
+            aioredis.Redis.from_url(url, **options),
+            encoder,
+            retry,
+            stage=stage,
+            next_partitions=next_partitions,
+            ttl_s=settings.result_ttl_s,
+            max_pixels=settings.limits.max_pixels,
+            max_payload_bytes=settings.limits.max_payload_bytes,
+            max_result_bytes=max_result_bytes,
+            results_topic=results_topic,
+            worker=settings.worker_id,
+        )
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def settle(self, outbox: Outbox) -> None:
+        """Start the joins of ``outbox.parents`` (adding their child requests, or their
+        results when they have none) and add ``outbox.children`` to theirs (adding the
+        results of the parents they complete)."""
+        if outbox.parents:
+            await self.emit(outbox)
+        if outbox.children:
+            await self.join(outbox)
+
+    # -- the first stage ----------------------------------------------------------------
+
+    async def emit(self, outbox: Outbox) -> None:
+        """Write the joins of ``outbox.parents``, then their child requests."""
+        stage = self._stage
+        assert stage is not None, "parents come only from a worker with a next stage"
+        parents, outbox.parents = outbox.parents, []
+        chosen = [stage.select(parent.output) for parent in parents]
+        keys: list[str] = []
+        args: list[Any] = [self._ttl_s]
+        for parent, indices in zip(parents, chosen, strict=True):
+            meta = parent.item.meta
+            keys += [join_key(meta.id), result_key(meta.id)]
+            reply = meta.reply_to or self._results_topic
+            args += [
+                parent.document,
+                len(indices),
+                orjson.dumps(indices),
+                reply,
+                meta.traceparent or "",
+                stage.model,
+            ]
+        found = await self._retry("redis", lambda: self._parents(keys=keys, args=args))
+        failed: list[ChildAnswer] = []
+        for parent, indices, (state, *stored) in zip(parents, chosen, found, strict=True):
+            meta = parent.item.meta
+            if state == _ANSWERED:  # its result is written: it goes out again, unchanged
+                self._add_result(outbox, meta.id, parent.document, parent, meta.reply_to)
+                continue
+            document, output = parent.document, parent.output
+            if state == _STORED and stored[0] != document:
+                document = stored[0]
+                output = orjson.loads(document)["outputs"]
+                indices = stage.select(output)
+            if not indices:
+                final = self._final(meta.id, document, [], stage.model, {})
+                self._add_result(outbox, meta.id, final, parent, meta.reply_to)
+                continue
+            failed += await self._requests(outbox, parent, output, indices)
+        if failed:
+            outbox.children += failed
+            await self.join(outbox)
+
+    async def _requests(
+        self, outbox: Outbox, parent: Parent, output: Any, indices: list[int]
+    ) -> list[ChildAnswer]:
+        """Add the child requests of ``parent`` to ``outbox``; the answers of those that
+        could not be sent (a crop that cannot be cut, or too large) come back."""
+        stage = self._stage
+        assert stage is not None
+        item, meta = parent.item, parent.item.meta
+        boxes = [output["detections"][i]["box"] for i in indices]
+        count = len(indices)
+        try:
+            crops = await asyncio.to_thread(
+                cut,
+                item.record.value or b"",
+                ContentType(meta.content_type),
+                boxes,
+                stage.margin,
+                max_pixels=self._max_pixels,
+            )
+        except (ContractError, ValueError, OSError) as exc:
+            log.error("the crops of %s could not be cut: %s", meta.id, exc)
+            message = f"the crop could not be cut from the image: {exc}"
+            return [
+                self._failed(meta.id, i, count, item.record.partition, message)
+                for i in range(count)
+            ]
+        failed = []
+        common = self._common_headers(parent, count)
+        key = None if meta.stream is None else meta.stream.encode()
+        for index, crop in enumerate(crops):
+            request = child_id(meta.id, index)
+            if len(crop) > self._max_payload_bytes:
+                message = (
+                    f"the crop is {len(crop)} bytes as PNG, more than a request may carry "
+                    f"({self._max_payload_bytes})"
+                )
+                failed.append(self._failed(meta.id, index, count, item.record.partition, message))
+                continue
+            record_key = key or request.encode()
+            headers = [
+                ("ce_id", request.encode()),
+                *common,
+                (INDEX_H, str(index).encode()),
+            ]
+            partition = zlib.crc32(record_key) % self._next_partitions
+            outbox.requests.append(Request(stage.topic, partition, record_key, crop, headers))
+        return failed
+
+    def _common_headers(self, parent: Parent, count: int) -> list[tuple[str, bytes]]:
+        stage = self._stage
+        assert stage is not None
+        meta = parent.item.meta
+        headers = [
+            ("ce_specversion", b"1.0"),
+            ("ce_type", b"conveyor.request.v1"),
+            ("ce_source", self._source),
+            ("content-type", b"image/png"),
+            (PARENT_H, meta.id.encode()),
+            (COUNT_H, str(count).encode()),
+        ]
+        if meta.deadline is not None:
+            headers.append(("ce_deadline", meta.deadline.isoformat().encode()))
+        if meta.traceparent is not None:
+            headers.append(("traceparent", meta.traceparent.encode()))
+        if stage.params is not None:
+            headers.append(("ce_params", stage.params))
+        return headers
+
+    def _failed(
+        self, parent: str, index: int, count: int, partition: int, message: str
+    ) -> ChildAnswer:
+        """The answer of a child that was never sent: an error, as its model would give."""
+        request = child_id(parent, index)
+        code = ErrorCode.internal
+        document = self._encoder.encode(
+            request, status_for(code), None, (code.value, message), None
+        )
+        return ChildAnswer(request, parent, index, count, document, partition)
+
+    # -- the next stage -----------------------------------------------------------------
+
+    async def join(self, outbox: Outbox) -> None:
+        """Add ``outbox.children`` to their joins; add the results of the parents they
+        complete to ``outbox`` (a child whose join is gone becomes a result of its own)."""
+        children, outbox.children = outbox.children, []
+        keys = [join_key(child.parent) for child in children]
+        args: list[Any] = []
+        for child in children:
+            args += [child.count, child.index, child.document]
+        found = await self._retry("redis", lambda: self._children(keys=keys, args=args))
+        done: set[str] = set()
+        for child, state in zip(children, found, strict=True):
+            if state == -1:
+                log.warning(
+                    "request %s is child %d of %s, which has no join of that many children "
+                    "(expired after result_ttl_s, or never started): answered under its own id",
+                    child.request_id,
+                    child.index,
+                    child.parent,
+                )
+                outbox.add(
+                    child.request_id,
+                    child.document,
+                    self._encoder.headers(child.request_id, None),
+                    None,
+                    child.partition,
+                )
+            elif isinstance(state, list) and child.parent not in done:
+                done.add(child.parent)
+                fields = dict(zip(state[::2], state[1::2], strict=True))
+                self._complete(outbox, child, fields)
+
+    def _complete(self, outbox: Outbox, child: ChildAnswer, fields: dict[bytes, bytes]) -> None:
+        indices = orjson.loads(fields[b"boxes"])
+        answers = {i: fields[f"c{i}".encode()] for i in range(len(indices))}
+        model = fields[b"next"].decode()
+        final = self._final(child.parent, fields[b"doc"], indices, model, answers)
+        trace = fields[b"trace"].decode() or None
+        outbox.add(
+            child.parent,
+            final,
+            self._encoder.headers(child.parent, trace),
+            fields[b"reply"].decode(),
+            child.partition,
+        )
+
+    def _final(
+        self,
+        parent: str,
+        document: bytes,
+        indices: Sequence[int],
+        model: str,
+        answers: dict[int, bytes],
+    ) -> bytes:
+        """The parent's result: its document, each chosen detection with its child's
+        answer under ``next``, and ``outputs.pipeline`` saying which children failed."""
+        result = orjson.loads(document)
+        outputs = result["outputs"]
+        detections = outputs.get("detections", []) if isinstance(outputs, dict) else []
+        failed = []
+        for i, j in enumerate(indices):
+            child = orjson.loads(answers[i])
+            if child["status"] != "ok":
+                failed.append(i)
+            detections[j]["next"] = {
+                "id": child["id"],
+                "model": child["model"],
+                "model_version": child["model_version"],
+                "status": child["status"],
+                "outputs": child["outputs"],
+                "error": child["error"],
+            }
+        if isinstance(outputs, dict):
+            outputs["pipeline"] = {"model": model, "children": len(indices), "failed": failed}
+        final = orjson.dumps(result)
+        if len(final) <= self._max_result_bytes:
+            return final
+        message = (
+            f"the answer with its {len(indices)} children's answers is {len(final)} bytes, "
+            f"more than the reply topic accepts ({self._max_result_bytes}); ask for fewer "
+            "children (then_options max_children) or raise the topic's max.message.bytes"
+        )
+        code = ErrorCode.result_too_large
+        return self._encoder.encode(parent, status_for(code), None, (code.value, message), None)
+
+    def _add_result(
+        self, outbox: Outbox, request_id: str, document: bytes, parent: Parent, reply_to: str | None
+    ) -> None:
+        headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
+        outbox.add(request_id, document, headers, reply_to, parent.item.record.partition)
+
+
+class Chained:
+    """A result sink that runs the pipeline step (``Joins.settle``) on each outbox first."""
+
+    def __init__(self, chain: Chain, sink: ResultSink) -> None:
+        self._chain = chain
+        self._sink = sink
+
+    async def publish(self, outbox: Outbox) -> PublishReport:
+        await self._chain.settle(outbox)
+        return await self._sink.publish(outbox)
