@@ -214,3 +214,30 @@ async def watch(redis_url: str, ids: Sequence[str], seen: dict[str, bytes]) -> N
                 if isinstance(value, bytes):
                     seen.setdefault(request_id, value)
             await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    scenes: list[bytes],
+    direct: tuple[ModelRunner, ModelRunner],
+) -> None:
+    classifier = f"{model_name}c"
+    await create_model_topics(client_settings, model_name, partitions=2)
+    await create_model_topics(client_settings, classifier, partitions=2)
+    records, ids = requests(scenes, 200, model_name, ContentType.PNG)
+    workers.start("--model-name", classifier, "--delivery", "exactly-once", model="digits")
+    workers.start(
+        "--then", classifier, "--then-options", THEN, "--delivery", "exactly-once",
+        model=DETECTOR,
+    )  # fmt: skip
+    await produce(kafka_bootstrap, topics_for(model_name).requests, records)
+    results = await wait_for_results(redis_url, ids, timeout_s=200)
+    # The classifier reads committed records only: every crop's transaction committed.
+    assert set(results) == set(ids), workers.logs()
+    for n, request_id in enumerate(ids):
+        check_answer(request_id, scenes[n % len(scenes)], results[request_id].outputs, direct)
