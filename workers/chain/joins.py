@@ -189,7 +189,16 @@ class Joins:
         """Write the joins of ``outbox.parents``, then their child requests."""
         stage = self._stage
         assert stage is not None, "parents come only from a worker with a next stage"
-        parents, outbox.parents = outbox.parents, []
+        given, outbox.parents = outbox.parents, []
+        parents = []
+        for parent in given:
+            if _has_boxes(parent.output):
+                parents.append(parent)
+            else:  # a classification, say: nothing to send on, its answer as it is
+                meta = parent.item.meta
+                self._add_result(outbox, meta.id, parent.document, parent, meta.reply_to)
+        if not parents:
+            return
         chosen = [stage.select(parent.output) for parent in parents]
         keys: list[str] = []
         args: list[Any] = [self._ttl_s]
@@ -396,6 +405,10 @@ class Joins:
     ) -> None:
         headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
         outbox.add(request_id, document, headers, reply_to, parent.item.record.partition)
+
+
+def _has_boxes(output: Any) -> bool:
+    return isinstance(output, dict) and isinstance(output.get("detections"), list)
 
 
 class Chained:
