@@ -110,6 +110,25 @@ def test_a_reload_starts_what_was_added_stops_what_was_removed_and_touches_only_
     assert reload_plan(before, shared).changed == ["digits", "faces"]
 
 
+def test_a_reload_says_which_models_change_their_process_count_or_cards(tmp_path: Path) -> None:
+    before = read_host_file(write(tmp_path, HOST), FIELDS)
+    more = HOST.replace("max_batch_size = 64", "max_batch_size = 64\nprocesses = 3")
+    after = read_host_file(
+        write(tmp_path, more.replace("max_batch_size = 16", 'gpus = "1"')), FIELDS
+    )
+    assert before is not None
+    assert after is not None
+    plan = reload_plan(before, after)
+    assert plan.changed == ["digits", "faces"]
+    assert plan.resized == ["digits", "faces"]  # faces: its count; both: the shared cards
+    assert plan.describe() == (
+        "drain, then start with the new process count or cards digits, faces"
+    )
+    batch_only = read_host_file(write(tmp_path, HOST.replace("= 64", "= 32")), FIELDS)
+    assert batch_only is not None
+    assert reload_plan(before, batch_only).resized == []
+
+
 def test_check_prints_each_models_processes_and_exits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

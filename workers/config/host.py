@@ -28,6 +28,7 @@ MODELS_KEY = "models"
 """The array of tables, one a model."""
 
 _HOST_ONLY = frozenset({"config_file", "host_model"})
+_SIZE_KEYS = ("processes", "gpus")  # what a model's processes and cards are planned from
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,19 @@ class Reload:
     removed: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    resized: list[str] = field(default_factory=list)
+    """Of ``changed``, the models whose process count or cards may change: drained and
+    started anew with their new processes (when the count or cards do change)."""
 
     def describe(self) -> str:
+        rolled = [name for name in self.changed if name not in self.resized]
         parts = [
             f"{what} {', '.join(names)}"
             for what, names in (
                 ("start", self.added),
                 ("drain and stop", self.removed),
-                ("restart one process a card at a time", self.changed),
+                ("restart one process a card at a time", rolled),
+                ("drain, then start with the new process count or cards", self.resized),
                 ("leave alone", self.unchanged),
             )
             if names
@@ -154,6 +160,10 @@ def reload_plan(before: HostFile, after: HostFile, running: Sequence[str] | None
             plan.added.append(name)
         elif shared_changed or dict(old.get(name, {})) != dict(new[name]):
             plan.changed.append(name)
+            before_table = {**before.shared, **old.get(name, {})}
+            after_table = {**after.shared, **new[name]}
+            if any(before_table.get(key) != after_table.get(key) for key in _SIZE_KEYS):
+                plan.resized.append(name)
         else:
             plan.unchanged.append(name)
     plan.removed.extend(name for name in names if name not in new)
