@@ -6,11 +6,12 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H, Child, child_id, child_of, join_key
 from schemas.headers import ContentType
-from workers.chain.crops import cut, pixel_box
+from workers.chain.crops import cut, cut_from, pixel_box
 from workers.config.next_stage import NextStage
 
 
@@ -115,3 +116,20 @@ def test_crops_are_the_pixels_of_their_boxes() -> None:
     first, second = (np.asarray(Image.open(io.BytesIO(c))) for c in crops)
     assert np.array_equal(first, pixels[2:7, 1:11])
     assert np.array_equal(second, pixels[20:30, 30:40])
+
+
+def test_crops_come_from_the_image_the_model_decoded_or_its_bytes() -> None:
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    boxes = [(3, 4, 20, 25)]
+    want = cut(png, ContentType.PNG, boxes, 0.1, max_pixels=10_000)
+    held = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # as decode_full makes it
+    assert cut_from(held, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000) == want
+    kept = torch.frombuffer(bytearray(png), dtype=torch.uint8)  # kept for the card's decoder
+    assert cut_from(kept, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000) == want
+    grey = torch.from_numpy(pixels[:, :, :1]).permute(2, 0, 1).contiguous()
+    (crop,) = cut_from(grey, b"", ContentType.PNG, boxes, 0.0, max_pixels=10_000)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(crop))), pixels[4:25, 3:20, 0])

@@ -1,10 +1,13 @@
 """Cutting a parent's boxes out of its image: one PNG per child request.
 
-The image is decoded again from the parent's payload, on the CPU, as the detector's
-full-size decode does it (``workers.decode.images.decode_full``, in RGB), so a box in
-the answer's pixels is a box in these. Each box grows by its margin, is clamped to the
-image and rounded outwards to whole pixels; the crop is written as PNG, so the next
-model sees exactly these pixels. Pure functions, safe to run in a thread.
+The image is the one the first model saw: the full-size uint8 image its handler's
+``preprocess`` decoded (``Item.tensor``), so a box in the answer's pixels is a box in
+these, in the model's colour mode, with no second decode; or, where the image was
+kept encoded for the card's JPEG decoder, those bytes (or the record's payload)
+decoded again as the CPU path decodes them (``workers.decode.images.decode_full``,
+in RGB). Each box grows by its margin, is clamped to the image and rounded outwards
+to whole pixels; the crop is written as PNG, so the next model sees exactly these
+pixels. Pure functions, safe to run in a thread.
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+import torch
 from PIL import Image
 
 from schemas.headers import ContentType
 from workers.decode.images import decode_full
 
 Box = Sequence[float]
+Pixels = npt.NDArray[np.uint8]  # (H, W, C) or (H, W)
 
 
 def pixel_box(box: Box, margin: float, width: int, height: int) -> tuple[int, int, int, int]:
@@ -34,6 +41,46 @@ def pixel_box(box: Box, margin: float, width: int, height: int) -> tuple[int, in
     return left, top, right, bottom
 
 
+def decoded(preprocessed: Any) -> Pixels | None:
+    """The image a full-size handler's ``preprocess`` made (a uint8 (C, H, W) tensor on
+    the CPU, C 1 or 3), as (H, W, C) or (H, W) pixels; None for anything else."""
+    if not (
+        isinstance(preprocessed, torch.Tensor)
+        and preprocessed.dtype == torch.uint8
+        and preprocessed.device.type == "cpu"
+        and preprocessed.dim() == 3
+        and preprocessed.shape[0] in (1, 3)
+    ):
+        return None
+    pixels = preprocessed.permute(1, 2, 0).numpy()
+    return np.ascontiguousarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
+
+
+def encoded(preprocessed: Any, payload: bytes) -> bytes:
+    """The image's encoded bytes: those a handler kept for the card's JPEG decoder (a
+    uint8 1-D tensor), else ``payload``."""
+    if (
+        isinstance(preprocessed, torch.Tensor)
+        and preprocessed.dtype == torch.uint8
+        and preprocessed.device.type == "cpu"
+        and preprocessed.dim() == 1
+    ):
+        return preprocessed.numpy().tobytes()
+    return payload
+
+
+def cut_pixels(pixels: Pixels, boxes: Sequence[Box], margin: float) -> list[bytes]:
+    """The PNG of each box of ``pixels``, in the order of ``boxes``."""
+    height, width = pixels.shape[:2]
+    crops = []
+    for box in boxes:
+        left, top, right, bottom = pixel_box(box, margin, width, height)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels[top:bottom, left:right]).save(buffer, format="PNG", compress_level=1)
+        crops.append(buffer.getvalue())
+    return crops
+
+
 def cut(
     payload: bytes,
     content_type: ContentType,
@@ -42,16 +89,24 @@ def cut(
     *,
     max_pixels: int,
 ) -> list[bytes]:
-    """The PNG of each box of the image in ``payload``, in the order of ``boxes``."""
+    """The PNG of each box of the image in ``payload`` (decoded in RGB)."""
     if not boxes:
         return []
     pixels = decode_full(payload, content_type, "RGB", max_pixels=max_pixels)
-    image = np.ascontiguousarray(pixels.permute(1, 2, 0).numpy())
-    height, width = image.shape[:2]
-    crops = []
-    for box in boxes:
-        left, top, right, bottom = pixel_box(box, margin, width, height)
-        buffer = io.BytesIO()
-        Image.fromarray(image[top:bottom, left:right]).save(buffer, format="PNG", compress_level=1)
-        crops.append(buffer.getvalue())
-    return crops
+    return cut_pixels(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()), boxes, margin)
+
+
+def cut_from(
+    preprocessed: Any,
+    payload: bytes,
+    content_type: ContentType,
+    boxes: Sequence[Box],
+    margin: float,
+    *,
+    max_pixels: int,
+) -> list[bytes]:
+    """The PNG of each box of the image the first model saw (see the module doc)."""
+    pixels = decoded(preprocessed)
+    if pixels is not None:
+        return cut_pixels(pixels, boxes, margin)
+    return cut(encoded(preprocessed, payload), content_type, boxes, margin, max_pixels=max_pixels)

@@ -10,9 +10,9 @@ result goes, and, as they come, each child's result document (``c0``, ``c1``, ..
   join unless one is there (a redelivered parent uses the document stored first, so
   its children are the first run's, whatever this run found); a parent whose result
   is already written gets it back, as any redelivered request. Then the crops are cut
-  (``workers.chain.crops``) and added to the outbox as child requests, which the
-  publisher sends, acknowledged, before the parent's position is committed (inside
-  the partition's transaction in exactly-once delivery).
+  from the image the model saw (``workers.chain.crops``) and added to the outbox as
+  child requests, which the publisher sends, acknowledged, before the parent's
+  position is committed (inside the partition's transaction in exactly-once delivery).
 - **The next stage** (``Joins.join``): every worker adds the answers of child requests
   to their parents' joins (``HSETNX``: a child answered twice keeps its first answer),
   one script call per publish; the call that completes a join gets all of it back and
@@ -42,7 +42,7 @@ from schemas import ContractError, ErrorCode, result_key, status_for
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H, child_id, join_key
 from schemas.fastpath import ResultEncoder
 from schemas.headers import ContentType
-from workers.chain.crops import cut
+from workers.chain.crops import cut_from
 from workers.config.next_stage import NextStage
 from workers.config.worker import WorkerSettings
 from workers.types import Chain, ChildAnswer, Outbox, Parent, PublishReport, Request, ResultSink
@@ -247,7 +247,8 @@ class Joins:
         count = len(indices)
         try:
             crops = await asyncio.to_thread(
-                cut,
+                cut_from,
+                item.tensor,
                 item.record.value or b"",
                 ContentType(meta.content_type),
                 boxes,
