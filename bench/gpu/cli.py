@@ -26,6 +26,7 @@ import bench.gpu
 from bench.detect import DETECTORS, print_detect_table, stage_detect
 from bench.gpu.accept import FORMS, ceiling_share, print_accept_table, stage_accept
 from bench.gpu.ceilings import stage_checks, stage_decode, stage_forward, stage_naive, stage_overlap
+from bench.gpu.chain import CHAIN, stage_chain
 from bench.gpu.config import Config, _card, load_model, make_config
 from bench.gpu.corpus import Corpus, build_corpora
 from bench.gpu.e2e import stage_e2e
@@ -52,6 +53,7 @@ STAGES = (
     "accept",
     "zoo",
     "together",
+    "chain",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -179,6 +181,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=400,
         help="together: processes the second model asks for in the last host (more than fit)",
+    )
+    parser.add_argument(
+        "--chain", default=CHAIN, help="chain: a detector spec and a classifier spec"
+    )
+    parser.add_argument(
+        "--chain-boxes", type=int, default=4, help="chain: boxes an image sent to the classifier"
+    )
+    parser.add_argument(
+        "--chain-s",
+        type=float,
+        default=6.0,
+        help="chain: seconds a backlog lasts the detector alone",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
@@ -340,6 +354,7 @@ def _run_stage(
         "accept": lambda: stage_accept(cfg, corpora, args),
         "zoo": lambda: stage_zoo(cfg, corpora, args, save),
         "together": lambda: stage_together(cfg, corpora, args),
+        "chain": lambda: stage_chain(cfg, corpora, args),
     }
     if stage in simple:
         return simple[stage]()

@@ -45,6 +45,29 @@ def test_quick_cpu_bench_writes_every_section(
     assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_chain_stage_runs_on_the_cpu(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """bench.gpu's chain stage (a detector, then a classifier on its boxes, each stage's
+    share of the card) with the demo models on the CPU, so it works when a GPU call comes."""
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "chain"]
+    argv += ["--chain", "demo.models.detector:DigitsDetector,digits", "--corpora", "224x224"]
+    argv += ["--producers", "2", "--e2e-count", "64", "--chain-s", "1", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--metrics-port", str(free_port())]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    chain = json.loads((tmp_path / "gpu-bench.json").read_text())["chain"]
+    assert chain["detector alone"]["rate"] > 0
+    assert chain["both"]["rate"] > 0
+    assert chain["both"]["crops_per_frame"] > 0  # the demo detector finds boxes in the photos
+    assert chain["classifier alone"]["count"] > 0
+    assert chain["sum_of_shares"] > 0
+
+
 @pytest.mark.timeout(120)
 def test_sdk_send_bench_times_each_batch_size(kafka_bootstrap: str, tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench.sdk_send", "--requests", "40", "--repeats", "1"]

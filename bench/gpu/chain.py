@@ -1,0 +1,193 @@
+"""The ``chain`` stage: a detector, then a classifier on each of its boxes, through one
+host file on one card (docs/models.md, "Pipelines"), and each stage's share of the card.
+
+For the two specs of ``--chain`` (random weights for torchvision and timm models:
+throughput only), in one call:
+
+1. the detector alone (a host file of it alone): frames a second, ``D``;
+2. both, the detector with ``then`` the classifier, every box above score 0 sent on,
+   ``--chain-boxes`` at most an image: parent frames a second through both stages,
+   ``P`` (each answered once all its crops are), and crops a frame, ``k``;
+3. the classifier alone on those very crops (the child requests the pipeline sent,
+   read back from its request topic and sent again as plain requests): crops a second,
+   ``C``.
+
+Each stage's share of the card is the time it would take alone for what the pipeline
+did: the detector ``P / D``, the classifier ``P * k / C``; their sum is 1 where the
+pipeline uses the card as well as time-sharing it between the two models allows.
+Each backlog is sized from the detector's rate alone to last ``--chain-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.config import Config
+from bench.gpu.cores import _pin_services
+from bench.gpu.corpus import Corpus
+from bench.gpu.e2e import UtilizationSampler, _steady_state
+from bench.gpu.host import _await_results, _start_host
+from bench.gpu.load import produce_at_once
+from producers.admin import create_model_topics, delete_model_topics
+from producers.settings import ClientSettings
+from producers.testing import Fleet, WorkerConfig, produce, read_topic, until_all_ready
+from schemas import OutgoingRecord, topics_for
+from schemas.chain import COUNT_H, INDEX_H, PARENT_H
+
+CHAIN = "torchvision:fasterrcnn_resnet50_fpn,torchvision:resnet50"
+_PARTITIONS = 8
+_CHILD_HEADERS = frozenset({PARENT_H, INDEX_H, COUNT_H})
+# Random weights score every box about alike and below torchvision's defaults: keep them.
+_DETECTOR_OPTIONS = "{ box_score_thresh = 0.0, score_threshold = 0.0 }"
+
+
+def stage_chain(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) -> dict[str, Any]:
+    _pin_services(args)
+    corpus = next(c for c in corpora if c.name == "640x480") if len(corpora) > 1 else corpora[0]
+    return asyncio.run(_chain(cfg, corpus, args))
+
+
+async def _chain(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
+    specs = [s.strip() for s in args.chain.split(",") if s.strip()]
+    if len(specs) != 2:
+        raise SystemExit(f"--chain: a detector spec and a classifier spec, not {specs}")
+    run = uuid.uuid4().hex[:6]
+    detector, classifier, crops = (f"gpuchain{part}{run}" for part in ("d", "c", "k"))
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    for name in (detector, classifier, crops):
+        await create_model_topics(settings, name, _PARTITIONS)
+    out: dict[str, Any] = {"detector": specs[0], "classifier": specs[1], "corpus": corpus.name}
+    try:
+        alone = await _serve(args, cfg, corpus, "detector", [(detector, specs[0], None)], None)
+        out["detector alone"] = alone
+        _say(out, "detector alone")
+        rate = alone["rate"]
+        models = [(detector, specs[0], classifier), (classifier, specs[1], None)]
+        both = await _serve(args, cfg, corpus, "both", models, rate)
+        out["both"] = both
+        _say(out, "both")
+        count = await _resend_crops(args, classifier, crops)
+        if count:
+            row = await _serve(args, cfg, None, "classifier", [(crops, specs[1], None)], count)
+            out["classifier alone"] = row
+            _say(out, "classifier alone")
+            out |= _shares(rate, both, row["rate"])
+    finally:
+        for name in (detector, classifier, crops):
+            await delete_model_topics(settings, name)
+    return out
+
+
+def _say(out: dict[str, Any], key: str) -> None:
+    print(f"  chain {key}: {json.dumps(out[key], default=str)}", flush=True)
+
+
+def _shares(detector_rate: float, both: dict[str, Any], classifier_rate: float) -> dict[str, Any]:
+    frames, per_frame = both["rate"], both["crops_per_frame"]
+    detector = frames / detector_rate
+    classifier = frames * per_frame / classifier_rate
+    return {
+        "detector_share": round(detector, 3),
+        "classifier_share": round(classifier, 3),
+        "sum_of_shares": round(detector + classifier, 3),
+    }
+
+
+def _host_file(
+    folder: Path, label: str, models: Sequence[tuple[str, str, str | None]], boxes: int
+) -> Path:
+    """A host file of ``models`` (topic name, spec, the model its boxes go to or None)."""
+    lines = []
+    for name, spec, then in models:
+        lines += ["[[models]]", f'model = "{spec}"', f'model_name = "{name}"']
+        if spec.startswith(("torchvision:", "timm:")):
+            lines.append('weights = "random"')
+        if then is not None:
+            if spec.startswith("torchvision:"):
+                lines.append(f"model_options = {_DETECTOR_OPTIONS}")
+            lines.append(f'then = "{then}"')
+            lines.append(f"then_options = {{ min_score = 0.0, max_children = {boxes} }}")
+        lines.append("")
+    path = folder / f"host-chain-{label}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+async def _serve(
+    args: argparse.Namespace,
+    cfg: Config,
+    corpus: Corpus | None,
+    label: str,
+    models: Sequence[tuple[str, str, str | None]],
+    sized: float | int | None,
+) -> dict[str, Any]:
+    """One host of ``models``; a backlog for the first of them: ``corpus`` frames sized
+    to last ``--chain-s`` at ``sized`` frames a second (a first guess when None), or,
+    without a corpus, the ``sized`` records already on its topic. Its rate in steady state."""
+    path = _host_file(args.out / "hosts", label, models, args.chain_boxes)
+    options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
+    config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)
+    fleet = Fleet(config, args.out / "workers" / f"chain-{label}")
+    first = models[0][0]
+    try:
+        started = time.monotonic()
+        host = _start_host(fleet, cfg, args, None, 1)
+        await until_all_ready([host], args.ready_timeout, settle_s=1.0)
+        ready_s = time.monotonic() - started
+        prefix = f"chain-{label}-{first}"
+        with UtilizationSampler(1) as gpu:
+            if corpus is not None:
+                guess = sized if sized is not None else cfg.e2e_count / args.chain_s
+                count = max(256, math.ceil(guess * args.chain_s))
+                await produce_at_once(args, corpus, [(first, prefix, count)], _PARTITIONS)
+            else:
+                count, prefix = int(sized or 0), f"chain-crop-{first}"
+            results = await _await_results(prefix, count, args, [host])
+        steady = _steady_state(results, gpu)
+        row: dict[str, Any] = {
+            "ready_s": round(ready_s, 1),
+            "processes": len(host.children()),
+            "count": count,
+            "rate": steady["img_s"],
+            "gpu_util_pct": steady["gpu_util_pct"],
+            "host_file": path.read_text(),
+        }
+        if any(then is not None for _, _, then in models):
+            children = [len(_boxes_sent(r.outputs)) for r in results]
+            row["crops_per_frame"] = sum(children) / len(children)
+        return row
+    finally:
+        (args.out / f"chain-{label}.log").write_text(fleet.logs())
+        await fleet.aclose()
+
+
+def _boxes_sent(outputs: Any) -> list[Any]:
+    detections = outputs.get("detections", []) if isinstance(outputs, dict) else []
+    return [d for d in detections if "next" in d]
+
+
+async def _resend_crops(args: argparse.Namespace, classifier: str, crops: str) -> int:
+    """The crops the pipeline sent to ``classifier``, sent again to ``crops`` as plain
+    requests (ids ``chain-crop-<crops>-<n>``, no parent headers); how many."""
+    topic = topics_for(classifier).requests
+    sent = await read_topic(args.kafka_bootstrap, topic, expect=1, timeout_s=30)
+    prefix = f"chain-crop-{crops}"
+    records = []
+    for n, record in enumerate(sent):
+        headers = [
+            (k, f"{prefix}-{n}".encode() if k == "ce_id" else v)
+            for k, v in record.headers
+            if k not in _CHILD_HEADERS
+        ]
+        records.append(OutgoingRecord(f"{prefix}-{n}".encode(), record.value, headers))
+    await produce(args.kafka_bootstrap, topics_for(crops).requests, records)
+    return len(records)
