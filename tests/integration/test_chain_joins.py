@@ -152,3 +152,26 @@ async def test_a_parent_without_chosen_boxes_is_answered_at_once(joins: Joins, u
     assert out.requests == []
     assert out.ids == [parent]
     assert orjson.loads(out.values[0])["outputs"]["pipeline"]["children"] == 0
+
+
+async def test_the_whole_image_child_answers_inside_the_parents_object(
+    redis_url: str, uid: str
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    stage = NextStage.parse("next", {"crop": "image", "size": 30}, "conveyor")
+    whole = Joins(
+        client, FIRST, _once, stage=stage, next_partitions=1, ttl_s=60, max_pixels=10**7,
+        max_payload_bytes=10**6, max_result_bytes=10**6, results_topic="conveyor.first.results",
+        worker="worker-a",
+    )  # fmt: skip
+    parent = _parent(f"p-{uid}")  # no detections: the image itself goes on
+    try:
+        sent = await _settled(whole, parents=[parent])
+        (request,) = sent.requests
+        assert Image.open(io.BytesIO(request.value)).size == (30, 20)  # 60x40, longest side 30
+        done = await _settled(whole, children=[_child(f"p-{uid}", 0, 1, "2")])
+        final = orjson.loads(done.values[0])
+        assert final["outputs"]["next"]["outputs"][0]["label"] == "2"
+        assert final["outputs"]["pipeline"]["children"] == 1
+    finally:
+        await client.aclose()

@@ -11,7 +11,7 @@ from PIL import Image
 
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H, Child, child_id, child_of, join_key
 from schemas.headers import ContentType
-from workers.chain.crops import cut, cut_from, pixel_box
+from workers.chain.crops import cut, cut_from, cut_pixels, pixel_box
 from workers.config.next_stage import NextStage
 
 
@@ -133,3 +133,22 @@ def test_crops_come_from_the_image_the_model_decoded_or_its_bytes() -> None:
     grey = torch.from_numpy(pixels[:, :, :1]).permute(2, 0, 1).contiguous()
     (crop,) = cut_from(grey, b"", ContentType.PNG, boxes, 0.0, max_pixels=10_000)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(crop))), pixels[4:25, 3:20, 0])
+
+
+def test_the_whole_image_is_one_child_of_any_answer_that_is_an_object() -> None:
+    stage = NextStage.parse("scene", {"crop": "image", "size": 16}, "conveyor")
+    assert stage.select({"type": "conveyor.embedding.v1"}) == [-1]
+    assert stage.takes({"type": "conveyor.embedding.v1"})
+    assert not stage.takes([{"label": "cat", "score": 1.0}])  # nothing to put its answer in
+    with pytest.raises(ValueError, match="size"):
+        NextStage.parse("scene", {"size": 16}, "conveyor")  # size is for crop image
+    with pytest.raises(ValueError, match="crop"):
+        NextStage.parse("scene", {"crop": "tiles"}, "conveyor")
+
+
+def test_a_resized_crop_keeps_its_shape_and_is_never_enlarged() -> None:
+    pixels = np.zeros((30, 40, 3), dtype=np.uint8)
+    (small,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, size=20)
+    (same,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, size=100)
+    assert Image.open(io.BytesIO(small)).size == (20, 15)
+    assert Image.open(io.BytesIO(same)).size == (40, 30)

@@ -69,14 +69,23 @@ def encoded(preprocessed: Any, payload: bytes) -> bytes:
     return payload
 
 
-def cut_pixels(pixels: Pixels, boxes: Sequence[Box], margin: float) -> list[bytes]:
-    """The PNG of each box of ``pixels``, in the order of ``boxes``."""
+def cut_pixels(
+    pixels: Pixels, boxes: Sequence[Box], margin: float, size: int | None = None
+) -> list[bytes]:
+    """The PNG of each box of ``pixels``, in the order of ``boxes``; with ``size``, each
+    resized (bilinear, keeping its shape) so its longer side is at most ``size``."""
     height, width = pixels.shape[:2]
     crops = []
     for box in boxes:
         left, top, right, bottom = pixel_box(box, margin, width, height)
+        crop = Image.fromarray(pixels[top:bottom, left:right])
+        longest = max(crop.size)
+        if size is not None and longest > size:
+            scale = size / longest
+            shape = (max(1, round(crop.width * scale)), max(1, round(crop.height * scale)))
+            crop = crop.resize(shape, Image.Resampling.BILINEAR)
         buffer = io.BytesIO()
-        Image.fromarray(pixels[top:bottom, left:right]).save(buffer, format="PNG", compress_level=1)
+        crop.save(buffer, format="PNG", compress_level=1)
         crops.append(buffer.getvalue())
     return crops
 
@@ -88,12 +97,14 @@ def cut(
     margin: float,
     *,
     max_pixels: int,
+    size: int | None = None,
 ) -> list[bytes]:
     """The PNG of each box of the image in ``payload`` (decoded in RGB)."""
     if not boxes:
         return []
     pixels = decode_full(payload, content_type, "RGB", max_pixels=max_pixels)
-    return cut_pixels(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()), boxes, margin)
+    image = np.ascontiguousarray(pixels.permute(1, 2, 0).numpy())
+    return cut_pixels(image, boxes, margin, size)
 
 
 def cut_from(
@@ -104,9 +115,11 @@ def cut_from(
     margin: float,
     *,
     max_pixels: int,
+    size: int | None = None,
 ) -> list[bytes]:
     """The PNG of each box of the image the first model saw (see the module doc)."""
     pixels = decoded(preprocessed)
     if pixels is not None:
-        return cut_pixels(pixels, boxes, margin)
-    return cut(encoded(preprocessed, payload), content_type, boxes, margin, max_pixels=max_pixels)
+        return cut_pixels(pixels, boxes, margin, size)
+    data = encoded(preprocessed, payload)
+    return cut(data, content_type, boxes, margin, max_pixels=max_pixels, size=size)

@@ -43,7 +43,7 @@ from schemas.chain import COUNT_H, INDEX_H, PARENT_H, child_id, join_key
 from schemas.fastpath import ResultEncoder
 from schemas.headers import ContentType
 from workers.chain.crops import cut_from
-from workers.config.next_stage import NextStage
+from workers.config.next_stage import WHOLE_IMAGE, NextStage
 from workers.config.worker import WorkerSettings
 from workers.types import Chain, ChildAnswer, Outbox, Parent, PublishReport, Request, ResultSink
 
@@ -192,7 +192,7 @@ class Joins:
         given, outbox.parents = outbox.parents, []
         parents = []
         for parent in given:
-            if _has_boxes(parent.output):
+            if stage.takes(parent.output):
                 parents.append(parent)
             else:  # a classification, say: nothing to send on, its answer as it is
                 meta = parent.item.meta
@@ -243,7 +243,12 @@ class Joins:
         stage = self._stage
         assert stage is not None
         item, meta = parent.item, parent.item.meta
-        boxes = [output["detections"][i]["box"] for i in indices]
+        if indices == [WHOLE_IMAGE]:
+            boxes: list[Sequence[float]] = [
+                (0, 0, output.get("width", 1e9), output.get("height", 1e9))
+            ]
+        else:
+            boxes = [output["detections"][i]["box"] for i in indices]
         count = len(indices)
         try:
             crops = await asyncio.to_thread(
@@ -252,8 +257,9 @@ class Joins:
                 item.record.value or b"",
                 ContentType(meta.content_type),
                 boxes,
-                stage.margin,
+                0.0 if stage.whole_image else stage.margin,
                 max_pixels=self._max_pixels,
+                size=stage.size,
             )
         except (ContractError, ValueError, OSError) as exc:
             log.error("the crops of %s could not be cut: %s", meta.id, exc)
@@ -380,7 +386,7 @@ class Joins:
             child = orjson.loads(answers[i])
             if child["status"] != "ok":
                 failed.append(i)
-            detections[j]["next"] = {
+            answer = {
                 "id": child["id"],
                 "model": child["model"],
                 "model_version": child["model_version"],
@@ -388,6 +394,10 @@ class Joins:
                 "outputs": child["outputs"],
                 "error": child["error"],
             }
+            if j == WHOLE_IMAGE:
+                outputs["next"] = answer
+            else:
+                detections[j]["next"] = answer
         if isinstance(outputs, dict):
             outputs["pipeline"] = {"model": model, "children": len(indices), "failed": failed}
         final = orjson.dumps(result)
@@ -406,10 +416,6 @@ class Joins:
     ) -> None:
         headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
         outbox.add(request_id, document, headers, reply_to, parent.item.record.partition)
-
-
-def _has_boxes(output: Any) -> bool:
-    return isinstance(output, dict) and isinstance(output.get("detections"), list)
 
 
 class Chained:

@@ -10,6 +10,8 @@ names the model that serves the crops; ``--then-options`` says which boxes it ge
 | ``max_children`` | 16 | at most this many boxes per image, best score first |
 | ``margin`` | 0.1 | each side of a box grows by this share of the box's width or height |
 | ``params`` | none | the ``ce_params`` every child request carries (e.g. ``{"top_k": 1}``) |
+| ``crop`` | ``boxes`` | ``image``: one child an answer (an object), the whole image |
+| ``size`` | none | with ``crop = image``: the longest side the image is resized to (never up) |
 
 Pure: the rule and its checks, no I/O.
 """
@@ -31,7 +33,12 @@ OPTIONS: dict[str, str] = {
     "max_children": f"at most this many boxes per image, best first (1 to {MAX_CHILDREN}; 16)",
     "margin": "each side of a box grows by this share of its width or height (0 to 1; 0.1)",
     "params": "the ce_params object every child request carries (default none)",
+    "crop": "boxes (a child a chosen box) or image (a child an answer: the whole image)",
+    "size": "with crop image: the longest side the image is resized to, never up (default none)",
 }
+
+WHOLE_IMAGE = -1
+"""The index ``select`` gives, alone, when the whole image is the one child."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +52,8 @@ class NextStage:
     max_children: int = 16
     margin: float = 0.1
     params: bytes | None = None  # ce_params of every child, encoded
+    whole_image: bool = False  # crop = "image": one child an answer, the whole image
+    size: int | None = None  # with whole_image: its longest side at most this
 
     @classmethod
     def parse(cls, model: str, options: Mapping[str, Any], prefix: str) -> NextStage:
@@ -69,6 +78,16 @@ class NextStage:
         params = options.get("params")
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"then_options params is an object, not {params!r}")
+        crop = options.get("crop", "boxes")
+        if crop not in ("boxes", "image"):
+            raise ValueError(f"then_options crop is boxes or image, not {crop!r}")
+        size = options.get("size")
+        if size is not None and (
+            crop != "image" or not isinstance(size, int) or isinstance(size, bool) or size < 1
+        ):
+            raise ValueError(
+                f"then_options size is a number of pixels >= 1, with crop image; not {size!r}"
+            )
         return cls(
             model=model,
             topic=topics_for(model, prefix).requests,
@@ -77,11 +96,23 @@ class NextStage:
             max_children=limit,
             margin=margin,
             params=None if params is None else orjson.dumps(params),
+            whole_image=crop == "image",
+            size=size,
         )
+
+    def takes(self, output: Any) -> bool:
+        """Whether an answer can have children: an object (the whole image's answer goes
+        in it) with ``crop = image``, else an object with ``detections``."""
+        if not isinstance(output, dict):
+            return False
+        return self.whole_image or isinstance(output.get("detections"), list)
 
     def select(self, output: Any) -> list[int]:
         """The indices of the detections in ``output`` that become child requests, best
-        first; none for an output without detections."""
+        first; none for an output without detections; ``[WHOLE_IMAGE]`` with ``crop =
+        image``."""
+        if self.whole_image:
+            return [WHOLE_IMAGE] if isinstance(output, dict) else []
         detections = output.get("detections") if isinstance(output, dict) else None
         if not isinstance(detections, list):
             return []
