@@ -200,6 +200,10 @@ class Parent:
     item: Item
     output: Any  # the model's output, as the document has it
     document: bytes  # this stage's result document
+    up: tuple[str, int, int] | None = None
+    """When the request is itself a child (a chain of three models or more): its
+    parent's id, its index and its parent's child count; its answer, complete, goes to
+    that parent's join instead of the results."""
 
 
 @dataclass(slots=True)

@@ -241,3 +241,40 @@ async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
     assert set(results) == set(ids), workers.logs()
     for n, request_id in enumerate(ids):
         check_answer(request_id, scenes[n % len(scenes)], results[request_id].outputs, direct)
+
+
+@pytest.mark.timeout(300)
+async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    scenes: list[bytes],
+    direct: tuple[ModelRunner, ModelRunner],
+) -> None:
+    """The detector, then the detector again on each of its crops, then the classifier
+    on each box found in a crop: one answer, each stage's answers inside the last's."""
+    middle, last = f"{model_name}m", f"{model_name}c"
+    for name in (model_name, middle, last):
+        await create_model_topics(client_settings, name, partitions=2)
+    records, ids = requests(scenes, 150, model_name, ContentType.PNG)
+    workers.start("--model-name", last, model="digits")
+    workers.start("--model-name", middle, "--then", last, "--then-options", THEN, model=DETECTOR)
+    workers.start("--then", middle, "--then-options", THEN, model=DETECTOR)
+    await produce(kafka_bootstrap, topics_for(model_name).requests, records)
+    results = await wait_for_results(redis_url, ids, timeout_s=240)
+    assert set(results) == set(ids), workers.logs()
+    nested = 0
+    for n, request_id in enumerate(ids):
+        outputs = results[request_id].outputs
+        payload = scenes[n % len(scenes)]
+        served = outputs["detections"]
+        crops = cut(payload, ContentType.PNG, [d["box"] for d in served], MARGIN, max_pixels=10**8)
+        for index, (found, crop) in enumerate(zip(served, crops, strict=True)):
+            then = found["next"]
+            assert then["status"] == "ok", then
+            assert then["model"] == middle
+            # The middle stage answered its crop as the two models would, directly.
+            nested += check_answer(child_id(request_id, index), crop, then["outputs"], direct)
+    assert nested > 0  # boxes found inside crops, each classified

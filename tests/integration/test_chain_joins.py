@@ -175,3 +175,22 @@ async def test_the_whole_image_child_answers_inside_the_parents_object(
         assert final["outputs"]["pipeline"]["children"] == 1
     finally:
         await client.aclose()
+
+
+async def test_a_chain_of_three_answers_once_with_each_stage_nested(joins: Joins, uid: str) -> None:
+    """first -> next (itself chained) -> a third model: the middle answer of child
+    ``p:0`` is a parent of its own, and its answer, complete, joins ``p``."""
+    top = f"p-{uid}"
+    await _settled(joins, parents=[_parent(top, 0.9)])  # one child: top:0
+    middle = _parent(f"{top}:0", 0.8, 0.7)  # the middle model's answer to top:0
+    middle.up = (top, 0, 1)
+    sent = await _settled(joins, parents=[middle])
+    assert len(sent.requests) == 2  # its own two children go on
+    assert sent.ids == []
+    assert (await _settled(joins, children=[_child(f"{top}:0", 0, 2, "4")])).ids == []
+    done = await _settled(joins, children=[_child(f"{top}:0", 1, 2, "6")])
+    assert done.ids == [top]  # the middle join completed, and with it the top one
+    final = orjson.loads(done.values[0])
+    (found,) = final["outputs"]["detections"]
+    inner = found["next"]["outputs"]["detections"]
+    assert [d["next"]["outputs"][0]["label"] for d in inner] == ["4", "6"]

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
 
-_META_FIELDS = 6  # doc, count, boxes, reply, trace, next
+_META_FIELDS = 7  # doc, count, boxes, reply, trace, next, up
 _SOCKET_TIMEOUT_S = 10.0
 
 PARENT_SCRIPT = """
@@ -60,12 +60,12 @@ local ttl = ARGV[1]
 local out = {}
 for i = 1, #KEYS / 2 do
   local join, result = KEYS[2 * i - 1], KEYS[2 * i]
-  local a = 1 + 6 * (i - 1)
+  local a = 1 + 7 * (i - 1)
   if redis.call('EXISTS', result) == 1 then
     out[i] = {2}
   elseif redis.call('HSETNX', join, 'doc', ARGV[a + 1]) == 1 then
     redis.call('HSET', join, 'count', ARGV[a + 2], 'boxes', ARGV[a + 3], 'reply', ARGV[a + 4],
-               'trace', ARGV[a + 5], 'next', ARGV[a + 6])
+               'trace', ARGV[a + 5], 'next', ARGV[a + 6], 'up', ARGV[a + 7])
     redis.call('EXPIRE', join, ttl)
     out[i] = {0}
   else
@@ -75,7 +75,8 @@ end
 return out
 """
 """KEYS: per parent its join and its result key. ARGV[1]: the TTL; then per parent its
-document, child count, detection indices (JSON), reply topic, trace context, next model.
+document, child count, detection indices (JSON), reply topic, trace context, next model,
+and, for a parent that is itself a child, its place in its own parent's join (JSON).
 Returns per parent {0} (this call started the join), {1, document} (a join was there:
 its document) or {2} (the parent's result is written)."""
 
@@ -88,7 +89,7 @@ for i, join in ipairs(KEYS) do
     out[i] = -1
   else
     redis.call('HSETNX', join, 'c' .. ARGV[a + 2], ARGV[a + 3])
-    if redis.call('HLEN', join) - 6 >= tonumber(count) then
+    if redis.call('HLEN', join) - 7 >= tonumber(count) then
       out[i] = redis.call('HGETALL', join)
     else
       out[i] = 0
@@ -213,6 +214,7 @@ class Joins:
                 reply,
                 meta.traceparent or "",
                 stage.model,
+                b"" if parent.up is None else orjson.dumps(parent.up),
             ]
         found = await self._retry("redis", lambda: self._parents(keys=keys, args=args))
         failed: list[ChildAnswer] = []
@@ -231,9 +233,7 @@ class Joins:
                 self._add_result(outbox, meta.id, final, parent, meta.reply_to)
                 continue
             failed += await self._requests(outbox, parent, output, indices)
-        if failed:
-            outbox.children += failed
-            await self.join(outbox)
+        outbox.children += failed  # joined next, in ``settle``
 
     async def _requests(
         self, outbox: Outbox, parent: Parent, output: Any, indices: list[int]
@@ -325,7 +325,12 @@ class Joins:
 
     async def join(self, outbox: Outbox) -> None:
         """Add ``outbox.children`` to their joins; add the results of the parents they
-        complete to ``outbox`` (a child whose join is gone becomes a result of its own)."""
+        complete to ``outbox`` (a child whose join is gone becomes a result of its own).
+        A completed parent that is itself a child joins its own parent in turn."""
+        while outbox.children:
+            await self._join_round(outbox)
+
+    async def _join_round(self, outbox: Outbox) -> None:
         children, outbox.children = outbox.children, []
         keys = [join_key(child.parent) for child in children]
         args: list[Any] = []
@@ -359,6 +364,12 @@ class Joins:
         answers = {i: fields[f"c{i}".encode()] for i in range(len(indices))}
         model = fields[b"next"].decode()
         final = self._final(child.parent, fields[b"doc"], indices, model, answers)
+        up = fields.get(b"up")
+        if up:  # this parent is a child of another: its answer joins that one's
+            grand, index, count = orjson.loads(up)
+            answer = ChildAnswer(child.parent, grand, index, count, final, child.partition)
+            outbox.children.append(answer)
+            return
         trace = fields[b"trace"].decode() or None
         outbox.add(
             child.parent,
@@ -414,8 +425,15 @@ class Joins:
     def _add_result(
         self, outbox: Outbox, request_id: str, document: bytes, parent: Parent, reply_to: str | None
     ) -> None:
+        """``parent``'s answer, complete: a result, or, for a parent that is itself a
+        child, its answer to its own parent's join."""
+        partition = parent.item.record.partition
+        if parent.up is not None:
+            up, index, count = parent.up
+            outbox.children.append(ChildAnswer(request_id, up, index, count, document, partition))
+            return
         headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
-        outbox.add(request_id, document, headers, reply_to, parent.item.record.partition)
+        outbox.add(request_id, document, headers, reply_to, partition)
 
 
 class Chained:

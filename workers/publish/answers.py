@@ -45,10 +45,11 @@ class Answers:
     ``ce_replyto`` is ignored and no record is dead-lettered (``workers.publish.shadow``).
 
     In a pipeline (``workers.chain``): with ``chained`` (the worker has a next stage),
-    every answer the model gave goes to ``Outbox.parents`` rather than the results; with
-    ``children`` (the worker joins), the answer of a child request (``schemas.chain``),
-    whatever its status, goes to ``Outbox.children``. A shadow does neither: its answers
-    are its own.
+    every answer the model gave goes to ``Outbox.parents`` rather than the results (also
+    that of a child request: its own children's answers are joined to it first); with
+    ``children`` (the worker joins), any other answer of a child request
+    (``schemas.chain``), whatever its status, goes to ``Outbox.children``. A shadow does
+    neither: its answers are its own.
     """
 
     def __init__(
@@ -117,12 +118,17 @@ class Answers:
                 data = self._error(meta.id, ErrorCode.internal, message, timings, built)
             produced.append(record.timestamp)
             spans.append(item.span)
-            if self._children and self._joined(
-                meta.id, record.headers, data, record.partition, built
-            ):
-                continue
+            child = child_of(record.headers) if self._children else None
             if answered and self._chained:
-                built.outbox.parents.append(Parent(item, output, data))
+                up = None if child is None else (child.parent, child.index, child.count)
+                built.outbox.parents.append(Parent(item, output, data, up))
+                continue
+            if child is not None:
+                built.outbox.children.append(
+                    ChildAnswer(
+                        meta.id, child.parent, child.index, child.count, data, record.partition
+                    )
+                )
                 continue
             reply_to = None if shadow else meta.reply_to
             add(meta.id, data, headers(meta.id, meta.traceparent), reply_to, record.partition)
