@@ -3,13 +3,15 @@ served boxes drawn back onto its frames.
 
 ``make_video`` draws held-out digits (never trained on) with the detector's own
 scene drawing (``demo.models.scenes``), so every frame's true boxes are known;
-``annotate`` draws the boxes, labels and scores a worker answered onto the
-decoded frames, for people to look at.
+``annotate`` draws what the pipeline answered onto the decoded frames, for people
+to look at: each box with the detector's label and score, and beside them the
+second model's label and score for that box's crop (``reading``), in cyan when the
+two labels agree and in red when they differ or the box has no ``ok`` reading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,10 @@ DIGIT_SECONDS = 2  # each track shows a new digit this often
 SCALE = 3  # the annotated output is drawn at 3x the video's size
 _LANES = 4  # one digit per quarter of the canvas, so digits never overlap
 _QUALITY_CRF = "16"  # H.264 quality: high enough that the frames stay the model's kind
-_BOX_COLOUR = (255, 210, 0)
+_BOX_COLOUR = (255, 210, 0)  # the detector's box, label and score
+_READ_COLOUR = (0, 210, 255)  # the second model's label and score, agreeing with the detector's
+_ODD_COLOUR = (255, 90, 90)  # ... differing from it, or no ok reading ("?")
+_TAG_GAP = 5  # pixels between the two tags above a box
 Truth = list[Box]
 
 
@@ -100,8 +105,9 @@ def make_video(path: Path, frames: int, seed: int = 7) -> list[Truth]:
 
 
 def annotate(video: Path, results: Sequence[Result | None], gif: Path, png: Path) -> None:
-    """Draw each frame's boxes and labels on the video's frames, at ``SCALE`` times their
-    size: every frame into an animated GIF, the middle one into a PNG."""
+    """Draw each frame's boxes, the detector's labels and the second model's readings on
+    the video's frames, at ``SCALE`` times their size: every frame into an animated GIF,
+    the middle one into a PNG."""
     import av
 
     font = ImageFont.load_default(size=14)
@@ -114,12 +120,7 @@ def annotate(video: Path, results: Sequence[Result | None], gif: Path, png: Path
             )
             draw = ImageDraw.Draw(image)
             for detection in detections(result):
-                x1, y1, x2, y2 = (v * SCALE for v in detection["box"])
-                draw.rectangle((x1, y1, x2, y2), outline=_BOX_COLOUR, width=2)
-                text = f"{detection['label']} {detection['score']:.2f}"
-                corner = (x1, max(y1 - 17, 0))
-                draw.rectangle(draw.textbbox(corner, text, font=font), fill=_BOX_COLOUR)
-                draw.text(corner, text, fill=(0, 0, 0), font=font)
+                _draw_detection(draw, detection, font, image.width)
             drawn.append(image)
     if not drawn:
         raise DemoError(f"{video} has no frames to annotate")
@@ -129,9 +130,49 @@ def annotate(video: Path, results: Sequence[Result | None], gif: Path, png: Path
     drawn[len(drawn) // 2].save(png)
 
 
+def _draw_detection(
+    draw: ImageDraw.ImageDraw,
+    detection: Mapping[str, Any],
+    font: ImageFont.FreeTypeFont | ImageFont.ImageFont,
+    width: int,
+) -> None:
+    """One box, and above it two tags: the detector's label and score, then the second
+    model's (moved left where they would run past the frame's right edge)."""
+    x1, y1, x2, y2 = (v * SCALE for v in detection["box"])
+    draw.rectangle((x1, y1, x2, y2), outline=_BOX_COLOUR, width=2)
+    tags = [(f"{detection['label']} {detection['score']:.2f}", _BOX_COLOUR)]
+    read = reading(detection)
+    if read is None:
+        tags.append(("?", _ODD_COLOUR))
+    else:
+        agrees = read["label"] == detection["label"]
+        tags.append(
+            (f"{read['label']} {read['score']:.2f}", _READ_COLOUR if agrees else _ODD_COLOUR)
+        )
+    advances = [draw.textlength(text, font=font) + _TAG_GAP for text, _ in tags]
+    x, y = max(min(x1, width - sum(advances)), 0), max(y1 - 17, 0)
+    for (text, colour), advance in zip(tags, advances, strict=True):
+        draw.rectangle(draw.textbbox((x, y), text, font=font), fill=colour)
+        draw.text((x, y), text, fill=(0, 0, 0), font=font)
+        x += advance
+
+
 def detections(result: Result | None) -> list[dict[str, Any]]:
     """The boxes of a frame's result; none for a missing or failed one."""
     if result is None or result.status is not Status.ok:
         return []
     found: list[dict[str, Any]] = result.outputs["detections"]
     return found
+
+
+def reading(detection: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The second model's best answer for a detection's crop (``{label, index, score}``,
+    from its ``next``); None when the box got no answer, or one that is not ``ok``."""
+    then = detection.get("next")
+    if not isinstance(then, dict) or then.get("status") != Status.ok.value:
+        return None
+    answers = then.get("outputs")
+    if not isinstance(answers, list) or not answers:
+        return None
+    best: dict[str, Any] = answers[0]
+    return best
