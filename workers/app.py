@@ -113,7 +113,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         publisher = parts.publisher = await stack.enter_async_context(
             Publisher(settings, topics, facts, encoder, store, metrics)
         )
-        joins = await _open_joins(settings, encoder, publisher)
+        joins = await _open_joins(settings, encoder, publisher, metrics)
         if joins is not None:
             stack.push_async_callback(joins.aclose)
         group = settings.group
@@ -182,7 +182,7 @@ async def run_worker(settings: WorkerSettings) -> None:
 
 
 async def _open_joins(
-    settings: WorkerSettings, encoder: ResultEncoder, publisher: Publisher
+    settings: WorkerSettings, encoder: ResultEncoder, publisher: Publisher, metrics: Metrics
 ) -> Joins | None:
     """The pipeline step of every publish (``workers.chain``): joins the answers of child
     requests, and with ``then`` sends this worker's boxes to the next model. A shadow
@@ -208,6 +208,7 @@ async def _open_joins(
         next_partitions=next_partitions,
         max_result_bytes=publisher.max_result_bytes,
         results_topic=settings.topics.results,
+        counts=metrics,
     )
 
 

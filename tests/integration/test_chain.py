@@ -37,6 +37,7 @@ from producers.video.ids import frame_request_id
 from producers.video.reader import AsyncStreamReader
 from schemas import ContentType, Status, encode_request, result_key, topics_for
 from schemas.chain import child_id
+from tests.harness import metrics
 from workers.chain.crops import cut
 from workers.model.runner import ModelRunner
 
@@ -140,7 +141,7 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
         )
         for seq in range(40)
     ]
-    start_pair(workers, model_name, classifier)
+    reader_worker, detector_worker = start_pair(workers, model_name, classifier)
     async with AsyncStreamReader(client_settings, model_name, stream, timeout=120) as reader:
         await produce(kafka_bootstrap, topics_for(model_name).requests, records + frames)
         in_order = [frame async for frame in reader.results(len(frames))]
@@ -155,6 +156,15 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
         assert result.status is Status.ok, result
         boxes += check_answer(request_id, scenes[n % len(scenes)], result.outputs, direct)
     assert boxes >= 2 * len(ids)  # several boxes an image, each classified
+    framed = sum(len(f.result.outputs["detections"]) for f in in_order if f.result is not None)
+    sent = (await metrics(detector_worker))["conveyor_chain_children_sent_total"]
+    joined = (await metrics(reader_worker))["conveyor_chain_parents_answered_total"]
+    assert sent == boxes + framed  # no fault: each crop sent once
+    assert joined == sum(
+        1 for n in range(len(ids)) if results[ids[n]].outputs["pipeline"]["children"]
+    ) + sum(
+        1 for f in in_order if f.result is not None and f.result.outputs["pipeline"]["children"]
+    )
     replies = await read_topic(
         kafka_bootstrap, topics_for(model_name).results, expect=1040, timeout_s=60
     )

@@ -30,8 +30,25 @@ async def _once(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
     return await call()
 
 
+class Counted:
+    """What the joins counted, as the worker's metrics would."""
+
+    def __init__(self) -> None:
+        self.sent = self.answered = self.orphans = 0
+
+    def chain(self, sent: int, answered: int, orphans: int) -> None:
+        self.sent += sent
+        self.answered += answered
+        self.orphans += orphans
+
+
 @pytest.fixture
-async def joins(redis_url: str) -> AsyncIterator[Joins]:
+def counted() -> Counted:
+    return Counted()
+
+
+@pytest.fixture
+async def joins(redis_url: str, counted: Counted) -> AsyncIterator[Joins]:
     client = aioredis.Redis.from_url(redis_url)
     yield Joins(
         client,
@@ -45,6 +62,7 @@ async def joins(redis_url: str) -> AsyncIterator[Joins]:
         max_result_bytes=10**6,
         results_topic="conveyor.first.results",
         worker="worker-a",
+        counts=counted,
     )
     await client.aclose()
 
@@ -101,7 +119,7 @@ async def test_a_parent_sends_its_chosen_boxes_and_a_redelivery_sends_the_same(
 
 
 async def test_the_last_child_writes_the_parent_and_a_repeated_child_keeps_its_first_answer(
-    joins: Joins, uid: str
+    joins: Joins, uid: str, counted: Counted
 ) -> None:
     parent = f"p-{uid}"
     await _settled(joins, parents=[_parent(parent, 0.9, 0.8)])
@@ -121,17 +139,19 @@ async def test_the_last_child_writes_the_parent_and_a_repeated_child_keeps_its_f
     # the first; the reply topic may carry it twice, as for any redelivered request).
     late = await _settled(joins, children=[_child(parent, 1, 2, "7")])
     assert late.values == done.values
+    assert (counted.sent, counted.answered, counted.orphans) == (2, 2, 0)  # the late one too
 
 
 @pytest.mark.parametrize(("index", "count"), [(2, 2), (0, 3), (5, 9)])
 async def test_a_child_that_does_not_fit_its_join_is_answered_under_its_own_id(
-    joins: Joins, uid: str, index: int, count: int
+    joins: Joins, uid: str, index: int, count: int, counted: Counted
 ) -> None:
     parent = f"p-{uid}"
     await _settled(joins, parents=[_parent(parent, 0.9, 0.8)])
     odd = _child(parent, index, count, "4")
     out = await _settled(joins, children=[odd])
     assert out.ids == [odd.request_id]  # not in the join: it cannot complete it
+    assert counted.orphans == 1
     assert (await _settled(joins, children=[_child(parent, 0, 2, "1")])).ids == []
 
 

@@ -33,7 +33,8 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
@@ -107,6 +108,18 @@ field of the complete join."""
 _NEW, _STORED, _ANSWERED = 0, 1, 2
 
 
+class Counts(Protocol):
+    """Where a publish's pipeline step is counted (``workers.observe.metrics.Metrics``)."""
+
+    def chain(self, sent: int, answered: int, orphans: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Tally:
+    answered: int = 0
+    orphans: int = 0
+
+
 class Joins:
     """The pipeline step of every publish (``workers.types.Chain``): starts the joins of a
     chained worker's answers and adds child answers to theirs.
@@ -130,8 +143,10 @@ class Joins:
         max_result_bytes: int,
         results_topic: str,
         worker: str,
+        counts: Counts | None = None,
     ) -> None:
         self._redis = client
+        self._counts = counts
         self._encoder = encoder
         self._retry = retry
         self._stage = stage
@@ -156,6 +171,7 @@ class Joins:
         next_partitions: int,
         max_result_bytes: int,
         results_topic: str,
+        counts: Counts | None = None,
     ) -> Joins:
         url = settings.redis_url.get_secret_value()
         options = {"socket_timeout": _SOCKET_TIMEOUT_S, **redis_options(settings)}
@@ -171,6 +187,7 @@ class Joins:
             max_result_bytes=max_result_bytes,
             results_topic=results_topic,
             worker=settings.worker_id,
+            counts=counts,
         )
 
     async def aclose(self) -> None:
@@ -180,10 +197,13 @@ class Joins:
         """Start the joins of ``outbox.parents`` (adding their child requests, or their
         results when they have none) and add ``outbox.children`` to theirs (adding the
         results of the parents they complete)."""
+        requests, tally = len(outbox.requests), _Tally()  # calls overlap: a tally each
         if outbox.parents:
             await self.emit(outbox)
         if outbox.children:
-            await self.join(outbox)
+            await self.join(outbox, tally)
+        if self._counts is not None:
+            self._counts.chain(len(outbox.requests) - requests, tally.answered, tally.orphans)
 
     # -- the first stage ----------------------------------------------------------------
 
@@ -324,14 +344,15 @@ class Joins:
 
     # -- the next stage -----------------------------------------------------------------
 
-    async def join(self, outbox: Outbox) -> None:
+    async def join(self, outbox: Outbox, tally: _Tally | None = None) -> None:
         """Add ``outbox.children`` to their joins; add the results of the parents they
         complete to ``outbox`` (a child whose join is gone becomes a result of its own).
         A completed parent that is itself a child joins its own parent in turn."""
+        tally = tally or _Tally()
         while outbox.children:
-            await self._join_round(outbox)
+            await self._join_round(outbox, tally)
 
-    async def _join_round(self, outbox: Outbox) -> None:
+    async def _join_round(self, outbox: Outbox, tally: _Tally) -> None:
         children, outbox.children = outbox.children, []
         keys = [join_key(child.parent) for child in children]
         args: list[Any] = []
@@ -341,6 +362,7 @@ class Joins:
         done: set[str] = set()
         for child, state in zip(children, found, strict=True):
             if state == -1:
+                tally.orphans += 1
                 log.warning(
                     "request %s is child %d of %s, which has no join of that many children "
                     "(expired after result_ttl_s, or never started): answered under its own id",
@@ -358,9 +380,11 @@ class Joins:
             elif isinstance(state, list) and child.parent not in done:
                 done.add(child.parent)
                 fields = dict(zip(state[::2], state[1::2], strict=True))
-                self._complete(outbox, child, fields)
+                tally.answered += self._complete(outbox, child, fields)
 
-    def _complete(self, outbox: Outbox, child: ChildAnswer, fields: dict[bytes, bytes]) -> None:
+    def _complete(self, outbox: Outbox, child: ChildAnswer, fields: dict[bytes, bytes]) -> int:
+        """Add the complete parent's result to ``outbox`` (1), or its answer to its own
+        parent's join (0)."""
         indices = orjson.loads(fields[b"boxes"])
         answers = {i: fields[f"c{i}".encode()] for i in range(len(indices))}
         model = fields[b"next"].decode()
@@ -370,7 +394,7 @@ class Joins:
             grand, index, count = orjson.loads(up)
             answer = ChildAnswer(child.parent, grand, index, count, final, child.partition)
             outbox.children.append(answer)
-            return
+            return 0
         trace = fields[b"trace"].decode() or None
         outbox.add(
             child.parent,
@@ -379,6 +403,7 @@ class Joins:
             fields[b"reply"].decode(),
             child.partition,
         )
+        return 1
 
     def _final(
         self,

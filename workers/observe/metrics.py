@@ -164,6 +164,21 @@ class Metrics:
             "Results sent to the model's results topic because their ce_replyto topic "
             "does not exist.",
         ).labels(model)
+        self._chain_sent = counter(
+            "conveyor_chain_children_sent_total",
+            "Child requests sent to the next model of a pipeline (--then): a crop each.",
+        ).labels(model)
+        self._chain_answered = counter(
+            "conveyor_chain_parents_answered_total",
+            "Pipeline joins this worker completed, answering a parent's last child: the "
+            "parent's result written (a redelivered last child completes one again; Redis "
+            "keeps the first result).",
+        ).labels(model)
+        self._chain_orphans = counter(
+            "conveyor_chain_orphans_total",
+            "Answers of child requests whose parent's join was gone (expired, or never "
+            "started): written under the child's own id.",
+        ).labels(model)
         self._superseded = counter(
             "conveyor_superseded_total",
             "Frames answered 'superseded' without reaching the model: a newer frame of their "
@@ -386,6 +401,16 @@ class Metrics:
         """``count`` records of revoked partitions were left to their next owner."""
         if count:
             self._handed_back.inc(count)
+
+    def chain(self, sent: int, answered: int, orphans: int) -> None:
+        """One publish's pipeline step: child requests sent, parents answered, child
+        answers whose join was gone."""
+        if sent:
+            self._chain_sent.inc(sent)
+        if answered:
+            self._chain_answered.inc(answered)
+        if orphans:
+            self._chain_orphans.inc(orphans)
 
     def reply_fallbacks(self, count: int) -> None:
         if count:
