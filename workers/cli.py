@@ -35,6 +35,7 @@ from common.install import install_hint
 from common.security import ConnectFailed
 from schemas import Limits
 from workers.config.host import HostFile, read_host_file
+from workers.config.next_stage import NextStage
 from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
 from workers.exits import (
     EXIT_BAD_SETTINGS,
@@ -513,13 +514,26 @@ def _check(models: list[tuple[WorkerSettings, list[Slot]]]) -> int:
     """``--check``: the settings are valid; the processes each model would run."""
     for settings, slots in models:
         where = sorted({slot.device for slot in slots}) or ["cpu"]
+        stage = settings.next_stage
+        then = "" if stage is None else f"; then {stage.model}: {_children(stage)}"
         print(
             f"model {settings.served_name} ({settings.model}): {max(1, len(slots))} "
             f"process{'es' if len(slots) > 1 else ''} on {', '.join(where)}; group "
-            f"{settings.group}, requests {settings.topics.requests}"
+            f"{settings.group}, requests {settings.topics.requests}{then}"
         )
     print("settings valid")
     return 0
+
+
+def _children(stage: NextStage) -> str:
+    """What a next stage gets of each answer, in words."""
+    if stage.whole_image:
+        return "the whole image" + ("" if stage.size is None else f" at most {stage.size} px")
+    classes = f" of {', '.join(sorted(stage.classes))}" if stage.classes else ""
+    return (
+        f"up to {stage.max_children} boxes{classes} scoring {stage.min_score:g} or more, "
+        f"to {stage.topic}"
+    )
 
 
 def _missing_for_tracing(tracing: str) -> str | None:

@@ -140,3 +140,23 @@ def test_check_prints_each_models_processes_and_exits(
     assert "model faces (embedding:resnet18): 1 process on cpu" in out
     assert main(["--config-file", str(write(tmp_path, HOST)), "--model", "demo", "--check"]) == 2
     assert "--model demo (or CONVEYOR_MODEL) with the host file" in capsys.readouterr().err
+
+
+def test_check_says_what_a_pipeline_sends_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers.cli import main
+
+    chained = HOST.replace(
+        '[[models]]\nmodel = "digits"\n',
+        '[[models]]\nmodel = "digits"\nthen = "faces"\n'
+        'then_options = { min_score = 0.3, classes = ["7"] }\n',
+    )
+    assert main(["--config-file", str(write(tmp_path, chained)), "--device", "cpu", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "; then faces: up to 16 boxes of 7 scoring 0.3 or more, to conveyor.faces.requests" in out
+    )
+    bad = chained.replace("min_score = 0.3", "min_score = 3")
+    assert main(["--config-file", str(write(tmp_path, bad)), "--device", "cpu", "--check"]) == 2
+    assert "then_options min_score is a number from 0 to 1, not 3" in capsys.readouterr().err
