@@ -209,6 +209,7 @@ async def _open_joins(
         max_result_bytes=publisher.max_result_bytes,
         results_topic=settings.topics.results,
         counts=metrics,
+        publish=publisher.publish,
     )
 
 

@@ -16,6 +16,7 @@ import asyncio
 import io
 import json
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,53 @@ async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
             # The middle stage answered its crop as the two models would, directly.
             nested += check_answer(child_id(request_id, index), crop, then["outputs"], direct)
     assert nested > 0  # boxes found inside crops, each classified
+
+
+@pytest.mark.timeout(300)
+async def test_a_parent_whose_children_are_not_answered_by_its_deadline_is_answered_then(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    scenes: list[bytes],
+) -> None:
+    """The next model is down: each parent is answered just after its deadline, every
+    box ``expired``; its children, answered once the next model is back, change nothing."""
+    classifier = f"{model_name}c"
+    await create_model_topics(client_settings, model_name, partitions=2)
+    await create_model_topics(client_settings, classifier, partitions=2)
+    detector = workers.start("--then", classifier, "--then-options", THEN, model=DETECTOR)
+    await detector.until_serving()
+    deadline = datetime.now(UTC) + timedelta(seconds=4)
+    ids = [f"{model_name}-{n}" for n in range(20)]
+    records = [
+        encode_request(
+            scenes[n], request_id=i, content_type=ContentType.PNG, source="t", deadline=deadline
+        )
+        for n, i in enumerate(ids)
+    ]
+    await produce(kafka_bootstrap, topics_for(model_name).requests, records)
+    results = await wait_for_results(redis_url, ids, timeout_s=60)
+    assert set(results) == set(ids), workers.logs()
+    with_boxes = 0
+    for request_id in ids:
+        outputs = results[request_id].outputs
+        found = outputs["detections"]
+        assert [d["next"]["status"] for d in found] == ["expired"] * len(found)
+        assert outputs["pipeline"]["failed"] == list(range(len(found)))
+        with_boxes += bool(found)
+    assert with_boxes > 0
+    async with aioredis.Redis.from_url(redis_url) as client:
+        before = await client.mget([result_key(i) for i in ids])
+    reader = workers.start("--model-name", classifier, model="digits")  # back, late
+    await reader.until_serving()
+
+    async def joined() -> float:
+        return (await metrics(reader)).get("conveyor_chain_parents_answered_total", 0.0)
+
+    async with asyncio.timeout(60):
+        while await joined() < with_boxes:  # its expired answers complete every join
+            await asyncio.sleep(0.5)
+    async with aioredis.Redis.from_url(redis_url) as client:
+        assert await client.mget([result_key(i) for i in ids]) == before  # nothing changed

@@ -3,8 +3,10 @@ child that does not fit its parent, does (``workers.chain.joins``)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -214,3 +216,39 @@ async def test_a_chain_of_three_answers_once_with_each_stage_nested(joins: Joins
     (found,) = final["outputs"]["detections"]
     inner = found["next"]["outputs"]["detections"]
     assert [d["next"]["outputs"][0]["label"] for d in inner] == ["4", "6"]
+
+
+async def test_a_parent_is_answered_at_its_deadline_with_the_children_it_has(
+    redis_url: str, uid: str
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    written: list[Outbox] = []
+
+    async def publish(outbox: Outbox) -> None:
+        written.append(outbox)
+
+    timed = Joins(
+        client, FIRST, _once, stage=NextStage.parse("next", {"min_score": 0.3}, "conveyor"),
+        next_partitions=1, ttl_s=60, max_pixels=10**7, max_payload_bytes=10**6,
+        max_result_bytes=10**6, results_topic="conveyor.first.results", worker="worker-a",
+        publish=publish,
+    )  # fmt: skip
+    parent = f"p-{uid}"
+    made = _parent(parent, 0.9, 0.8)
+    made.item.meta = made.item.meta._replace(deadline=datetime.now(UTC) + timedelta(seconds=1))
+    try:
+        await _settled(timed, parents=[made])
+        await _settled(timed, children=[_child(parent, 0, 2, "3")])
+        async with asyncio.timeout(10):
+            while not written:
+                await asyncio.sleep(0.1)
+        (outbox,) = written
+        assert outbox.ids == [parent]
+        final = orjson.loads(outbox.values[0])
+        first, second = final["outputs"]["detections"]
+        assert first["next"]["status"] == "ok"
+        assert second["next"]["status"] == "expired"
+        assert second["next"]["error"]["code"] == "expired"
+        assert final["outputs"]["pipeline"]["failed"] == [1]
+    finally:
+        await timed.aclose()

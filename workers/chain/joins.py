@@ -34,6 +34,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -105,7 +106,21 @@ index and its document. Returns per child -1 (no such join, as after it expired,
 whose count or indices the child does not fit), 0 (children still missing) or every
 field of the complete join."""
 
+DEADLINE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+local count = redis.call('HGET', KEYS[1], 'count')
+if not count or redis.call('HLEN', KEYS[1]) - 7 >= tonumber(count) then
+  return 0
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+"""KEYS: a parent's join and its result key. Returns every field of the join when the
+parent has no result yet and children are missing, else 0."""
+
 _NEW, _STORED, _ANSWERED = 0, 1, 2
+_DEADLINE_GRACE_S = 0.5  # after a parent's deadline, before its missing children expire
 
 
 class Counts(Protocol):
@@ -144,9 +159,12 @@ class Joins:
         results_topic: str,
         worker: str,
         counts: Counts | None = None,
+        publish: Callable[[Outbox], Awaitable[Any]] | None = None,
     ) -> None:
         self._redis = client
         self._counts = counts
+        self._publish = publish
+        self._timers: set[asyncio.Task[None]] = set()
         self._encoder = encoder
         self._retry = retry
         self._stage = stage
@@ -159,6 +177,7 @@ class Joins:
         self._source = f"conveyor.chain/{worker}".encode()
         self._parents = client.register_script(PARENT_SCRIPT)
         self._children = client.register_script(CHILD_SCRIPT)
+        self._overdue = client.register_script(DEADLINE_SCRIPT)
 
     @classmethod
     def open(
@@ -172,6 +191,7 @@ class Joins:
         max_result_bytes: int,
         results_topic: str,
         counts: Counts | None = None,
+        publish: Callable[[Outbox], Awaitable[Any]] | None = None,
     ) -> Joins:
         url = settings.redis_url.get_secret_value()
         options = {"socket_timeout": _SOCKET_TIMEOUT_S, **redis_options(settings)}
@@ -188,9 +208,15 @@ class Joins:
             results_topic=results_topic,
             worker=settings.worker_id,
             counts=counts,
+            publish=publish,
         )
 
     async def aclose(self) -> None:
+        """Stop waiting for deadlines (a parent whose children all come is answered by
+        them still), then give back the connection."""
+        for timer in list(self._timers):
+            timer.cancel()
+        await asyncio.gather(*self._timers, return_exceptions=True)
         await self._redis.aclose()
 
     async def settle(self, outbox: Outbox) -> None:
@@ -254,6 +280,8 @@ class Joins:
                 self._add_result(outbox, meta.id, final, parent, meta.reply_to)
                 continue
             failed += await self._requests(outbox, parent, output, indices)
+            if meta.deadline is not None and parent.up is None:
+                self._expire_at(parent, meta.deadline)
         outbox.children += failed  # joined next, in ``settle``
 
     async def _requests(
@@ -342,6 +370,46 @@ class Joins:
         )
         return ChildAnswer(request, parent, index, count, document, partition)
 
+    def _expire_at(self, parent: Parent, deadline: datetime) -> None:
+        """Answer ``parent`` just after its deadline with the children it has, the
+        others ``expired``, unless every child is answered first (``publish`` only)."""
+        if self._publish is None:
+            return
+        delay = (deadline - datetime.now(UTC)).total_seconds() + _DEADLINE_GRACE_S
+        timer = asyncio.create_task(self._at_deadline(parent, max(delay, 0.0)))
+        self._timers.add(timer)
+        timer.add_done_callback(self._timers.discard)
+
+    async def _at_deadline(self, parent: Parent, delay: float) -> None:
+        await asyncio.sleep(delay)
+        meta = parent.item.meta
+        keys = [join_key(meta.id), result_key(meta.id)]
+        try:
+            state = await self._retry("redis", lambda: self._overdue(keys=keys))
+            if not isinstance(state, list):
+                return  # answered, or every child in: the last child's worker writes it
+            fields = dict(zip(state[::2], state[1::2], strict=True))
+            indices = orjson.loads(fields[b"boxes"])
+            answers = {
+                i: fields[key] for i in range(len(indices)) if (key := f"c{i}".encode()) in fields
+            }
+            final = self._final(meta.id, fields[b"doc"], indices, fields[b"next"].decode(), answers)
+            outbox = Outbox()
+            headers = self._encoder.headers(meta.id, meta.traceparent)
+            reply = fields[b"reply"].decode()
+            outbox.add(meta.id, final, headers, reply, parent.item.record.partition)
+            assert self._publish is not None
+            await self._publish(outbox)  # first result wins: a last child's, if it came
+            log.info(
+                "request %s passed its deadline with %d of %d children answered: its result "
+                "written, the others expired",
+                meta.id,
+                len(answers),
+                len(indices),
+            )
+        except Exception:  # the last child's answer still completes it
+            log.exception("writing the result of %s at its deadline failed", meta.id)
+
     # -- the next stage -----------------------------------------------------------------
 
     async def join(self, outbox: Outbox, tally: _Tally | None = None) -> None:
@@ -421,7 +489,7 @@ class Joins:
         detections = outputs.get("detections", []) if isinstance(outputs, dict) else []
         failed = []
         for i, j in enumerate(indices):
-            child = orjson.loads(answers[i])
+            child = orjson.loads(answers[i]) if i in answers else _expired(parent, i, model)
             if child["status"] != "ok":
                 failed.append(i)
             answer = {
@@ -463,6 +531,19 @@ class Joins:
             return
         headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
         outbox.add(request_id, document, headers, reply_to, partition)
+
+
+def _expired(parent: str, index: int, model: str) -> dict[str, Any]:
+    """The answer of a child that its parent's deadline found unanswered."""
+    message = "the request's deadline passed before this child was answered"
+    return {
+        "id": child_id(parent, index),
+        "model": model,
+        "model_version": None,
+        "status": status_for(ErrorCode.expired).value,
+        "outputs": None,
+        "error": {"code": ErrorCode.expired.value, "message": message},
+    }
 
 
 class Chained:
