@@ -37,7 +37,7 @@ from workers.intake.canary import Split
 from workers.intake.references import Claims
 from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
-from workers.kafka.topics import TopicFacts, check_topics
+from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
 from workers.model.loader import load_handler
 from workers.model.packages import PACKAGES_FOLDER
@@ -46,16 +46,17 @@ from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
 from workers.publish.answers import Answers
+from workers.publish.dead_letters import RECORD_OVERHEAD
 from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 from workers.publish.shadow import NoResultStore
-from workers.types import ConfigError
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
     from workers.observe.tracing import Tracing
 
 log = logging.getLogger("conveyor.worker")
 
+_CHILD_HEADER_BYTES = 2048  # a child request's headers, at most (ids, deadline, trace, params)
 CLOSE_S = 15.0
 """After a drain (``--max-drain-ms`` at most), the time left to close connections and
 leave the consumer group (5 s at most each for the consumer and the producer, 2 s for
@@ -113,7 +114,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         publisher = parts.publisher = await stack.enter_async_context(
             Publisher(settings, topics, facts, encoder, store, metrics)
         )
-        joins = await _open_joins(settings, encoder, publisher, metrics)
+        joins = _open_joins(settings, encoder, publisher, metrics, facts)
         if joins is not None:
             stack.push_async_callback(joins.aclose)
         group = settings.group
@@ -181,31 +182,33 @@ async def run_worker(settings: WorkerSettings) -> None:
         )
 
 
-async def _open_joins(
-    settings: WorkerSettings, encoder: ResultEncoder, publisher: Publisher, metrics: Metrics
+def _open_joins(
+    settings: WorkerSettings,
+    encoder: ResultEncoder,
+    publisher: Publisher,
+    metrics: Metrics,
+    facts: TopicFacts,
 ) -> Joins | None:
     """The pipeline step of every publish (``workers.chain``): joins the answers of child
-    requests, and with ``then`` sends this worker's boxes to the next model. A shadow
-    has none (its answers are its own), nor has a worker on a Redis Cluster, where
-    ``then`` is refused: a child request is answered there under its own id."""
+    requests, and with ``then`` sends this worker's boxes to the next model (its request
+    topic checked with the others, in ``facts``). A shadow has none (its answers are its
+    own), nor has a worker on a Redis Cluster, where ``then`` is refused: a child request
+    is answered there under its own id."""
     if settings.shadow or settings.redis_cluster:
         return None
     stage = settings.next_stage
-    next_partitions = 1
+    next_partitions, crop_limit = 1, settings.limits.max_payload_bytes
     if stage is not None:
-        count = await publisher.partition_count(stage.topic)
-        if count is None:
-            raise ConfigError(
-                f"the next model's request topic {stage.topic} does not exist: create it "
-                f"(conveyor topics create --model {stage.model} --partitions N)"
-            )
-        next_partitions = count
+        next_partitions = facts.partitions[stage.topic]
+        room = max_message_bytes(facts, stage.topic) - RECORD_OVERHEAD - _CHILD_HEADER_BYTES
+        crop_limit = min(crop_limit, room)
     return Joins.open(
         settings,
         encoder,
         publisher.retried,
         stage=stage,
         next_partitions=next_partitions,
+        max_crop_bytes=crop_limit,
         max_result_bytes=publisher.max_result_bytes,
         results_topic=settings.topics.results,
         counts=metrics,

@@ -339,3 +339,13 @@ async def test_a_parent_whose_children_are_not_answered_by_its_deadline_is_answe
             await asyncio.sleep(0.5)
     async with aioredis.Redis.from_url(redis_url) as client:
         assert await client.mget([result_key(i) for i in ids]) == before  # nothing changed
+
+
+@pytest.mark.timeout(120)
+async def test_a_next_model_without_its_topic_stops_the_worker_saying_what_to_create(
+    client_settings: ClientSettings, model_name: str, workers: Fleet
+) -> None:
+    await create_model_topics(client_settings, model_name, partitions=1)
+    worker = workers.start("--then", f"{model_name}x", model=DETECTOR)
+    assert await worker.exited(60) == 3
+    assert f"create it with `conveyor topics create --model {model_name}x`" in worker.log()

@@ -60,7 +60,7 @@ async def joins(redis_url: str, counted: Counted) -> AsyncIterator[Joins]:
         next_partitions=3,
         ttl_s=60,
         max_pixels=10**7,
-        max_payload_bytes=10**6,
+        max_crop_bytes=10**6,
         max_result_bytes=10**6,
         results_topic="conveyor.first.results",
         worker="worker-a",
@@ -183,7 +183,7 @@ async def test_the_whole_image_child_answers_inside_the_parents_object(
     stage = NextStage.parse("next", {"crop": "image", "size": 30}, "conveyor")
     whole = Joins(
         client, FIRST, _once, stage=stage, next_partitions=1, ttl_s=60, max_pixels=10**7,
-        max_payload_bytes=10**6, max_result_bytes=10**6, results_topic="conveyor.first.results",
+        max_crop_bytes=10**6, max_result_bytes=10**6, results_topic="conveyor.first.results",
         worker="worker-a",
     )  # fmt: skip
     parent = _parent(f"p-{uid}")  # no detections: the image itself goes on
@@ -229,7 +229,7 @@ async def test_a_parent_is_answered_at_its_deadline_with_the_children_it_has(
 
     timed = Joins(
         client, FIRST, _once, stage=NextStage.parse("next", {"min_score": 0.3}, "conveyor"),
-        next_partitions=1, ttl_s=60, max_pixels=10**7, max_payload_bytes=10**6,
+        next_partitions=1, ttl_s=60, max_pixels=10**7, max_crop_bytes=10**6,
         max_result_bytes=10**6, results_topic="conveyor.first.results", worker="worker-a",
         publish=publish,
     )  # fmt: skip

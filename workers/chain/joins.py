@@ -154,7 +154,7 @@ class Joins:
         next_partitions: int,
         ttl_s: int,
         max_pixels: int,
-        max_payload_bytes: int,
+        max_crop_bytes: int,
         max_result_bytes: int,
         results_topic: str,
         worker: str,
@@ -171,7 +171,7 @@ class Joins:
         self._next_partitions = next_partitions
         self._ttl_s = ttl_s
         self._max_pixels = max_pixels
-        self._max_payload_bytes = max_payload_bytes
+        self._max_crop_bytes = max_crop_bytes
         self._max_result_bytes = max_result_bytes
         self._results_topic = results_topic
         self._source = f"conveyor.chain/{worker}".encode()
@@ -188,6 +188,7 @@ class Joins:
         *,
         stage: NextStage | None,
         next_partitions: int,
+        max_crop_bytes: int,
         max_result_bytes: int,
         results_topic: str,
         counts: Counts | None = None,
@@ -203,7 +204,7 @@ class Joins:
             next_partitions=next_partitions,
             ttl_s=settings.result_ttl_s,
             max_pixels=settings.limits.max_pixels,
-            max_payload_bytes=settings.limits.max_payload_bytes,
+            max_crop_bytes=max_crop_bytes,
             max_result_bytes=max_result_bytes,
             results_topic=results_topic,
             worker=settings.worker_id,
@@ -322,10 +323,11 @@ class Joins:
         key = None if meta.stream is None else meta.stream.encode()
         for index, crop in enumerate(crops):
             request = child_id(meta.id, index)
-            if len(crop) > self._max_payload_bytes:
+            if len(crop) > self._max_crop_bytes:
                 message = (
-                    f"the crop is {len(crop)} bytes as PNG, more than a request may carry "
-                    f"({self._max_payload_bytes})"
+                    f"the crop is {len(crop)} bytes as PNG, more than the next model's "
+                    f"request topic takes ({self._max_crop_bytes}); ask for a smaller "
+                    "then_options size, or raise the topic's max.message.bytes"
                 )
                 failed.append(self._failed(meta.id, index, count, item.record.partition, message))
                 continue

@@ -46,13 +46,16 @@ class TopicFacts:
 
 async def check_topics(settings: WorkerSettings, topics: ModelTopics) -> TopicFacts:
     """Describe the request topics (one per priority lane), results and dead-letter
-    topics of ``topics``.
+    topics of ``topics``, and the next model's request topic of a pipeline (``then``).
 
     Raises ``TopicProblem`` when any is missing or unauthorized, ``KafkaError`` or
     ``OSError`` when Kafka cannot be asked.
     """
     lanes = [topics.lane(lane.name) for lane in settings.request_lanes]
     names = [*lanes, topics.results, topics.dlq]
+    stage = settings.next_stage
+    if stage is not None:  # a pipeline's next model: this worker writes its requests
+        names.append(stage.topic)
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka_bootstrap,
         client_id=f"{settings.worker_id}-admin",
@@ -78,9 +81,18 @@ def _partitions(
     described: Sequence[dict[str, object]], names: Sequence[str], settings: WorkerSettings
 ) -> dict[str, int]:
     missing, forbidden, counts = [], [], {}
+    stage = settings.next_stage
+    next_topic = None if stage is None else stage.topic
+    problems = []
     for topic in described:
         name, code = str(topic["topic"]), topic["error_code"]
-        if code == _UNKNOWN_TOPIC:
+        if code == _UNKNOWN_TOPIC and name == next_topic and stage is not None:
+            problems.append(
+                f"the next model's request topic {name} does not exist on "
+                f"{settings.kafka_bootstrap}; create it with `conveyor topics create --model "
+                f"{stage.model}` (add --partitions N for N of its workers)"
+            )
+        elif code == _UNKNOWN_TOPIC:
             missing.append(name)
         elif code == _TOPIC_AUTHORIZATION_FAILED:
             forbidden.append(name)
@@ -88,7 +100,6 @@ def _partitions(
             raise KafkaError(f"describing topic {name} failed with Kafka error {code}")
         else:
             counts[name] = len(topic["partitions"])  # type: ignore[arg-type]
-    problems = []
     if missing:
         problems.append(
             f"topics {', '.join(sorted(missing))} do not exist on {settings.kafka_bootstrap}; "
@@ -98,7 +109,7 @@ def _partitions(
     if forbidden:
         problems.append(
             f"this worker's Kafka principal may not describe topics "
-            f"{', '.join(sorted(forbidden))}: grant it {_acls_for(forbidden, names)} "
+            f"{', '.join(sorted(forbidden))}: grant it {_acls_for(forbidden, names, settings)} "
             "(each includes DESCRIBE; docs/security.md)"
         )
     if problems:
@@ -106,10 +117,10 @@ def _partitions(
     return {name: counts[name] for name in names}
 
 
-def _acls_for(forbidden: Sequence[str], names: Sequence[str]) -> str:
-    """The ACLs a worker needs on ``forbidden`` topics: READ on request topics (all but
-    the last two of ``names``), WRITE on the results and dead-letter topics."""
-    requests = set(names[:-2])
+def _acls_for(forbidden: Sequence[str], names: Sequence[str], settings: WorkerSettings) -> str:
+    """The ACLs a worker needs on ``forbidden`` topics: READ on its request topics, WRITE
+    on the results and dead-letter topics and on a next model's request topic."""
+    requests = {name for name in names if name.startswith(f"{settings.topics.requests}")}
     return ", ".join(
         f"{'READ' if name in requests else 'WRITE'} on topic {name}" for name in sorted(forbidden)
     )

@@ -250,16 +250,6 @@ class Publisher:
         count for readiness as the publisher's own writes do."""
         return await self._failures.retry(what, call)
 
-    async def partition_count(self, topic: str) -> int | None:
-        """How many partitions ``topic`` has; None when it does not exist."""
-        try:
-            partitions = await asyncio.wait_for(
-                self._producer.partitions_for(topic), _TOPIC_CHECK_TIMEOUT_S
-            )
-        except (TimeoutError, KafkaError):
-            return None
-        return len(partitions) if partitions else None
-
     async def store(self, ids: Sequence[str], values: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Write results to Redis, first result wins (retried through outages).
 
