@@ -171,6 +171,8 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
     )
     frame_ids = [frame_request_id(stream, seq) for seq in range(len(frames))]
     assert sorted(r.key.decode() for r in replies) == sorted(ids + frame_ids)  # one answer each
+    framed_ids = set(frame_ids)
+    assert len({r.partition for r in replies if r.key.decode() in framed_ids}) == 1  # a stream
     async with aioredis.Redis.from_url(redis_url) as client:  # no box answered on its own
         assert not await client.exists(*(result_key(child_id(i, 0)) for i in ids[:50]))
 

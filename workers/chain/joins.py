@@ -315,7 +315,7 @@ class Joins:
             log.error("the crops of %s could not be cut: %s", meta.id, exc)
             message = f"the crop could not be cut from the image: {exc}"
             return [
-                self._failed(meta.id, i, count, item.record.partition, message)
+                self._failed(meta.id, i, count, self._partition_of(parent), message)
                 for i in range(count)
             ]
         failed = []
@@ -329,7 +329,8 @@ class Joins:
                     f"request topic takes ({self._max_crop_bytes}); ask for a smaller "
                     "then_options size, or raise the topic's max.message.bytes"
                 )
-                failed.append(self._failed(meta.id, index, count, item.record.partition, message))
+                partition = self._partition_of(parent)
+                failed.append(self._failed(meta.id, index, count, partition, message))
                 continue
             record_key = key or request.encode()
             headers = [
@@ -340,6 +341,15 @@ class Joins:
             partition = zlib.crc32(record_key) % self._next_partitions
             outbox.requests.append(Request(stage.topic, partition, record_key, crop, headers))
         return failed
+
+    def _partition_of(self, parent: Parent) -> int:
+        """The partition a parent's result is placed by (``p mod N`` of its reply topic):
+        for a frame of a stream, the next model's partition of the stream's children, so
+        that every result of a stream, with children or not, goes to one reply partition."""
+        stream = parent.item.meta.stream
+        if stream is None or self._stage is None:
+            return parent.item.record.partition
+        return zlib.crc32(stream.encode()) % self._next_partitions
 
     def _common_headers(self, parent: Parent, count: int) -> list[tuple[str, bytes]]:
         stage = self._stage
@@ -399,7 +409,7 @@ class Joins:
             outbox = Outbox()
             headers = self._encoder.headers(meta.id, meta.traceparent)
             reply = fields[b"reply"].decode()
-            outbox.add(meta.id, final, headers, reply, parent.item.record.partition)
+            outbox.add(meta.id, final, headers, reply, self._partition_of(parent))
             assert self._publish is not None
             await self._publish(outbox)  # first result wins: a last child's, if it came
             log.info(
@@ -526,7 +536,7 @@ class Joins:
     ) -> None:
         """``parent``'s answer, complete: a result, or, for a parent that is itself a
         child, its answer to its own parent's join."""
-        partition = parent.item.record.partition
+        partition = self._partition_of(parent)
         if parent.up is not None:
             up, index, count = parent.up
             outbox.children.append(ChildAnswer(request_id, up, index, count, document, partition))
