@@ -127,11 +127,16 @@ def test_crops_come_from_the_image_the_model_decoded_or_its_bytes() -> None:
     boxes = [(3, 4, 20, 25)]
     want = cut(png, ContentType.PNG, boxes, 0.1, max_pixels=10_000)
     held = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # as decode_full makes it
-    assert cut_from(held, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000) == want
+    shape = (40, 30)  # width, height: as the answer gives them
+    assert cut_from(held, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000, shape=shape) == want
     kept = torch.frombuffer(bytearray(png), dtype=torch.uint8)  # kept for the card's decoder
     assert cut_from(kept, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000) == want
+    resized = held[:, :20, :20].contiguous()  # a handler's own resize: not the boxes' pixels
+    assert (
+        cut_from(resized, png, ContentType.PNG, boxes, 0.1, max_pixels=10_000, shape=shape) == want
+    )
     grey = torch.from_numpy(pixels[:, :, :1]).permute(2, 0, 1).contiguous()
-    (crop,) = cut_from(grey, b"", ContentType.PNG, boxes, 0.0, max_pixels=10_000)
+    (crop,) = cut_from(grey, b"", ContentType.PNG, boxes, 0.0, max_pixels=10_000, shape=shape)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(crop))), pixels[4:25, 3:20, 0])
 
 

@@ -1,13 +1,14 @@
 """Cutting a parent's boxes out of its image: one PNG per child request.
 
 The image is the one the first model saw: the full-size uint8 image its handler's
-``preprocess`` decoded (``Item.tensor``), so a box in the answer's pixels is a box in
-these, in the model's colour mode, with no second decode; or, where the image was
-kept encoded for the card's JPEG decoder, those bytes (or the record's payload)
-decoded again as the CPU path decodes them (``workers.decode.images.decode_full``,
-in RGB). Each box grows by its margin, is clamped to the image and rounded outwards
-to whole pixels; the crop is written as PNG, so the next model sees exactly these
-pixels. Pure functions, safe to run in a thread.
+``preprocess`` decoded (``Item.tensor``), when it has the size the answer gives, so
+a box in the answer's pixels is a box in these, in the model's colour mode, with no
+second decode; or, where the image was kept encoded for the card's JPEG decoder (or
+resized by the handler), those bytes (or the record's payload) decoded again as the
+CPU path decodes them (``workers.decode.images.decode_full``, in RGB). Each box grows
+by its margin, is clamped to the image and rounded outwards to whole pixels; the crop
+is written as PNG, so the next model sees exactly these pixels. Pure functions, safe
+to run in a thread.
 """
 
 from __future__ import annotations
@@ -116,10 +117,15 @@ def cut_from(
     *,
     max_pixels: int,
     size: int | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> list[bytes]:
-    """The PNG of each box of the image the first model saw (see the module doc)."""
+    """The PNG of each box of the image the first model saw (see the module doc).
+
+    ``shape`` is the submitted image's (width, height) as the answer gives it: the image
+    the handler decoded is used only when it has that size (a handler that resized it
+    keeps pixels the boxes do not describe)."""
     pixels = decoded(preprocessed)
-    if pixels is not None:
+    if pixels is not None and shape is not None and pixels.shape[1::-1] == shape:
         return cut_pixels(pixels, boxes, margin, size)
     data = encoded(preprocessed, payload)
     return cut(data, content_type, boxes, margin, max_pixels=max_pixels, size=size)

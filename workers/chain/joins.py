@@ -310,6 +310,7 @@ class Joins:
                 0.0 if stage.whole_image else stage.margin,
                 max_pixels=self._max_pixels,
                 size=stage.size,
+                shape=_shape(output),
             )
         except (ContractError, ValueError, OSError) as exc:
             log.error("the crops of %s could not be cut: %s", meta.id, exc)
@@ -543,6 +544,12 @@ class Joins:
             return
         headers = self._encoder.headers(request_id, parent.item.meta.traceparent)
         outbox.add(request_id, document, headers, reply_to, partition)
+
+
+def _shape(output: dict[str, Any]) -> tuple[int, int] | None:
+    """The submitted image's (width, height) an answer gives, if it gives them."""
+    width, height = output.get("width"), output.get("height")
+    return (width, height) if isinstance(width, int) and isinstance(height, int) else None
 
 
 def _expired(parent: str, index: int, model: str) -> dict[str, Any]:
