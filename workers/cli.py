@@ -17,9 +17,11 @@ import argparse
 import asyncio
 import errno
 import importlib.util
+import json
 import os
 import sys
 import textwrap
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, get_args
@@ -34,7 +36,7 @@ import schemas
 from common.install import install_hint
 from common.security import ConnectFailed
 from schemas import Limits
-from workers.config.host import HostFile, read_host_file
+from workers.config.host import HOST_FILE_PATH, HostFile, read_host_file, reload_from
 from workers.config.next_stage import NextStage
 from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
 from workers.exits import (
@@ -192,6 +194,7 @@ _OWN_ROOTS = {m.__name__.partition(".")[0] for m in (common, schemas)} | {
     __name__.partition(".")[0]
 }
 _HELP_WIDTH = 78
+_ASK_HOST_S = 1.0  # --check: how long a running host has to say what it runs
 
 _DESCRIPTION = (
     "Consume a model's requests from Kafka, run them in micro-batches, and publish each "
@@ -498,7 +501,9 @@ def _serve_host(args: argparse.Namespace, file: HostFile, models: list[WorkerSet
         planned_models.append((model, slots))
         cards.update((card.index, card) for card in chosen)
     if getattr(args, "check", False):
-        return _check(planned_models)
+        _check(planned_models)
+        print(_reload_of(file, settings.metrics_port))
+        return 0
     host = Host(
         Path(args.config_file or os.environ["CONVEYOR_CONFIG_FILE"]),
         file,
@@ -523,6 +528,18 @@ def _check(models: list[tuple[WorkerSettings, list[Slot]]]) -> int:
         )
     print("settings valid")
     return 0
+
+
+def _reload_of(file: HostFile, port: int) -> str:
+    """What SIGHUP would do to the host serving on this machine's ``port``, as its log
+    would say it; or that no host answers there."""
+    url = f"http://127.0.0.1:{port}{HOST_FILE_PATH}"
+    try:
+        with urllib.request.urlopen(url, timeout=_ASK_HOST_S) as answer:
+            running = json.load(answer)
+    except (OSError, ValueError):
+        return f"no host answers on 127.0.0.1:{port}: no running host file to compare with"
+    return f"SIGHUP to the host on 127.0.0.1:{port} would: {reload_from(running, file).describe()}"
 
 
 def _children(stage: NextStage) -> str:

@@ -26,6 +26,7 @@ from producers.testing import Fleet, WorkerProcess, produce, read_results, tally
 from producers.testing.net import http_get
 from schemas import topics_for
 from tests.harness import digit_requests
+from workers.cli import main
 from workers.exits import EXIT_STOPPED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -204,9 +205,11 @@ async def test_a_changed_process_count_applies_on_sighup(
     workers: Fleet,
     digits: list[tuple[bytes, int]],
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A model whose count changes is drained and started anew with the new count, its
-    requests answered across it; a count its topic cannot serve changes nothing."""
+    requests answered across it (``--check`` says so first, asking the running host); a
+    count its topic cannot serve changes nothing."""
     name = f"{model_name}n"
     await create_model_topics(client_settings, name, partitions=2)
     models = {name: {"model": "digits", "processes": "1"}}
@@ -218,6 +221,12 @@ async def test_a_changed_process_count_applies_on_sighup(
 
         models[name]["processes"] = "2"
         host_file(path, models)
+        check = ["--config-file", str(path), "--check", "--metrics-port", str(host.metrics_port())]
+        assert main(check) == 0  # what a SIGHUP would do, asked of the running host
+        assert (
+            f"would: drain, then start with the new process count or cards {name}"
+            in capsys.readouterr().out
+        )
         flowing = asyncio.create_task(_flow(kafka_bootstrap, digits, [name]))
         host.signal(signal.SIGHUP)
 

@@ -10,11 +10,14 @@ table (``workers.config.file``), so a process started again after SIGHUP reads t
 as it is then.
 
 Pure rules, no I/O but reading the file: the models (``read_host_file``), each one's
-name (``model_name_of``), and what a reload does (``reload_plan``).
+name (``model_name_of``), and what a reload does (``reload_plan``; ``reload_from`` for
+a running host, known by its ``fingerprint``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -26,6 +29,8 @@ from pydantic_settings import SettingsError
 
 MODELS_KEY = "models"
 """The array of tables, one a model."""
+HOST_FILE_PATH = "/host-file"
+"""Where a running host serves its file's ``fingerprint``, on its metrics port."""
 
 _HOST_ONLY = frozenset({"config_file", "host_model"})
 _SIZE_KEYS = ("processes", "gpus")  # what a model's processes and cards are planned from
@@ -150,21 +155,48 @@ def reload_plan(before: HostFile, after: HostFile, running: Sequence[str] | None
     """What a reload from ``before`` to ``after`` does. A change of the shared settings
     changes every model; ``running`` (default: ``before``'s models) are the ones the host
     runs now."""
-    old = {m.name: m.table for m in before.models}
-    names = list(running) if running is not None else list(old)
-    new = {m.name: m.table for m in after.models}
-    shared_changed = dict(before.shared) != dict(after.shared)
+    names = list(running) if running is not None else [m.name for m in before.models]
+    return reload_from(fingerprint(before, names), after)
+
+
+def fingerprint(file: HostFile, running: Sequence[str]) -> dict[str, Any]:
+    """What a reload needs to know of the file a host runs, and no value that could be a
+    secret: a digest of its shared settings and of each model's table, each model's
+    process count and cards, and the models it runs (``running``). JSON, so that
+    ``--check`` can read it from a running host (``/host-file``)."""
+    return {
+        "shared": _digest(file.shared),
+        "models": {
+            m.name: {
+                "table": _digest(m.table),
+                **{key: m.table.get(key, file.shared.get(key)) for key in _SIZE_KEYS},
+            }
+            for m in file.models
+        },
+        "running": list(running),
+    }
+
+
+def reload_from(running: Mapping[str, Any], after: HostFile) -> Reload:
+    """What a reload to ``after`` does to the host whose ``fingerprint`` is ``running``."""
+    old: Mapping[str, Mapping[str, Any]] = running["models"]
+    new = fingerprint(after, [])["models"]
+    shared_changed = running["shared"] != _digest(after.shared)
     plan = Reload()
-    for name in new:
-        if name not in names:
+    for name, now in new.items():
+        if name not in running["running"]:
             plan.added.append(name)
-        elif shared_changed or dict(old.get(name, {})) != dict(new[name]):
+        elif shared_changed or old.get(name, {}).get("table") != now["table"]:
             plan.changed.append(name)
-            before_table = {**before.shared, **old.get(name, {})}
-            after_table = {**after.shared, **new[name]}
-            if any(before_table.get(key) != after_table.get(key) for key in _SIZE_KEYS):
+            was = old.get(name, {})
+            if any(was.get(key) != now.get(key) for key in _SIZE_KEYS):
                 plan.resized.append(name)
         else:
             plan.unchanged.append(name)
-    plan.removed.extend(name for name in names if name not in new)
+    plan.removed.extend(name for name in running["running"] if name not in new)
     return plan
+
+
+def _digest(values: Mapping[str, Any]) -> str:
+    text = json.dumps(values, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -54,13 +54,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from workers.config.host import reload_plan
+from workers.config.host import HOST_FILE_PATH, fingerprint, reload_plan
 from workers.config.worker import WorkerSettings
 from workers.exits import (
     EXIT_DEVICE,
@@ -172,6 +172,7 @@ async def _supervise(
             host=settings.metrics_host,
             port=settings.metrics_port,
             scoped=lambda name: _model_checks(state, metrics, name),
+            documents=_documents(state),
         ):
             await start_all(state, cards, started)
             state.failures = _tally(state.children)
@@ -416,6 +417,15 @@ async def _roll(children: Sequence[Child], state: State) -> None:
             log.error("rolling restart stopped at %s", failed)
             return
     log.info("rolling restart done: every worker process started again")
+
+
+def _documents(state: State) -> dict[str, Callable[[], object]]:
+    """``/host-file``: what ``--check`` needs to say what a reload would do (a host file's
+    ``fingerprint``: digests, counts and cards, no setting's value)."""
+    host = state.host
+    if host is None:
+        return {}
+    return {HOST_FILE_PATH: lambda: fingerprint(host.file, list(state.models))}
 
 
 async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:

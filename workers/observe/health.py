@@ -94,12 +94,15 @@ class HealthServer:
         request_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         scoped: Callable[[str], Mapping[str, Check] | None] | None = None,
+        documents: Mapping[str, Callable[[], object]] | None = None,
     ) -> None:
         """``host`` and ``port``: where to listen (the defaults are the settings'
         ``metrics_host`` and ``metrics_port``); ``port`` 0 picks a free port (tests), read
         the bound one from `port`. ``scoped``: the checks of ``/readyz?model=NAME`` (None
-        for a name it does not know: 404)."""
+        for a name it does not know: 404). ``documents``: more paths, each answered with
+        what its function returns, as JSON (a host's ``/host-file``)."""
         self._metrics = metrics
+        self._documents = dict(documents or {})
         self._checks = dict(checks)
         self._scoped = scoped
         self._host = host
@@ -258,6 +261,8 @@ class HealthServer:
             state = await self.readiness()
             body = json.dumps({"ready": state.ready, "checks": state.checks}).encode()
             return _Response(200 if state.ready else 503, _JSON, body)
+        if path in self._documents:
+            return _Response(200, _JSON, json.dumps(self._documents[path]()).encode())
         return _text(404, "not found: try /metrics, /healthz or /readyz\n")
 
 
