@@ -67,6 +67,11 @@ def child_of(headers: Sequence[tuple[str, bytes | None]]) -> Child | None:
     MAX_CHILDREN``); a record that carries only some of them, or bad values, is a
     plain request: it is answered under its own id, as any other.
     """
+    for name, _raw in headers:  # plain requests, nearly all of them, leave here
+        if name == PARENT_H:
+            break
+    else:
+        return None
     parent = index = count = None
     for name, raw in headers:
         if raw is None or name[:3] != "ce_":
