@@ -105,7 +105,16 @@ def check_answer(
     return len(served)
 
 
-def start_pair(workers: Fleet, detector_name: str, classifier_name: str) -> list[WorkerProcess]:
+async def made(
+    settings: ClientSettings, drop_topics: list[str], partitions: int, *models: str
+) -> None:
+    """Each model's topics, deleted after the test."""
+    for model in models:
+        await create_model_topics(settings, model, partitions=partitions)
+        drop_topics.append(model)
+
+
+def start_pair(workers: Fleet, classifier_name: str) -> list[WorkerProcess]:
     """A classifier worker, then a detector worker whose boxes go to it."""
     return [
         workers.start("--model-name", classifier_name, model="digits"),
@@ -119,6 +128,7 @@ def start_pair(workers: Fleet, detector_name: str, classifier_name: str) -> list
 @pytest.mark.timeout(420)
 async def test_every_box_of_every_image_is_classified_in_one_answer(
     client_settings: ClientSettings,
+    drop_topics: list[str],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
@@ -127,8 +137,7 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
     direct: tuple[ModelRunner, ModelRunner],
 ) -> None:
     classifier = f"{model_name}c"
-    await create_model_topics(client_settings, model_name, partitions=3)
-    await create_model_topics(client_settings, classifier, partitions=3)
+    await made(client_settings, drop_topics, 3, model_name, classifier)
     records, ids = requests(scenes, 1000, model_name, ContentType.PNG)
     stream = f"cam-{model_name}"
     frames = [
@@ -142,7 +151,7 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
         )
         for seq in range(40)
     ]
-    reader_worker, detector_worker = start_pair(workers, model_name, classifier)
+    reader_worker, detector_worker = start_pair(workers, classifier)
     async with AsyncStreamReader(client_settings, model_name, stream, timeout=120) as reader:
         await produce(kafka_bootstrap, topics_for(model_name).requests, records + frames)
         in_order = [frame async for frame in reader.results(len(frames))]
@@ -161,11 +170,8 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
     sent = (await metrics(detector_worker))["conveyor_chain_children_sent_total"]
     joined = (await metrics(reader_worker))["conveyor_chain_parents_answered_total"]
     assert sent == boxes + framed  # no fault: each crop sent once
-    assert joined == sum(
-        1 for n in range(len(ids)) if results[ids[n]].outputs["pipeline"]["children"]
-    ) + sum(
-        1 for f in in_order if f.result is not None and f.result.outputs["pipeline"]["children"]
-    )
+    answers = [*results.values(), *(f.result for f in in_order if f.result is not None)]
+    assert joined == sum(1 for r in answers if r.outputs["pipeline"]["children"])
     replies = await read_topic(
         kafka_bootstrap, topics_for(model_name).results, expect=1040, timeout_s=60
     )
@@ -180,6 +186,7 @@ async def test_every_box_of_every_image_is_classified_in_one_answer(
 @pytest.mark.timeout(420)
 async def test_workers_killed_mid_pipeline_lose_nothing_and_change_no_answer(
     client_settings: ClientSettings,
+    drop_topics: list[str],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
@@ -188,11 +195,10 @@ async def test_workers_killed_mid_pipeline_lose_nothing_and_change_no_answer(
     direct: tuple[ModelRunner, ModelRunner],
 ) -> None:
     classifier = f"{model_name}c"
-    await create_model_topics(client_settings, model_name, partitions=4)
-    await create_model_topics(client_settings, classifier, partitions=4)
+    await made(client_settings, drop_topics, 4, model_name, classifier)
     records, ids = requests(scenes, 800, model_name, ContentType.PNG)
-    first = start_pair(workers, model_name, classifier)
-    second = start_pair(workers, model_name, classifier)
+    first = start_pair(workers, classifier)
+    second = start_pair(workers, classifier)
     for worker in (*first, *second):
         await worker.until_serving()
     seen: dict[str, bytes] = {}
@@ -232,6 +238,7 @@ async def watch(redis_url: str, ids: Sequence[str], seen: dict[str, bytes]) -> N
 @pytest.mark.timeout(300)
 async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
     client_settings: ClientSettings,
+    drop_topics: list[str],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
@@ -240,8 +247,7 @@ async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
     direct: tuple[ModelRunner, ModelRunner],
 ) -> None:
     classifier = f"{model_name}c"
-    await create_model_topics(client_settings, model_name, partitions=2)
-    await create_model_topics(client_settings, classifier, partitions=2)
+    await made(client_settings, drop_topics, 2, model_name, classifier)
     records, ids = requests(scenes, 200, model_name, ContentType.PNG)
     workers.start("--model-name", classifier, "--delivery", "exactly-once", model="digits")
     workers.start(
@@ -259,6 +265,7 @@ async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
 @pytest.mark.timeout(300)
 async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
     client_settings: ClientSettings,
+    drop_topics: list[str],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
@@ -269,8 +276,7 @@ async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
     """The detector, then the detector again on each of its crops, then the classifier
     on each box found in a crop: one answer, each stage's answers inside the last's."""
     middle, last = f"{model_name}m", f"{model_name}c"
-    for name in (model_name, middle, last):
-        await create_model_topics(client_settings, name, partitions=2)
+    await made(client_settings, drop_topics, 2, model_name, middle, last)
     records, ids = requests(scenes, 150, model_name, ContentType.PNG)
     workers.start("--model-name", last, model="digits")
     workers.start("--model-name", middle, "--then", last, "--then-options", THEN, model=DETECTOR)
@@ -296,6 +302,7 @@ async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
 @pytest.mark.timeout(300)
 async def test_a_parent_whose_children_are_not_answered_by_its_deadline_is_answered_then(
     client_settings: ClientSettings,
+    drop_topics: list[str],
     kafka_bootstrap: str,
     redis_url: str,
     model_name: str,
@@ -305,8 +312,7 @@ async def test_a_parent_whose_children_are_not_answered_by_its_deadline_is_answe
     """The next model is down: each parent is answered just after its deadline, every
     box ``expired``; its children, answered once the next model is back, change nothing."""
     classifier = f"{model_name}c"
-    await create_model_topics(client_settings, model_name, partitions=2)
-    await create_model_topics(client_settings, classifier, partitions=2)
+    await made(client_settings, drop_topics, 2, model_name, classifier)
     detector = workers.start("--then", classifier, "--then-options", THEN, model=DETECTOR)
     await detector.until_serving()
     deadline = datetime.now(UTC) + timedelta(seconds=4)
@@ -345,9 +351,9 @@ async def test_a_parent_whose_children_are_not_answered_by_its_deadline_is_answe
 
 @pytest.mark.timeout(120)
 async def test_a_next_model_without_its_topic_stops_the_worker_saying_what_to_create(
-    client_settings: ClientSettings, model_name: str, workers: Fleet
+    client_settings: ClientSettings, drop_topics: list[str], model_name: str, workers: Fleet
 ) -> None:
-    await create_model_topics(client_settings, model_name, partitions=1)
+    await made(client_settings, drop_topics, 1, model_name)
     worker = workers.start("--then", f"{model_name}x", model=DETECTOR)
     assert await worker.exited(60) == 3
     assert f"create it with `conveyor topics create --model {model_name}x`" in worker.log()
