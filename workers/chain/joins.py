@@ -385,43 +385,35 @@ class Joins:
 
     def _expire_at(self, parent: Parent, deadline: datetime) -> None:
         """Answer ``parent`` just after its deadline with the children it has, the
-        others ``expired``, unless every child is answered first (``publish`` only)."""
+        others ``expired``, unless every child is answered first (``publish`` only).
+        The timer keeps the parent's id, trace and partition, never its image."""
         if self._publish is None:
             return
         delay = (deadline - datetime.now(UTC)).total_seconds() + _DEADLINE_GRACE_S
-        timer = asyncio.create_task(self._at_deadline(parent, max(delay, 0.0)))
+        meta, partition = parent.item.meta, self._partition_of(parent)
+        timer = asyncio.create_task(self._at_deadline(meta.id, partition, max(delay, 0.0)))
         self._timers.add(timer)
         timer.add_done_callback(self._timers.discard)
 
-    async def _at_deadline(self, parent: Parent, delay: float) -> None:
+    async def _at_deadline(self, parent: str, partition: int, delay: float) -> None:
         await asyncio.sleep(delay)
-        meta = parent.item.meta
-        keys = [join_key(meta.id), result_key(meta.id)]
+        keys = [join_key(parent), result_key(parent)]
         try:
             state = await self._retry("redis", lambda: self._overdue(keys=keys))
             if not isinstance(state, list):
                 return  # answered, or every child in: the last child's worker writes it
             fields = dict(zip(state[::2], state[1::2], strict=True))
-            indices = orjson.loads(fields[b"boxes"])
-            answers = {
-                i: fields[key] for i in range(len(indices)) if (key := f"c{i}".encode()) in fields
-            }
-            final = self._final(meta.id, fields[b"doc"], indices, fields[b"next"].decode(), answers)
             outbox = Outbox()
-            headers = self._encoder.headers(meta.id, meta.traceparent)
-            reply = fields[b"reply"].decode()
-            outbox.add(meta.id, final, headers, reply, self._partition_of(parent))
+            self._add_joined(outbox, parent, fields, partition)
             assert self._publish is not None
             await self._publish(outbox)  # first result wins: a last child's, if it came
             log.info(
-                "request %s passed its deadline with %d of %d children answered: its result "
-                "written, the others expired",
-                meta.id,
-                len(answers),
-                len(indices),
+                "request %s passed its deadline before all its children were answered: "
+                "its result written, the missing children expired",
+                parent,
             )
         except Exception:  # the last child's answer still completes it
-            log.exception("writing the result of %s at its deadline failed", meta.id)
+            log.exception("writing the result of %s at its deadline failed", parent)
 
     # -- the next stage -----------------------------------------------------------------
 
@@ -466,25 +458,31 @@ class Joins:
     def _complete(self, outbox: Outbox, child: ChildAnswer, fields: dict[bytes, bytes]) -> int:
         """Add the complete parent's result to ``outbox`` (1), or its answer to its own
         parent's join (0)."""
-        indices = orjson.loads(fields[b"boxes"])
-        answers = {i: fields[f"c{i}".encode()] for i in range(len(indices))}
-        model = fields[b"next"].decode()
-        final = self._final(child.parent, fields[b"doc"], indices, model, answers)
         up = fields.get(b"up")
         if up:  # this parent is a child of another: its answer joins that one's
             grand, index, count = orjson.loads(up)
-            answer = ChildAnswer(child.parent, grand, index, count, final, child.partition)
-            outbox.children.append(answer)
+            final = self._final_of(child.parent, fields)
+            outbox.children.append(
+                ChildAnswer(child.parent, grand, index, count, final, child.partition)
+            )
             return 0
-        trace = fields[b"trace"].decode() or None
-        outbox.add(
-            child.parent,
-            final,
-            self._encoder.headers(child.parent, trace),
-            fields[b"reply"].decode(),
-            child.partition,
-        )
+        self._add_joined(outbox, child.parent, fields, child.partition)
         return 1
+
+    def _add_joined(
+        self, outbox: Outbox, parent: str, fields: dict[bytes, bytes], partition: int
+    ) -> None:
+        """Add the result a join's ``fields`` make to ``outbox``, for its reply topic."""
+        trace = fields[b"trace"].decode() or None
+        headers = self._encoder.headers(parent, trace)
+        final = self._final_of(parent, fields)
+        outbox.add(parent, final, headers, fields[b"reply"].decode(), partition)
+
+    def _final_of(self, parent: str, fields: dict[bytes, bytes]) -> bytes:
+        """The parent's result from its join: the children it has (all, once complete)."""
+        indices = orjson.loads(fields[b"boxes"])
+        answers = {i: fields[c] for i in range(len(indices)) if (c := f"c{i}".encode()) in fields}
+        return self._final(parent, fields[b"doc"], indices, fields[b"next"].decode(), answers)
 
     def _final(
         self,
