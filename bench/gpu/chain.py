@@ -66,12 +66,14 @@ async def _chain(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[
         await create_model_topics(settings, name, _PARTITIONS)
     out: dict[str, Any] = {"detector": specs[0], "classifier": specs[1], "corpus": corpus.name}
     try:
-        alone = await _serve(args, cfg, corpus, "detector", [(detector, specs[0], None)], None)
+        alone = await _serve(
+            args, cfg, corpus, "detector", [(detector, specs[0], None)], None, detector
+        )
         out["detector alone"] = alone
         _say(out, "detector alone")
         rate = alone["rate"]
         models = [(detector, specs[0], classifier), (classifier, specs[1], None)]
-        both = await _serve(args, cfg, corpus, "both", models, rate)
+        both = await _serve(args, cfg, corpus, "both", models, rate, detector)
         out["both"] = both
         _say(out, "both")
         count = await _resend_crops(args, classifier, crops)
@@ -102,17 +104,23 @@ def _shares(detector_rate: float, both: dict[str, Any], classifier_rate: float) 
 
 
 def _host_file(
-    folder: Path, label: str, models: Sequence[tuple[str, str, str | None]], boxes: int
+    folder: Path,
+    label: str,
+    models: Sequence[tuple[str, str, str | None]],
+    boxes: int,
+    detector: str | None,
 ) -> Path:
-    """A host file of ``models`` (topic name, spec, the model its boxes go to or None)."""
+    """A host file of ``models`` (topic name, spec, the model its boxes go to or None).
+    A torchvision ``detector`` keeps every box, alone or not, so that it does the same
+    work in both hosts it is measured in."""
     lines = []
     for name, spec, then in models:
         lines += ["[[models]]", f'model = "{spec}"', f'model_name = "{name}"']
         if spec.startswith(("torchvision:", "timm:")):
             lines.append('weights = "random"')
+        if name == detector and spec.startswith("torchvision:"):
+            lines.append(f"model_options = {_DETECTOR_OPTIONS}")
         if then is not None:
-            if spec.startswith("torchvision:"):
-                lines.append(f"model_options = {_DETECTOR_OPTIONS}")
             lines.append(f'then = "{then}"')
             lines.append(f"then_options = {{ min_score = 0.0, max_children = {boxes} }}")
         lines.append("")
@@ -129,11 +137,13 @@ async def _serve(
     label: str,
     models: Sequence[tuple[str, str, str | None]],
     sized: float | int | None,
+    detector: str | None = None,
 ) -> dict[str, Any]:
-    """One host of ``models``; a backlog for the first of them: ``corpus`` frames sized
-    to last ``--chain-s`` at ``sized`` frames a second (a first guess when None), or,
-    without a corpus, the ``sized`` records already on its topic. Its rate in steady state."""
-    path = _host_file(args.out / "hosts", label, models, args.chain_boxes)
+    """One host of ``models`` (``detector``: the detector's name among them); a backlog
+    for the first of them: ``corpus`` frames sized to last ``--chain-s`` at ``sized``
+    frames a second (a first guess when None), or, without a corpus, the ``sized``
+    records already on its topic. Its rate in steady state."""
+    path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
     config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)
     fleet = Fleet(config, args.out / "workers" / f"chain-{label}")
