@@ -287,6 +287,9 @@ def test_profiles_fill_in_only_what_was_not_given() -> None:
     assert throughput.max_batch_size == 32  # a model of variable-size images keeps 32
     assert throughput.stage_batches is None  # the model stage's own default (4 on a GPU)
     assert throughput.switch_interval_ms == 0.5
+    assert throughput.compile is False  # full-size images: a new graph for every size
+    given_compile = WorkerSettings(model="digits", compile=True)
+    assert tuned(given_compile, cuda=True, fixed_size_images=False).compile is True
 
     cpu = tuned(
         WorkerSettings(model="digits", max_batch_size=64), cuda=False, fixed_size_images=True

@@ -45,12 +45,17 @@ def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> W
 
     ``cuda``: the model runs on a CUDA device; ``fixed_size_images``: its handler takes
     images fitted to one size (a classifier or an embedder), cheap per image, so large
-    batches keep the card busy.
+    batches keep the card busy, and one compiled forward a batch size serves them all.
+    A model of full-size images (a detector, a segmenter) runs eagerly unless
+    ``compile`` is given: its images keep their sizes, so ``torch.compile`` traced a new
+    graph for nearly every batch (Faster R-CNN on one H200: 258 s to its first ready
+    process, then Dynamo's recompile limit in every process; docs/bench-log,
+    2026-11-29).
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
     if "compile" not in given:
-        update["compile"] = cuda
+        update["compile"] = cuda and fixed_size_images
     if cuda and fixed_size_images and "max_batch_size" not in given:
         update["max_batch_size"] = GPU_IMAGE_BATCH
     return settings.model_copy(update=update)

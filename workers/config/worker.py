@@ -132,9 +132,9 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     )
     compile: bool | None = Field(
         default=None,
-        description="torch.compile the model (default: on for CUDA devices); the compiled "
-        "code is cached in --compile-cache, so the processes of a host and later starts "
-        "compile once",
+        description="torch.compile the model (default: on for CUDA devices, for models of "
+        "fixed-size images; detectors and segmenters run eagerly); the compiled code is cached "
+        "in --compile-cache, so the processes of a host and later starts compile once",
     )
     compile_form: Literal["package", "static", "dynamic"] = Field(
         default="package",
