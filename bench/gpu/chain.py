@@ -44,6 +44,7 @@ from schemas.chain import COUNT_H, INDEX_H, PARENT_H
 
 CHAIN = "torchvision:fasterrcnn_resnet50_fpn,torchvision:resnet50"
 _PARTITIONS = 8
+_PROBE = 256  # frames of the first backlog, whose rate sizes the measured one
 _CHILD_HEADERS = frozenset({PARENT_H, INDEX_H, COUNT_H})
 # Random weights score every box about alike and below torchvision's defaults: keep them.
 _DETECTOR_OPTIONS = "{ box_score_thresh = 0.0, score_threshold = 0.0 }"
@@ -141,7 +142,9 @@ async def _serve(
 ) -> dict[str, Any]:
     """One host of ``models`` (``detector``: the detector's name among them); a backlog
     for the first of them: ``corpus`` frames sized to last ``--chain-s`` at ``sized``
-    frames a second (a first guess when None), or, without a corpus, the ``sized``
+    frames a second (measured on a first backlog of ``_PROBE`` frames when None: a
+    detector serves a few hundred frames a second, a classifier tens of thousands), or,
+    without a corpus, the ``sized``
     records already on its topic. Its rate in steady state."""
     path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
@@ -156,8 +159,12 @@ async def _serve(
         prefix = f"chain-{label}-{first}"
         with UtilizationSampler(1) as gpu:
             if corpus is not None:
-                guess = sized if sized is not None else cfg.e2e_count / args.chain_s
-                count = max(256, math.ceil(guess * args.chain_s))
+                if sized is None:  # the first host: a short backlog measures the rate to size by
+                    probe = [(first, f"{prefix}-probe", _PROBE)]
+                    await produce_at_once(args, corpus, probe, _PARTITIONS)
+                    probed = await _await_results(f"{prefix}-probe", _PROBE, args, [host])
+                    sized = _steady_state(probed, gpu)["first_to_last_img_s"]
+                count = max(_PROBE, math.ceil(sized * args.chain_s))
                 await produce_at_once(args, corpus, [(first, prefix, count)], _PARTITIONS)
             else:
                 count, prefix = int(sized or 0), f"chain-crop-{first}"
