@@ -44,6 +44,7 @@ from workers.model.runner import ModelRunner
 
 DETECTOR = "demo.models.detector:DigitsDetector"
 MARGIN = 0.1
+CROP_LIMITS = {"max_pixels": 10**8, "limit": 10**6}  # crops of the same pixels: .npy or PNG
 THEN = json.dumps({"min_score": 0.4, "max_children": 8, "margin": MARGIN})
 SCENES = 120
 
@@ -75,17 +76,21 @@ def direct(detector: Path, digits: Any) -> tuple[ModelRunner, ModelRunner]:
     )
 
 
-def answer(runner: ModelRunner, payload: bytes) -> Any:
-    tensor = runner.handler.preprocess(payload, ContentType.PNG, {})
+def answer(runner: ModelRunner, payload: bytes, content_type: ContentType = ContentType.PNG) -> Any:
+    tensor = runner.handler.preprocess(payload, content_type, {})
     return runner.run([tensor], [{}])[0]
 
 
 def check_answer(
-    request_id: str, payload: bytes, outputs: dict[str, Any], direct: tuple[ModelRunner, ...]
+    request_id: str,
+    payload: bytes,
+    outputs: dict[str, Any],
+    direct: tuple[ModelRunner, ...],
+    content_type: ContentType = ContentType.PNG,
 ) -> int:
     """``outputs`` is the two models' answer for ``payload``; returns its box count."""
     detector, classifier = direct
-    alone = answer(detector, payload)
+    alone = answer(detector, payload, content_type)
     served = outputs["detections"]
     assert len(served) == len(alone["detections"]), (request_id, served, alone)
     for got, want in zip(served, alone["detections"], strict=True):
@@ -94,12 +99,12 @@ def check_answer(
         assert got["score"] == pytest.approx(want["score"], abs=1e-4)
     assert outputs["pipeline"]["children"] == len(served)
     assert outputs["pipeline"]["failed"] == []
-    crops = cut(payload, ContentType.PNG, [d["box"] for d in served], MARGIN, max_pixels=10**8)
+    crops = cut(payload, content_type, [d["box"] for d in served], MARGIN, **CROP_LIMITS)
     for index, (found, crop) in enumerate(zip(served, crops, strict=True)):
         then = found["next"]
         assert then["id"] == child_id(request_id, index)  # each box answered once, by its own child
         assert then["status"] == "ok", then
-        want = answer(classifier, crop)
+        want = answer(classifier, crop.data, crop.content_type)
         assert then["outputs"][0]["label"] == want[0]["label"]
         assert then["outputs"][0]["score"] == pytest.approx(want[0]["score"], abs=1e-5)
     return len(served)
@@ -289,13 +294,15 @@ async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
         outputs = results[request_id].outputs
         payload = scenes[n % len(scenes)]
         served = outputs["detections"]
-        crops = cut(payload, ContentType.PNG, [d["box"] for d in served], MARGIN, max_pixels=10**8)
+        crops = cut(payload, ContentType.PNG, [d["box"] for d in served], MARGIN, **CROP_LIMITS)
         for index, (found, crop) in enumerate(zip(served, crops, strict=True)):
             then = found["next"]
             assert then["status"] == "ok", then
             assert then["model"] == middle
             # The middle stage answered its crop as the two models would, directly.
-            nested += check_answer(child_id(request_id, index), crop, then["outputs"], direct)
+            nested += check_answer(
+                child_id(request_id, index), crop.data, then["outputs"], direct, crop.content_type
+            )
     assert nested > 0  # boxes found inside crops, each classified
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from PIL import Image
 
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H, Child, child_id, child_of, join_key
 from schemas.headers import ContentType
-from workers.chain.crops import cut, cut_from, cut_pixels, pixel_box
+from workers.chain.crops import Crop, cut, cut_from, cut_pixels, pixel_box
 from workers.config.next_stage import NextStage
 
 
@@ -101,6 +102,14 @@ def test_boxes_grow_by_their_margin_and_stay_in_the_image() -> None:
     assert pixel_box((99.5, 59.9, 99.5, 59.9), 0.0, 100, 60) == (99, 59, 100, 60)
 
 
+def _pixels(crop: Crop) -> npt.NDArray[np.uint8]:
+    if crop.content_type == ContentType.NPY:
+        pixels: npt.NDArray[np.uint8] = np.load(io.BytesIO(crop.data), allow_pickle=False)
+        return pixels
+    assert crop.content_type == ContentType.PNG
+    return np.asarray(Image.open(io.BytesIO(crop.data)))
+
+
 def test_crops_are_the_pixels_of_their_boxes() -> None:
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
@@ -112,10 +121,25 @@ def test_crops_are_the_pixels_of_their_boxes() -> None:
         [(1, 2, 11, 7), (30.5, 20, 40, 30)],
         0.0,
         max_pixels=10_000,
+        limit=10_000,
     )
-    first, second = (np.asarray(Image.open(io.BytesIO(c))) for c in crops)
+    assert [c.content_type for c in crops] == [ContentType.NPY, ContentType.NPY]
+    first, second = (_pixels(c) for c in crops)
     assert np.array_equal(first, pixels[2:7, 1:11])
     assert np.array_equal(second, pixels[20:30, 30:40])
+
+
+def test_a_crop_too_large_as_npy_goes_as_png_of_the_same_pixels() -> None:
+    pixels = np.zeros((30, 40, 3), dtype=np.uint8)
+    pixels[10:20, 5:35] = (200, 30, 90)  # flat areas: PNG is far smaller than the raw array
+    raw = 30 * 40 * 3
+    (small,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, limit=raw + 128)
+    (large,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, limit=raw)
+    assert small.content_type == ContentType.NPY
+    assert large.content_type == ContentType.PNG
+    assert len(large.data) < raw
+    assert np.array_equal(_pixels(small), pixels)
+    assert np.array_equal(_pixels(large), pixels)
 
 
 def test_crops_come_from_the_image_the_model_decoded_or_its_bytes() -> None:
@@ -125,19 +149,24 @@ def test_crops_come_from_the_image_the_model_decoded_or_its_bytes() -> None:
     Image.fromarray(pixels).save(buffer, format="PNG")
     png = buffer.getvalue()
     boxes = [(3, 4, 20, 25)]
-    want = cut(png, ContentType.PNG, boxes, 0.1, max_pixels=10_000)
+    want = cut(png, ContentType.PNG, boxes, 0.1, max_pixels=10_000, limit=10_000)
+
+    def crops(preprocessed: torch.Tensor, payload: bytes, margin: float) -> list[Crop]:
+        shape = (40, 30)  # width, height: as the answer gives them
+        return cut_from(
+            preprocessed, payload, ContentType.PNG, boxes, margin, max_pixels=10_000,
+            limit=10_000, shape=shape,
+        )  # fmt: skip
+
     held = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # as decode_full makes it
-    shape = (40, 30)  # width, height: as the answer gives them
-    assert cut_from(held, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000, shape=shape) == want
+    assert crops(held, b"", 0.1) == want
     kept = torch.frombuffer(bytearray(png), dtype=torch.uint8)  # kept for the card's decoder
-    assert cut_from(kept, b"", ContentType.PNG, boxes, 0.1, max_pixels=10_000) == want
+    assert crops(kept, b"", 0.1) == want
     resized = held[:, :20, :20].contiguous()  # a handler's own resize: not the boxes' pixels
-    assert (
-        cut_from(resized, png, ContentType.PNG, boxes, 0.1, max_pixels=10_000, shape=shape) == want
-    )
+    assert crops(resized, png, 0.1) == want
     grey = torch.from_numpy(pixels[:, :, :1]).permute(2, 0, 1).contiguous()
-    (crop,) = cut_from(grey, b"", ContentType.PNG, boxes, 0.0, max_pixels=10_000, shape=shape)
-    assert np.array_equal(np.asarray(Image.open(io.BytesIO(crop))), pixels[4:25, 3:20, 0])
+    (crop,) = crops(grey, b"", 0.0)
+    assert np.array_equal(_pixels(crop), pixels[4:25, 3:20, 0])
 
 
 def test_the_whole_image_is_one_child_of_any_answer_that_is_an_object() -> None:
@@ -153,7 +182,7 @@ def test_the_whole_image_is_one_child_of_any_answer_that_is_an_object() -> None:
 
 def test_a_resized_crop_keeps_its_shape_and_is_never_enlarged() -> None:
     pixels = np.zeros((30, 40, 3), dtype=np.uint8)
-    (small,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, size=20)
-    (same,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, size=100)
-    assert Image.open(io.BytesIO(small)).size == (20, 15)
-    assert Image.open(io.BytesIO(same)).size == (40, 30)
+    (small,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, limit=10_000, size=20)
+    (same,) = cut_pixels(pixels, [(0, 0, 40, 30)], 0.0, limit=10_000, size=100)
+    assert _pixels(small).shape == (15, 20, 3)
+    assert _pixels(same).shape == (30, 40, 3)

@@ -309,6 +309,7 @@ class Joins:
                 boxes,
                 0.0 if stage.whole_image else stage.margin,
                 max_pixels=self._max_pixels,
+                limit=self._max_crop_bytes,
                 size=stage.size,
                 shape=_shape(output),
             )
@@ -322,7 +323,7 @@ class Joins:
         failed = []
         common = self._common_headers(parent, count)
         key = None if meta.stream is None else meta.stream.encode()
-        for index, crop in enumerate(crops):
+        for index, (content_type, crop) in enumerate(crops):
             request = child_id(meta.id, index)
             if len(crop) > self._max_crop_bytes:
                 message = (
@@ -336,6 +337,7 @@ class Joins:
             record_key = key or request.encode()
             headers = [
                 ("ce_id", request.encode()),
+                ("content-type", content_type.value.encode()),
                 *common,
                 (INDEX_H, str(index).encode()),
             ]
@@ -360,7 +362,6 @@ class Joins:
             ("ce_specversion", b"1.0"),
             ("ce_type", b"conveyor.request.v1"),
             ("ce_source", self._source),
-            ("content-type", b"image/png"),
             (PARENT_H, meta.id.encode()),
             (COUNT_H, str(count).encode()),
         ]
