@@ -169,6 +169,39 @@ def test_one_process_memory_is_measured_once_and_recorded(
     assert starting.recorded_memory(tmp_path / "missing") is None
 
 
+def test_a_process_measured_beside_another_models_loading_processes_is_its_own_growth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first model's other processes load while the second's first one does: the
+    card's growth counts them at what each takes, not as the second model's."""
+    from workers.fleet import starting
+    from workers.fleet.children import Child
+    from workers.fleet.state import Model, State
+
+    card = Card(0, "H200", 100_000, used_mb=1_000)
+    # baseline 1,000; the detector's first process (10,000) loaded when the classifier's
+    # first started (20,000 in use, its other three half loaded); the classifier takes 2,500
+    monkeypatch.setattr(starting, "memory_used", lambda cards: {0: 1_000 + 4 * 10_000 + 2_500})
+
+    def model(name: str, process_mb: float | None = None) -> Model:
+        settings = WorkerSettings(model="torchvision:resnet50", model_name=name, processes="4")
+        kept = Model(settings, [], process_mb=process_mb)
+        kept.children = [
+            Child(Slot(0, n), f"h-{name}-0-{n}", "m", [], {}, json=False) for n in range(4)
+        ]
+        return kept
+
+    detector, classifier = model("d", process_mb=10_000), model("c")
+    classifier.children[0].compile_cache = tmp_path
+    state = State(models={"d": detector, "c": classifier}, baseline_mb={0: 1_000})
+    rest = starting._fit_in_memory(
+        classifier, state, [card], classifier.children[0], classifier.children[1:], {0: 20_000}
+    )
+    assert classifier.process_mb == 2_500
+    assert len(rest) == 3
+    assert starting.recorded_memory(tmp_path) == 2_500
+
+
 def test_decode_threads_share_the_cores() -> None:
     assert plan.decode_threads(16, 8) == 2
     assert plan.decode_threads(4, 8) == 1

@@ -86,6 +86,8 @@ async def start_model(model: Model, state: State, cards: list[plan.Card], starte
         time.monotonic() - started,
         len(rest),
     )
+    if cards and recorded_memory(first.compile_cache) is None:
+        await _others_loaded(model, state, first.slot.card)  # so that what grew is this one's
     rest = _fit_in_memory(model, state, cards, first, rest, before)
     if model.failed:
         return
@@ -194,14 +196,19 @@ def _fit_in_memory(
     """``rest``, without the processes its cards' memory cannot hold beside the host's
     other models; the model refused, with the numbers, when a count asked for does not
     fit or (``auto``) no process does. One process takes what its card's use grew by
-    while ``first`` loaded, recorded in the compile cache for the warm starts after it."""
+    while ``first`` loaded, beyond the host's other processes there (loaded by now:
+    ``_others_loaded``), recorded in the compile cache for the warm starts after it."""
     card = next((c for c in cards if c.index == first.slot.card), None)
     if card is None or card.index not in before:
         return rest
     process_mb = recorded_memory(first.compile_cache)
     how = "as recorded in its compile cache"
     if process_mb is None:
-        grown = memory_used(cards).get(card.index, before[card.index]) - before[card.index]
+        # What the card's use grew by beyond the host's other processes there, counted at
+        # what each takes loaded: those that were loading when ``first`` started grew too
+        # (three Faster R-CNN processes made one ResNet-50 process look like 47,319 MiB).
+        beside_mb = _in_use_beside(model, state, card, before)
+        grown = memory_used(cards).get(card.index, beside_mb) - beside_mb
         if grown <= 0:
             return rest  # nothing measurable
         process_mb = float(grown)
@@ -238,6 +245,28 @@ def _fit_in_memory(
     model.children = [c for c in model.children if c in keep]
     sync(state)
     return [c for c in rest if c in keep]
+
+
+async def _others_loaded(model: Model, state: State, card: int | None) -> None:
+    """Until the host's other models' processes on ``card`` have loaded (or exited, or
+    ``FIRST_START_TIMEOUT_S`` passed): started before ``model``'s first process loaded,
+    they may still be taking memory."""
+    deadline = time.monotonic() + FIRST_START_TIMEOUT_S
+    waiting = [
+        child
+        for other in state.models.values()
+        if other is not model and not other.failed
+        for child in other.children
+        if child.slot.card == card
+    ]
+    while waiting and time.monotonic() < deadline and not state.stop.is_set():
+        waiting = [
+            child
+            for child in waiting
+            if child.running and (child.port is None or not await _model_loaded(child.port))
+        ]
+        if waiting:
+            await asyncio.sleep(_POLL_S)
 
 
 def _in_use_beside(model: Model, state: State, card: plan.Card, before: dict[int, int]) -> int:
