@@ -24,7 +24,7 @@ log = logging.getLogger("conveyor.fleet")
 FIRST_START_TIMEOUT_S = 900.0  # a cold compile of a large model on a slow host
 FORK_SERVER_TIMEOUT_S = 300.0  # its imports: ~10 s on a GPU host
 _POLL_S = 0.5
-MEMORY_RECORD = "process-memory-mib"
+MEMORY_RECORD = "process-memory-mib.2"  # .2: not counting other models' loading processes
 """The file of a compile cache folder that holds what one process took on its card."""
 
 
