@@ -403,6 +403,18 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
+_WORKER_EXTRA = ("torch", "torchvision", "PIL", "numpy", "prometheus_client")
+"""Modules of the worker extra's packages that the worker cannot run without, found without
+importing them (uvloop, hiredis and google-crc32c are used where installed)."""
+
+
+def _require_worker_extra() -> None:
+    """Raises ``ModuleNotFoundError`` naming the first of ``_WORKER_EXTRA`` not installed."""
+    for name in _WORKER_EXTRA:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         host = host_of(args)
@@ -419,8 +431,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         # torch is imported only when a worker really starts, so the client-only
-        # install has the rest of the command (and this command's --help).
-        import workers.app
+        # install has the rest of the command (and this command's --help); a host's
+        # supervisor never imports it (its fork server does, meanwhile: 3-5 s on a GPU host).
+        _require_worker_extra()
         import workers.fleet.supervisor  # noqa: F401
         from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
@@ -456,7 +469,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, settings: WorkerSettings) -> int:
     """``conveyor worker`` for one model: its processes' supervisor, or the worker."""
-    from workers.app import run_worker
     from workers.fleet.host import child_flags, planned
     from workers.fleet.supervisor import supervise
 
@@ -467,6 +479,8 @@ def _serve(args: argparse.Namespace, settings: WorkerSettings) -> int:
         if len(slots) > 1:  # several processes: this one supervises them
             given = child_flags(_given(args))
             return runner.run(supervise([(settings, slots)], given, cards))
+        from workers.app import run_worker  # torch: only a process that serves imports it
+
         runner.run(run_worker(settings))
     return EXIT_STOPPED
 

@@ -34,6 +34,11 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def mapped(pid: int) -> str:
+    """The files mapped into ``pid``'s memory: its loaded libraries among them."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
 async def host_metrics(host: WorkerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Every sample of the host's /metrics, by sample name."""
     port = host.metrics_port()
@@ -63,6 +68,8 @@ async def test_one_command_runs_processes_that_serve_behind_one_port_and_drain_t
     assert len(host.children()) == 3
     assert "fork server ready" in host.log()
     assert all(parent(pid) != host.pid for pid in host.children())  # forked, torch imported
+    # The supervisor itself never imports torch: its fork server does, while it starts.
+    assert "libtorch" not in mapped(host.pid)
 
     requests, ids = digit_requests(digits, 600, prefix=model_name)
     await produce(kafka_bootstrap, topics.requests, requests)
