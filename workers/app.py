@@ -377,6 +377,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         packages=cache / PACKAGES_FOLDER if cache is not None else None,
         buckets=buckets,
         cuda_graphs=graphs,
+        keep_images=settings.then is not None,  # crops are cut from the images the model saw
     )
     sizes = sorted(
         {1, settings.max_batch_size}

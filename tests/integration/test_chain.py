@@ -268,6 +268,43 @@ async def test_exactly_once_workers_send_the_crops_in_the_parents_transaction(
 
 
 @pytest.mark.timeout(300)
+async def test_crops_come_from_the_images_the_batch_decoder_made(
+    client_settings: ClientSettings,
+    drop_topics: list[str],
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    scenes: list[bytes],
+    direct: tuple[ModelRunner, ModelRunner],
+) -> None:
+    """JPEGs decoded where the detector runs (``--decode gpu``: its batch decoder, here on
+    the CPU), whose items keep the images it made for the crops (tests/unit/test_runner.py
+    and test_inference.py check that they do): every box is answered as the two models
+    answer the same crops directly."""
+    classifier = f"{model_name}c"
+    await made(client_settings, drop_topics, 2, model_name, classifier)
+    jpegs = []
+    for scene in scenes:
+        buffer = io.BytesIO()
+        Image.open(io.BytesIO(scene)).convert("RGB").save(buffer, format="JPEG", quality=95)
+        jpegs.append(buffer.getvalue())
+    records, ids = requests(jpegs, 120, model_name, ContentType.JPEG)
+    workers.start("--model-name", classifier, model="digits")
+    workers.start("--then", classifier, "--then-options", THEN, "--decode", "gpu", model=DETECTOR)
+    await produce(kafka_bootstrap, topics_for(model_name).requests, records)
+    results = await wait_for_results(redis_url, ids, timeout_s=240)
+    assert set(results) == set(ids), workers.logs()
+    boxes = 0
+    for n, request_id in enumerate(ids):
+        result = results[request_id]
+        assert result.status is Status.ok, result
+        payload = jpegs[n % len(jpegs)]
+        boxes += check_answer(request_id, payload, result.outputs, direct, ContentType.JPEG)
+    assert boxes >= len(ids)
+
+
+@pytest.mark.timeout(300)
 async def test_a_chain_of_three_models_nests_each_stage_in_one_answer(
     client_settings: ClientSettings,
     drop_topics: list[str],

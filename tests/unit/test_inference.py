@@ -248,3 +248,37 @@ async def test_the_default_stage_holds_four_batches_pipelined_and_two_serially()
             waiting.cancel()
         finally:
             inference.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_batch_decoded_where_the_model_runs_leaves_each_item_its_image(
+    pipelined: bool,
+) -> None:
+    """With a next stage (``keep_images``), an item's JPEG decoded by the batch decoder is
+    replaced by the image the model saw, so its crops need no second decode."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from demo.models.detector import DigitsDetector
+    from schemas import ContentType
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(5).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=95)
+    detector = DigitsDetector(device="cpu", decode="gpu")
+    batch = items([0, 0])
+    for item in batch:
+        item.tensor = detector.preprocess(buffer.getvalue(), ContentType.JPEG, {})
+    runner = ModelRunner(detector, device="cpu", keep_images=True)
+    inference = Inference(runner, lambda _: None, pipelined=pipelined)
+    try:
+        (outcome,) = await run_batches(inference, [batch])
+    finally:
+        inference.close()
+    assert len(outcome.outputs) == 2
+    for item in outcome.answered:
+        assert item.tensor.shape == (3, 48, 80)  # decoded: (C, H, W), not the JPEG's bytes
+        assert item.tensor.dtype == torch.uint8

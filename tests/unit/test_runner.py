@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from demo.models.digits import DigitsClassifier, heldout_digits
 from schemas import ContentType
 from tests.fakes import Echo
+from workers.decode.jpeg import READ_MODES, decode_each
 from workers.handlers.base import ImageClassifier
 from workers.model.runner import (
     ModelRunner,
@@ -195,3 +199,36 @@ def test_a_dynamic_batch_compiles_one_graph_for_every_bucket() -> None:
             batch = torch.randn(size, 3)
             assert torch.equal(forward(batch), torch.relu(batch) * 2)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_runner_that_keeps_images_hands_back_those_the_model_saw() -> None:
+    """A detector whose JPEGs are decoded where the model runs (``decode gpu``: on the
+    CPU here, through the same batch decoder): with ``keep_images`` each item's image
+    comes back with its output, as decoded there, for a next stage's crops."""
+    from demo.models.detector import DigitsDetector
+
+    rng = np.random.default_rng(3)
+    payloads = []
+    for size in ((96, 64), (120, 80)):
+        buffer = io.BytesIO()
+        pixels = rng.integers(0, 256, (size[1], size[0]), dtype=np.uint8)
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+        payloads.append(buffer.getvalue())
+    detector = DigitsDetector(device="cpu", decode="gpu")
+    items = [detector.preprocess(p, ContentType.JPEG, {}) for p in payloads]
+    assert all(item.dim() == 1 for item in items)  # kept encoded, for the batch decoder
+
+    for keep in (True, False):
+        runner = ModelRunner(detector, "cpu", keep_images=keep)
+        launched = runner.launch(runner.prepare(items), [{}, {}])
+        outputs = runner.finish(launched)
+        assert [(o["width"], o["height"]) for o in outputs] == [(96, 64), (120, 80)]
+        if not keep:
+            assert launched.images is None
+            continue
+        assert launched.images is not None
+        seen = decode_each(items, READ_MODES[detector.mode], torch.device("cpu"))  # as collate does
+        for image, decoded in zip(launched.images, seen, strict=True):
+            assert decoded is not None
+            assert image.shape == decoded.shape
+            assert torch.equal(image, decoded)

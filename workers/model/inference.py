@@ -206,6 +206,7 @@ class Inference:
                 )
             )
             return
+        _keep_images(items, launched)
         finished_ms = time.time() * 1000.0
         seconds = launched.device_seconds()
         if seconds is None:
@@ -297,7 +298,11 @@ class Inference:
     def _isolated(self, items: Sequence[Item]) -> list[Any]:
         """Outputs of ``items``; a batch that raises is halved until the bad item is alone."""
         try:
-            return self._runner.run([i.tensor for i in items], [i.meta.params for i in items])
+            batch = self._runner.prepare([i.tensor for i in items])
+            launched = self._runner.launch(batch, [i.meta.params for i in items])
+            outputs = self._runner.finish(launched)
+            _keep_images(items, launched)
+            return outputs
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()  # give the halves the memory the failed batch held
             if len(items) == 1:
@@ -376,3 +381,11 @@ def superseded_refusal(item: Item) -> Refusal:
         "before inference (freshest-frame mode)"
     )
     return Refusal.of(item, ErrorCode.superseded, message, dead_letter=False)
+
+
+def _keep_images(items: Sequence[Item], launched: Launched) -> None:
+    """Each item's image as the model saw it, where the runner kept them (a next stage
+    cuts its crops from these, not from the payload decoded again)."""
+    if launched.images is not None:
+        for item, image in zip(items, launched.images, strict=True):
+            item.tensor = image

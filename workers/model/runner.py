@@ -107,6 +107,9 @@ class Launched:
     copied: torch.cuda.Event | None  # recorded once ``host`` holds the outputs
     started: torch.cuda.Event | None  # timing events around the device work (CUDA)
     ended: torch.cuda.Event | None
+    images: list[torch.Tensor] | None = None
+    """With ``keep_images``: each item's image as the model saw it, uint8 (C, H, W) on the
+    host (a list batch's; on CUDA, copied into pinned memory by ``copied``)."""
 
     def device_seconds(self) -> float | None:
         """Device time of the forward and postprocess (CUDA, after ``finish``)."""
@@ -136,6 +139,7 @@ class ModelRunner:
         packages: Path | None = None,
         buckets: Sequence[int] = (),
         cuda_graphs: bool = False,
+        keep_images: bool = False,
     ) -> None:
         """``device`` must be the one the handler's model was loaded on (``auto`` resolves
         the same way for both). ``compile`` compiles ``handler.forward``: ``static`` and
@@ -150,6 +154,10 @@ class ModelRunner:
         CUDA graph during ``warm_up`` and replays it: one call per batch instead of one
         per operator, so the launching thread hardly needs the GIL (with other busy
         threads in the process, every reacquisition can wait a switch interval).
+        ``keep_images`` (a next stage cuts crops from them, ``workers.chain``): where a
+        batch is a list of images decoded on the device at their own sizes, ``launch``
+        copies them back to the host after the forward (``Launched.images``), so that
+        nothing decodes them again on the CPU.
         """
         if any(size < 1 for size in buckets):
             raise ValueError(f"bucket sizes must be at least 1, got {sorted(buckets)}")
@@ -172,6 +180,7 @@ class ModelRunner:
         self._collate = handler.collate if isinstance(handler, Collating) else None
         self._split = handler if isinstance(handler, SplitPostprocess) else None
         self._want_graphs = cuda_graphs and self.device.type == "cuda" and bool(self.buckets)
+        self._keep_images = keep_images
         self._graphs: dict[tuple[int, ...], _Graph] = {}  # by input shape
         # Uploads (and device-side decoding) run on one stream and the model on another,
         # so that a batch prepared from one thread overlaps the forward launched from
@@ -243,18 +252,33 @@ class ModelRunner:
                 outputs = graph.run(stacked)[: batch.size]
             else:
                 outputs = self._forward(batch.tensor)[: batch.size]
+            images = self._images_back(batch) if self._keep_images else None
             if self._split is None:
                 results = self.handler.postprocess(outputs, params)
                 ended = _event(cuda)
-                return Launched(batch.size, params, None, results, ended, started, ended)
+                copied = ended if images is not None else None
+                return Launched(batch.size, params, None, results, copied, started, ended, images)
             device = self._split.postprocess_device(outputs, params)
             if not cuda:
-                return Launched(batch.size, params, device, None, None, None, None)
+                return Launched(batch.size, params, device, None, None, None, None, images)
             host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in device)
             for to, source in zip(host, device, strict=True):
                 to.copy_(source, non_blocking=True)
             ended = _event(cuda)
-        return Launched(batch.size, params, host, None, ended, started, ended)
+        return Launched(batch.size, params, host, None, ended, started, ended, images)
+
+    def _images_back(self, batch: DeviceBatch) -> list[torch.Tensor] | None:
+        """A list batch's images on the host, copied after the forward on its stream (on
+        CUDA, into pinned memory, without waiting); ``None`` for a stacked batch."""
+        if isinstance(batch.tensor, torch.Tensor):
+            return None
+        images = batch.tensor[: batch.size]
+        if self.device.type != "cuda":
+            return [image if image.device.type == "cpu" else image.cpu() for image in images]
+        host = [torch.empty_like(image, device="cpu", pin_memory=True) for image in images]
+        for to, image in zip(host, images, strict=True):
+            to.copy_(image, non_blocking=True)
+        return host
 
     def finish(self, launched: Launched) -> list[Any]:
         """The results of a launched batch, once its outputs are on the host."""
