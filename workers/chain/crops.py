@@ -1,11 +1,12 @@
 """Cutting a parent's boxes out of its image: one crop per child request.
 
-The image is the one the first model saw: the full-size uint8 image its handler's
-``preprocess`` decoded (``Item.tensor``), when it has the size the answer gives, so
-a box in the answer's pixels is a box in these, in the model's colour mode, with no
-second decode; or, where the image was kept encoded for the card's JPEG decoder (or
-resized by the handler), those bytes (or the record's payload) decoded again as the
-CPU path decodes them (``workers.decode.images.decode_full``, in RGB). Each box grows
+The image is the one the first model saw (``Item.tensor``): the full-size uint8 image
+its handler's ``preprocess`` decoded, or the one its batch decoder made on the card
+(``ModelRunner(keep_images=True)`` copies it back after the forward), when it has the
+size the answer gives, so a box in the answer's pixels is a box in these, in the
+model's colour mode, with no second decode; else (an image still encoded, one the
+handler resized) those bytes, or the record's payload, decoded again as the CPU path
+decodes them (``workers.decode.images.decode_full``, in RGB). Each box grows
 by its margin, is clamped to the image and rounded outwards to whole pixels.
 
 A crop is sent as ``.npy`` (uint8 (H, W, 3) or (H, W)): the same pixels as PNG, written
