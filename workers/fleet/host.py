@@ -278,7 +278,9 @@ def child_environment(threads: int, extra_env: dict[str, str]) -> dict[str, str]
 
 
 def compiles(settings: WorkerSettings) -> bool:
-    """Whether the processes compile their model (``--compile``, on by default on a GPU)."""
+    """Whether the processes may compile their model (``--compile``, on by default on a GPU
+    for models of fixed-size images; the supervisor loads no model, so on a GPU it assumes
+    one, and a detector's fork server imports Dynamo for nothing)."""
     return settings.compile or (settings.compile is None and settings.device != "cpu")
 
 
