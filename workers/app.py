@@ -351,7 +351,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         dtype=settings.dtype,
         channels_last=settings.channels_last,
         limits=settings.limits,
-        decode=settings.decode,
+        decode="gpu-hw" if settings.decode == "both" else settings.decode,
         allow_pickle=settings.allow_pickle_models,
         decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
         preprocess=settings.preprocess,

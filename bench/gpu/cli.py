@@ -116,8 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--worker-decode",
         default="auto",
-        choices=get_args(DecodeOption),
-        help="e2e: the command's --decode (auto: its default, nvJPEG on CUDA)",
+        choices=[*get_args(DecodeOption), "both"],
+        help="e2e: the command's --decode (auto: its default, nvJPEG on CUDA; both: half of "
+        "each card's processes on the hardware engine)",
     )
     parser.add_argument(
         "--e2e-configs",

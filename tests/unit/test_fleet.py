@@ -261,6 +261,37 @@ def test_each_process_sees_only_its_own_card_as_cuda_0(monkeypatch: pytest.Monke
     assert on_cpu.env["CUDA_VISIBLE_DEVICES"] == "2,3"  # the supervisor's, untouched
 
 
+def test_decode_both_gives_half_of_each_cards_processes_each_jpeg_decoder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workers.fleet import gpus
+    from workers.fleet import host as fleet_host
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cards = [Card(k, H100.name, H100.memory_mb, 0, f"GPU-{k}aa") for k in range(2)]
+    settings = WorkerSettings(model="digits", decode="both")
+    names = Bases("pod-0", "pod-0")
+    decoders = {}
+    for slot in plan.slots(8, cards, cores=16):
+        child = make_child(settings, ["--decode", "both"], slot, cards, names, 4, {})
+        last = len(child.args) - 1 - child.args[::-1].index("--decode")  # the override wins
+        decoders[child.name] = child.args[last + 1]
+    assert decoders == {
+        "pod-0-0-0": "gpu", "pod-0-0-1": "gpu-hw", "pod-0-0-2": "gpu", "pod-0-0-3": "gpu-hw",
+        "pod-0-1-0": "gpu", "pod-0-1-1": "gpu-hw", "pod-0-1-2": "gpu", "pod-0-1-3": "gpu-hw",
+    }  # fmt: skip
+    on_cpu = make_child(settings, [], Slot(None, 0), [], names, 4, {})
+    assert "--decode" not in on_cpu.args
+
+    # Without nvImageCodec, a GPU host refuses at once, saying what to install.
+    monkeypatch.setattr(gpus, "visible_cards", lambda: cards)
+    monkeypatch.setattr(fleet_host, "_has_nvimgcodec", lambda: False)
+    with pytest.raises(ValueError, match="pip install nvidia-nvimgcodec-cu13"):
+        fleet_host.planned(WorkerSettings(model="digits", decode="both", device="cuda"))
+    slots, _ = fleet_host.planned(WorkerSettings(model="digits", decode="gpu", device="cuda"))
+    assert slots
+
+
 # -- the merged /metrics --------------------------------------------------------------------
 
 

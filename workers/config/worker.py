@@ -125,10 +125,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "evaluation transform, torchvision's or timm's (auto for torchvision:, embedding: and "
         "timm:), fast = one resampling pass",
     )
-    decode: Literal["auto", "cpu", "gpu", "gpu-hw"] = Field(
+    decode: Literal["auto", "cpu", "gpu", "gpu-hw", "both"] = Field(
         default="auto",
         description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
-        "hardware JPEG engine via nvImageCodec); auto = gpu on CUDA",
+        "hardware JPEG engine via nvImageCodec), both (half of each card's processes gpu, "
+        "half gpu-hw: the card's two decoders at once; one process alone: gpu-hw); "
+        "auto = gpu on CUDA",
     )
     compile: bool | None = Field(
         default=None,

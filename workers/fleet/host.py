@@ -11,6 +11,7 @@ membership and worker id, a private metrics port, its share of the cores).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -86,8 +87,20 @@ def planned(settings: WorkerSettings, share: int = 1) -> tuple[list[plan.Slot], 
             "CUDA_VISIBLE_DEVICES hides them); use --device cpu, or run on a GPU host"
         )
     chosen = plan.chosen_cards(settings.gpus, settings.device, cards)
+    if chosen and settings.decode in ("gpu-hw", "both") and not _has_nvimgcodec():
+        raise ValueError(
+            f"decode {settings.decode} needs nvImageCodec for the card's hardware JPEG "
+            "engine: pip install nvidia-nvimgcodec-cu13 (or decode gpu: nvJPEG alone)"
+        )
     cores = max(1, len(os.sched_getaffinity(0)) // max(1, share))
     return plan.slots(plan.parse_processes(settings.processes), chosen, cores), chosen
+
+
+def _has_nvimgcodec() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.nvimgcodec") is not None
+    except ModuleNotFoundError:  # no "nvidia" package at all
+        return False
 
 
 def child_flags(given: dict[str, object]) -> tuple[list[str], dict[str, str]]:
@@ -233,6 +246,8 @@ def make_child(
     ]  # fmt: skip
     if "decode_threads" not in settings.model_fields_set:
         overrides += ["--decode-threads", str(threads)]
+    if settings.decode == "both" and slot.card is not None:  # each card's two JPEG decoders
+        overrides += ["--decode", "gpu-hw" if slot.number % 2 else "gpu"]
     env = {**extra_env, **card_environment(slot, cards)}
     return Child(
         slot,
