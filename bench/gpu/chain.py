@@ -144,8 +144,8 @@ async def _serve(
     for the first of them: ``corpus`` frames sized to last ``--chain-s`` at ``sized``
     frames a second (measured on a first backlog of ``_PROBE`` frames when None: a
     detector serves a few hundred frames a second, a classifier tens of thousands), or,
-    without a corpus, the ``sized``
-    records already on its topic. Its rate in steady state."""
+    without a corpus, the ``sized`` records already on its topic. Its rate in steady
+    state."""
     path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
     config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)

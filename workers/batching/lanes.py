@@ -12,8 +12,9 @@ the lanes, both pure (no clock, no I/O) and made here:
   work waiting gets at least one batch in ``⌈W/w⌉`` (the default lane of ``high:8``
   one in 9); with more than two lanes, lanes overdue at the same moment go one after
   another, the one kept waiting longest past its bound first (ties: highest first), so
-  none waits more than ``len(weights) - 2`` batches past its bound. A lane alone with work waits for nobody: while other lanes
-  have work, its batch closes at once instead of waiting ``max_delay`` for more.
+  none waits more than ``len(weights) - 2`` batches past its bound. A lane alone with
+  work waits for nobody: while other lanes have work, its batch closes at once instead
+  of waiting ``max_delay`` for more.
 - **which lanes to stop fetching** (`paused_lanes`): the in-flight budget is shared by
   weight. Once the worker holds its budget, a lane that holds its share of it is
   paused; a lane below its share keeps fetching. So a backlog in a low lane never
@@ -57,14 +58,12 @@ class LaneScheduler:
     def pick(self, due: Sequence[bool]) -> int | None:
         """The lane to take a batch from, given which lanes have one due; None if none."""
         chosen: int | None = None
-        most = -1
+        most = -1  # owed its turn: skipped at least max_skips times, so over >= 0
         for lane, ready in enumerate(due):
-            # Owed its turn: of the lanes owed, the one kept waiting longest past its bound.
+            # Of the lanes owed, the one kept waiting longest past its bound.
             over = self._skipped[lane] - self.max_skips[lane]
             if ready and over > most:
                 chosen, most = lane, over
-        if most < 0:
-            chosen = None
         if chosen is None:
             chosen = next((lane for lane, ready in enumerate(due) if ready), None)
             if chosen is None:

@@ -97,6 +97,8 @@ def planned(settings: WorkerSettings, share: int = 1) -> tuple[list[plan.Slot], 
 
 
 def _has_nvimgcodec() -> bool:
+    """Whether nvImageCodec is installed, looked up (``workers.decode.jpeg.HardwareJpeg``
+    imports it in the processes; the supervisor imports no torch, which that module does)."""
     try:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except ModuleNotFoundError:  # no "nvidia" package at all

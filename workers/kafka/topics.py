@@ -120,7 +120,7 @@ def _partitions(
 def _acls_for(forbidden: Sequence[str], names: Sequence[str], settings: WorkerSettings) -> str:
     """The ACLs a worker needs on ``forbidden`` topics: READ on its request topics, WRITE
     on the results and dead-letter topics and on a next model's request topic."""
-    requests = {name for name in names if name.startswith(f"{settings.topics.requests}")}
+    requests = {name for name in names if name.startswith(settings.topics.requests)}
     return ", ".join(
         f"{'READ' if name in requests else 'WRITE'} on topic {name}" for name in sorted(forbidden)
     )
