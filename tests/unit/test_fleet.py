@@ -39,6 +39,28 @@ def test_auto_is_one_process_a_core_at_most_eight_a_card(
     assert {s.card for s in placed} == set(range(gpus))
 
 
+@pytest.mark.parametrize(("models", "per_card"), [(1, 8), (2, 8), (6, 8), (7, 6), (48, 1)])
+def test_auto_gives_each_model_of_a_card_the_full_count_within_mps_clients(
+    models: int, per_card: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Models on one card each get what one model would (an idle one costs no CPU, and a
+    # card time-shared between busy ones keeps the CPU's work about one model's), as
+    # long as one MPS server takes every process of the card.
+    assert plan.per_card(None, 1, 16, models) == per_card
+    from workers.fleet import gpus
+    from workers.fleet import host as fleet_host
+
+    # So does planned() for one model of a host file's ``models``.
+    monkeypatch.setattr(gpus, "visible_cards", lambda: cards(2))
+    monkeypatch.setattr(fleet_host.os, "sched_getaffinity", lambda _pid: set(range(32)))
+    settings = WorkerSettings(model="digits", device="cuda")
+    slots, chosen = fleet_host.planned(settings, share=models)
+    assert len(chosen) == 2
+    assert len(slots) == 2 * per_card
+    explicit = WorkerSettings(model="digits", device="cuda", processes="3")
+    assert len(fleet_host.planned(explicit, share=models)[0]) == 3
+
+
 def test_an_explicit_count_spreads_card_by_card() -> None:
     placed = plan.slots(5, cards(2), cores=64)
     assert [(s.card, s.number) for s in placed] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]

@@ -63,7 +63,7 @@ class Host:
     path: Path
     file: HostFile
     settings_for: Callable[[str], WorkerSettings]  # a model's, as its processes read them
-    models: int  # how many share the cores when each plans its processes
+    models: int  # how many share the cards when each plans its processes
 
     def read(self) -> HostFile:
         """The file as it is now; raises ``SettingsError`` naming what is wrong."""
@@ -77,8 +77,9 @@ class Host:
 
 
 def planned(settings: WorkerSettings, share: int = 1) -> tuple[list[plan.Slot], list[plan.Card]]:
-    """The processes this host would run (before the partition and memory checks), a
-    model's ``share`` of the cores going to ``auto`` when several share the host.
+    """The processes this host would run (before the partition and memory checks), for
+    one of ``share`` models of a host file (``auto`` gives each the count one model
+    would get, within MPS's clients a card: ``workers.fleet.plan``).
     Raises ValueError for cards that are not there."""
     cards = [] if settings.device == "cpu" else gpus.visible_cards()
     if settings.device.startswith("cuda") and not cards:
@@ -92,8 +93,8 @@ def planned(settings: WorkerSettings, share: int = 1) -> tuple[list[plan.Slot], 
             f"decode {settings.decode} needs nvImageCodec for the card's hardware JPEG "
             "engine: pip install nvidia-nvimgcodec-cu13 (or decode gpu: nvJPEG alone)"
         )
-    cores = max(1, len(os.sched_getaffinity(0)) // max(1, share))
-    return plan.slots(plan.parse_processes(settings.processes), chosen, cores), chosen
+    cores = len(os.sched_getaffinity(0))
+    return plan.slots(plan.parse_processes(settings.processes), chosen, cores, share), chosen
 
 
 def _has_nvimgcodec() -> bool:

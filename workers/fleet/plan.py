@@ -11,6 +11,13 @@
 - **at most ``MAX_PER_CARD``** (8) a card: eight reached the card's ceiling on
   every corpus measured, and each more process holds its own model, CUDA graphs
   and compile-time memory on the card;
+- **every model of a host file the same**: the models on a card each get that count,
+  not a share of it, as long as MPS takes them all (``MPS_CLIENTS`` a card). A model
+  without requests costs its processes no CPU, and when all are busy the card is
+  time-shared, so the processes' work on the CPU is about one model's at full rate.
+  Halving the count made the model left busy run at half the processes once the
+  other's backlog ran out: two models on one H200 reached 0.884 of perfect
+  time-sharing with four processes each (docs/bench-log, 2026-11-29);
 - **memory**: no more than the card's free memory holds beside the host's other models,
   one process measured on the running host once the first has loaded and warmed up its
   model, and recorded in the compile cache for warm starts (``memory_plan``). A count
@@ -26,6 +33,10 @@ from dataclasses import dataclass
 
 MAX_PER_CARD = 8
 """``auto``'s most processes on one card."""
+
+MPS_CLIENTS = 48
+"""Client processes one MPS server takes on a card (Volta and later); ``auto`` stays
+within it however many models share the card."""
 
 MEMORY_HEADROOM = 0.9
 """Share of a card's memory the processes may fill; the rest absorbs their growth."""
@@ -85,20 +96,22 @@ def chosen_cards(gpus: str, device: str, visible: Sequence[Card]) -> list[Card]:
     return [by_index[index] for index in dict.fromkeys(wanted)]
 
 
-def per_card(processes: int | None, cards: int, cores: int) -> int:
-    """Processes on each card (``processes`` None: auto, before the memory measurement)."""
+def per_card(processes: int | None, cards: int, cores: int, models: int = 1) -> int:
+    """Processes on each card (``processes`` None: auto, before the memory measurement),
+    for one of ``models`` that share the cards."""
     if cards < 1:
         raise ValueError("per_card needs at least one card")
     if processes is not None:
         return max(1, -(-processes // cards))  # the total, spread; the last cards may get fewer
-    return max(1, min(MAX_PER_CARD, cores // cards))
+    return max(1, min(MAX_PER_CARD, cores // cards, MPS_CLIENTS // max(1, models)))
 
 
-def slots(processes: int | None, cards: Sequence[Card], cores: int) -> list[Slot]:
+def slots(processes: int | None, cards: Sequence[Card], cores: int, models: int = 1) -> list[Slot]:
     """Every process's place, card by card in turn (so a partial count spreads evenly)."""
     if not cards:
         return [Slot(None, n) for n in range(processes or 1)]
-    count = processes if processes is not None else per_card(None, len(cards), cores) * len(cards)
+    each = per_card(None, len(cards), cores, models)
+    count = processes if processes is not None else each * len(cards)
     return [Slot(cards[k % len(cards)].index, k // len(cards)) for k in range(count)]
 
 
