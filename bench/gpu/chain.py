@@ -9,8 +9,8 @@ throughput only), in one call:
    ``--chain-boxes`` at most an image: parent frames a second through both stages,
    ``P`` (each answered once all its crops are), and crops a frame, ``k``;
 3. the classifier alone on those very crops (the child requests the pipeline sent,
-   read back from its request topic and sent again as plain requests): crops a second,
-   ``C``.
+   read back from its request topic and sent again as plain requests, once its host is
+   ready, as many times over as make ``--chain-crops``): crops a second, ``C``.
 
 Each stage's share of the card is the time it would take alone for what the pipeline
 did: the detector ``P / D``, the classifier ``P * k / C``; their sum is 1 where the
@@ -77,12 +77,13 @@ async def _chain(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[
         both = await _serve(args, cfg, corpus, "both", models, rate, detector)
         out["both"] = both
         _say(out, "both")
-        count = await _resend_crops(args, classifier, crops)
-        if count:
-            row = await _serve(args, cfg, None, "classifier", [(crops, specs[1], None)], count)
-            out["classifier alone"] = row
-            _say(out, "classifier alone")
-            out |= _shares(rate, both, row["rate"])
+        sent = await read_topic(
+            args.kafka_bootstrap, topics_for(classifier).requests, expect=1, timeout_s=30
+        )
+        row = await _serve(args, cfg, None, "classifier", [(crops, specs[1], None)], sent)
+        out["classifier alone"] = row
+        _say(out, "classifier alone")
+        out |= _shares(rate, both, row["rate"])
     finally:
         for name in (detector, classifier, crops):
             await delete_model_topics(settings, name)
@@ -137,15 +138,15 @@ async def _serve(
     corpus: Corpus | None,
     label: str,
     models: Sequence[tuple[str, str, str | None]],
-    sized: float | int | None,
+    sized: float | Sequence[Any] | None,
     detector: str | None = None,
 ) -> dict[str, Any]:
-    """One host of ``models`` (``detector``: the detector's name among them); a backlog
-    for the first of them: ``corpus`` frames sized to last ``--chain-s`` at ``sized``
-    frames a second (measured on a first backlog of ``_PROBE`` frames when None: a
-    detector serves a few hundred frames a second, a classifier tens of thousands), or,
-    without a corpus, the ``sized`` records already on its topic. Its rate in steady
-    state."""
+    """One host of ``models`` (``detector``: the detector's name among them); once it is
+    ready, a backlog for the first of them: ``corpus`` frames sized to last ``--chain-s``
+    at ``sized`` frames a second (measured on a first backlog of ``_PROBE`` frames when
+    None: a detector serves a few hundred frames a second, a classifier tens of
+    thousands), or, without a corpus, the child records ``sized`` sent again as plain
+    requests. Its rate in steady state."""
     path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
     config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)
@@ -158,7 +159,10 @@ async def _serve(
         ready_s = time.monotonic() - started
         prefix = f"chain-{label}-{first}"
         with UtilizationSampler(1) as gpu:
-            if corpus is not None:
+            if isinstance(sized, Sequence):
+                prefix = f"chain-crop-{first}"
+                count = await _resend_crops(args, sized, first, prefix)
+            elif corpus is not None:
                 if sized is None:  # the first host: a short backlog measures the rate to size by
                     probe = [(first, f"{prefix}-probe", _PROBE)]
                     await produce_at_once(args, corpus, probe, _PARTITIONS)
@@ -166,8 +170,6 @@ async def _serve(
                     sized = _steady_state(probed, gpu)["first_to_last_img_s"]
                 count = max(_PROBE, math.ceil(sized * args.chain_s))
                 await produce_at_once(args, corpus, [(first, prefix, count)], _PARTITIONS)
-            else:
-                count, prefix = int(sized or 0), f"chain-crop-{first}"
             results = await _await_results(prefix, count, args, [host])
         steady = _steady_state(results, gpu)
         row: dict[str, Any] = {
@@ -192,19 +194,21 @@ def _boxes_sent(outputs: Any) -> list[Any]:
     return [d for d in detections if "next" in d]
 
 
-async def _resend_crops(args: argparse.Namespace, classifier: str, crops: str) -> int:
-    """The crops the pipeline sent to ``classifier``, sent again to ``crops`` as plain
-    requests (ids ``chain-crop-<crops>-<n>``, no parent headers); how many."""
-    topic = topics_for(classifier).requests
-    sent = await read_topic(args.kafka_bootstrap, topic, expect=1, timeout_s=30)
-    prefix = f"chain-crop-{crops}"
+async def _resend_crops(
+    args: argparse.Namespace, sent: Sequence[Any], crops: str, prefix: str
+) -> int:
+    """The child records ``sent``, sent again to ``crops`` as plain requests (ids
+    ``<prefix>-<n>``, no parent headers), as many times over as make ``--chain-crops``, in one
+    transaction; how many."""
     records = []
-    for n, record in enumerate(sent):
+    copies = -(-args.chain_crops // max(1, len(sent)))
+    for n, record in enumerate(r for _ in range(copies) for r in sent):
         headers = [
             (k, f"{prefix}-{n}".encode() if k == "ce_id" else v)
             for k, v in record.headers
             if k not in _CHILD_HEADERS
         ]
         records.append(OutgoingRecord(f"{prefix}-{n}".encode(), record.value, headers))
-    await produce(args.kafka_bootstrap, topics_for(crops).requests, records)
+    topic = topics_for(crops).requests  # in one transaction: visible to the host at once
+    await produce(args.kafka_bootstrap, topic, records, transactional_id=prefix)
     return len(records)

@@ -180,7 +180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--together-refused",
         type=int,
-        default=400,
+        default=64,
         help="together: processes the second model asks for in the last host (more than fit)",
     )
     parser.add_argument(
@@ -194,6 +194,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=6.0,
         help="chain: seconds a backlog lasts the detector alone",
+    )
+    parser.add_argument(
+        "--chain-crops",
+        type=int,
+        default=16384,
+        help="chain: the classifier's backlog alone, the pipeline's crops sent again as often",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share

@@ -208,9 +208,14 @@ async def _refused(
     """The two models, the last asking for more processes than the card holds: the host
     serves the first and refuses the last at start, saying why."""
     label = f"refused-{run}"
-    path = _host_file(args.out / "hosts", label, models, args.together_refused)
+    # The last model under a name of its own, whose requests topic has a partition for
+    # every process asked: what refuses it is the card's memory, not the partitions.
+    first, spec = next(iter(models.items())), list(models.values())[-1]
+    last = f"gputogxr{run}"
+    settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
+    await create_model_topics(settings, last, args.together_refused)
+    path = _host_file(args.out / "hosts", label, dict([first, (last, spec)]), args.together_refused)
     fleet = _fleet(args, path, label)
-    last = list(models)[-1]
     try:
         started = time.monotonic()
         host = _start_host(fleet, cfg, args, None, 1)
@@ -232,6 +237,7 @@ async def _refused(
     finally:
         (args.out / f"together-{label}.log").write_text(fleet.logs())
         await fleet.aclose()
+        await delete_model_topics(settings, last)
 
 
 async def _readyz(host: WorkerProcess, model: str) -> tuple[int, str]:

@@ -54,7 +54,8 @@ def test_gpu_chain_stage_runs_on_the_cpu(
     share of the card) with the demo models on the CPU, so it works when a GPU call comes."""
     argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "chain"]
     argv += ["--chain", "demo.models.detector:DigitsDetector,digits", "--corpora", "224x224"]
-    argv += ["--producers", "2", "--e2e-count", "64", "--chain-s", "1", "--out", str(tmp_path)]
+    argv += ["--producers", "2", "--e2e-count", "64", "--chain-s", "1", "--chain-crops", "100"]
+    argv += ["--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--metrics-port", str(free_port())]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
