@@ -80,17 +80,18 @@ async def start_model(model: Model, state: State, cards: list[plan.Card], starte
         status = await first.wait()
         _first_failed(model, state, status if status > 0 else 1)
         return
-    log.info(
-        "first process %s ready to share its compiled model after %.1f s; starting %d more",
-        first.name,
-        time.monotonic() - started,
-        len(rest),
-    )
+    loaded_s = time.monotonic() - started
     if cards and recorded_memory(first.compile_cache) is None:
         await _others_loaded(model, state, first.slot.card)  # so that what grew is this one's
     rest = _fit_in_memory(model, state, cards, first, rest, before)
     if model.failed:
         return
+    log.info(
+        "first process %s ready to share its compiled model after %.1f s; starting %d more",
+        first.name,
+        loaded_s,
+        len(rest),
+    )
     await asyncio.gather(*(child.start() for child in rest))
 
 
