@@ -45,6 +45,10 @@ from schemas.chain import COUNT_H, INDEX_H, PARENT_H
 CHAIN = "torchvision:fasterrcnn_resnet50_fpn,torchvision:resnet50"
 _PARTITIONS = 8
 _PROBE = 256  # frames of the first backlog, whose rate sizes the measured one
+# The least measured backlog off --quick: four batches of 32 for each of eight processes
+# (440-521 frames, two batches a process, measured 147-152 frames/s where 1,200 had
+# measured 218: the ramp weighed on the steady state).
+_LEAST = 1024
 _CHILD_HEADERS = frozenset({PARENT_H, INDEX_H, COUNT_H})
 # Random weights score every box about alike and below torchvision's defaults: keep them.
 _DETECTOR_OPTIONS = "{ box_score_thresh = 0.0, score_threshold = 0.0 }"
@@ -143,10 +147,10 @@ async def _serve(
 ) -> dict[str, Any]:
     """One host of ``models`` (``detector``: the detector's name among them); once it is
     ready, a backlog for the first of them: ``corpus`` frames sized to last ``--chain-s``
-    at ``sized`` frames a second (measured on a first backlog of ``_PROBE`` frames when
-    None: a detector serves a few hundred frames a second, a classifier tens of
-    thousands), or, without a corpus, the child records ``sized`` sent again as plain
-    requests. Its rate in steady state."""
+    at ``sized`` frames a second, ``_LEAST`` at least (measured on a first backlog of
+    ``_PROBE`` frames when None: a detector serves a few hundred frames a second, a
+    classifier tens of thousands), or, without a corpus, the child records ``sized``
+    sent again as plain requests. Its rate in steady state."""
     path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
     config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)
@@ -168,7 +172,8 @@ async def _serve(
                     await produce_at_once(args, corpus, probe, _PARTITIONS)
                     probed = await _await_results(f"{prefix}-probe", _PROBE, args, [host])
                     sized = _steady_state(probed, gpu)["first_to_last_img_s"]
-                count = max(_PROBE, math.ceil(sized * args.chain_s))
+                least = _PROBE if args.quick else _LEAST
+                count = max(least, math.ceil(sized * args.chain_s))
                 await produce_at_once(args, corpus, [(first, prefix, count)], _PARTITIONS)
             results = await _await_results(prefix, count, args, [host])
         steady = _steady_state(results, gpu)
