@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from workers.config.profiles import GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
+from workers.fleet import gpus as fleet_gpus
+from workers.fleet import host as fleet_host
 from workers.fleet import mps, plan
 from workers.fleet.exposition import merge
 from workers.fleet.host import Bases, child_flags, make_child, preloaded
@@ -47,11 +49,9 @@ def test_auto_gives_each_model_of_a_card_the_full_count_within_mps_clients(
     # card time-shared between busy ones keeps the CPU's work about one model's), as
     # long as one MPS server takes every process of the card.
     assert plan.per_card(None, 1, 16, models) == per_card
-    from workers.fleet import gpus
-    from workers.fleet import host as fleet_host
 
     # So does planned() for one model of a host file's ``models``.
-    monkeypatch.setattr(gpus, "visible_cards", lambda: cards(2))
+    monkeypatch.setattr(fleet_gpus, "visible_cards", lambda: cards(2))
     monkeypatch.setattr(fleet_host.os, "sched_getaffinity", lambda _pid: set(range(32)))
     settings = WorkerSettings(model="digits", device="cuda")
     slots, chosen = fleet_host.planned(settings, share=models)
@@ -286,9 +286,6 @@ def test_each_process_sees_only_its_own_card_as_cuda_0(monkeypatch: pytest.Monke
 def test_decode_both_gives_half_of_each_cards_processes_each_jpeg_decoder(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers.fleet import gpus
-    from workers.fleet import host as fleet_host
-
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cards = [Card(k, H100.name, H100.memory_mb, 0, f"GPU-{k}aa") for k in range(2)]
     settings = WorkerSettings(model="digits", decode="both")
@@ -306,7 +303,7 @@ def test_decode_both_gives_half_of_each_cards_processes_each_jpeg_decoder(
     assert "--decode" not in on_cpu.args
 
     # Without nvImageCodec, a GPU host refuses at once, saying what to install.
-    monkeypatch.setattr(gpus, "visible_cards", lambda: cards)
+    monkeypatch.setattr(fleet_gpus, "visible_cards", lambda: cards)
     monkeypatch.setattr(fleet_host, "_has_nvimgcodec", lambda: False)
     with pytest.raises(ValueError, match="pip install nvidia-nvimgcodec-cu13"):
         fleet_host.planned(WorkerSettings(model="digits", decode="both", device="cuda"))
