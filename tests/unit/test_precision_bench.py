@@ -1,0 +1,53 @@
+"""bench.precision runs on the CPU end to end (a small torchvision model, its own weights
+saved and loaded, two generated photographs), so the script cannot rot between GPU runs;
+and it refuses a comparison that would mean nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from bench.precision import main
+
+
+def _photos(folder: Path) -> Path:
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for n, suffix in enumerate((".jpg", ".png")):
+        pixels = rng.integers(0, 256, (120 + 40 * n, 160, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"photo{n}{suffix}")
+    return folder
+
+
+@pytest.mark.timeout(120)
+def test_cpu_run_compares_each_precision_with_float32(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    weights = tmp_path / "weights.pt"
+    torch.save(torchvision.models.mobilenet_v3_small().state_dict(), weights)
+    out = tmp_path / "precision.json"
+    assert main(["--model", "torchvision:mobilenet_v3_small", "--weights", str(weights),
+                 "--images", str(_photos(tmp_path / "photos")), "--crops", "3",
+                 "--precisions", "float32,bfloat16", "--batch", "4", "--iterations", "1",
+                 "--device", "cpu", "--no-compile", "--out", str(out)]) == 0  # fmt: skip
+
+    (row,) = json.loads(out.read_text())["models"]
+    assert row["crops"] == 6
+    assert row["float32"]["img_s"] > 0
+    assert 1 <= len(row["float32"]["top1_classes"]) <= 5
+    assert row["float32"]["layers"] == {"Conv2d_plain": 52, "Linear_plain": 2}
+    assert 0.0 <= row["bfloat16"]["top1_agreement"] <= 1.0
+    assert 0.0 <= row["bfloat16"]["max_score_difference"] <= 1.0
+
+
+def test_agreement_on_random_weights_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--model", "torchvision:resnet18", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):  # float32 is the reference: it comes first
+        main(["--speed-only", "torchvision:resnet18", "--speed-precisions", "float16",
+              "--out", str(tmp_path / "x.json")])  # fmt: skip
