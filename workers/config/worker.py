@@ -129,8 +129,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default="auto",
         description="where JPEGs are decoded: cpu (Pillow), gpu (nvJPEG), gpu-hw (the GPU's "
         "hardware JPEG engine via nvImageCodec), both (half of each card's processes gpu, "
-        "half gpu-hw: the card's two decoders at once; one process alone: gpu-hw); "
-        "auto = gpu on CUDA",
+        "half gpu-hw: the card's two decoders at once; one process alone: gpu-hw; slower than "
+        "gpu on an H200, docs/operations.md); auto = gpu on CUDA",
     )
     compile: bool | None = Field(
         default=None,
