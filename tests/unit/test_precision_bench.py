@@ -13,7 +13,7 @@ import torch
 import torchvision
 from PIL import Image
 
-from bench.precision import main
+from bench.precision import by_position, main
 
 
 def _photos(folder: Path) -> Path:
@@ -51,3 +51,23 @@ def test_agreement_on_random_weights_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # float32 is the reference: it comes first
         main(["--speed-only", "torchvision:resnet18", "--speed-precisions", "float16",
               "--out", str(tmp_path / "x.json")])  # fmt: skip
+
+
+def test_weights_in_order_map_by_position_and_refuse_a_mismatch() -> None:
+    model = torchvision.models.resnet18(num_classes=10)
+    renamed = {
+        f"other.{n}.{key}": value + 1 for n, (key, value) in enumerate(model.state_dict().items())
+    }
+    mapped = by_position(renamed, model)
+    assert torch.equal(mapped["fc.weight"], model.state_dict()["fc.weight"] + 1)
+    assert set(mapped) == set(model.state_dict())
+
+    short = dict(list(renamed.items())[:-1])
+    with pytest.raises(SystemExit, match="tensors for"):
+        by_position(short, model)
+    wrong = {
+        key: (torch.zeros(3) if key.endswith("fc.weight") else value)
+        for key, value in renamed.items()
+    }
+    with pytest.raises(SystemExit, match=r"fc\.weight"):
+        by_position(wrong, model)
