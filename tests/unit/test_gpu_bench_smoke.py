@@ -189,3 +189,22 @@ def test_acceptance_fails_a_row_of_several_cards_that_does_not_scale() -> None:
     ceiling_share(rows, results, 256)
     assert one["of_ceiling"] == pytest.approx(0.8)
     assert two["of_ceiling"] == pytest.approx(0.78)  # two cards' ceiling is twice one's
+
+
+@pytest.mark.timeout(120)
+def test_zoo_ceiling_of_a_detector_is_the_best_of_its_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import bench.gpu.zoo as zoo
+    from bench.gpu import parse_args
+    from bench.gpu.config import make_config
+
+    monkeypatch.setattr(zoo, "_VARIABLE_BATCHES", (1, 2))
+    model = "torchvision:fasterrcnn_mobilenet_v3_large_fpn"
+    row = zoo._ceiling(make_config(parse_args(["--device", "cpu", "--quick", "--model", model])))
+
+    assert row["fixed_size"] is False
+    assert row["forward_ceiling"] == "eager"
+    rates = row["ceiling_img_s_by_batch"]
+    assert set(rates) == {1, 2}
+    assert row["forward_ceiling_img_s"] == max(rates.values()) == rates[row["ceiling_batch"]]
