@@ -20,11 +20,13 @@ and the worker that adds the last child writes the parent's one result
 from __future__ import annotations
 
 import hashlib
+from binascii import crc_hqx
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Final
 
-from schemas.naming import is_valid_request_id
+from schemas.naming import is_valid_request_id, result_key
 
 PARENT_H: Final = "ce_parent"
 INDEX_H: Final = "ce_index"
@@ -55,9 +57,48 @@ def child_id(parent: str, index: int) -> str:
     return f"{hashlib.sha1(parent.encode()).hexdigest()}:{index}"
 
 
-def join_key(parent: str) -> str:
-    """The Redis hash that gathers ``parent``'s children: ``conveyor:join:<parent id>``."""
-    return JOIN_PREFIX + parent
+def join_key(parent: str, *, cluster: bool = False) -> str:
+    """The Redis hash that gathers ``parent``'s children: ``conveyor:join:<parent id>``.
+
+    On a Redis Cluster (``cluster``): ``conveyor:join:{<tag>}<parent id>``, the hash tag
+    chosen so that the join falls in the hash slot of the parent's result key (which has
+    no tag: any client finds a result by its id alone). A script may touch keys of one
+    slot only, and the joins' scripts touch a parent's join and its result together.
+    """
+    if not cluster:
+        return JOIN_PREFIX + parent
+    return f"{JOIN_PREFIX}{{{_slot_tags()[hash_slot(result_key(parent))]}}}{parent}"
+
+
+_SLOTS = 16384
+
+
+def hash_slot(key: str) -> int:
+    """The Redis Cluster hash slot of ``key``: CRC16 of the key, or of its hash tag (the
+    text between its first ``{`` and the next ``}``, when not empty), modulo 16384."""
+    data = key.encode()
+    start = data.find(b"{")
+    if start > -1:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return crc_hqx(data, 0) % _SLOTS
+
+
+@cache
+def _slot_tags() -> tuple[str, ...]:
+    """For each hash slot, a short hash tag in it: the first hexadecimal number that
+    falls there (about 170,000 tried, once a process)."""
+    tags: list[str | None] = [None] * _SLOTS
+    missing, n = _SLOTS, 0
+    while missing:
+        tag = format(n, "x")
+        slot = crc_hqx(tag.encode(), 0) % _SLOTS
+        if tags[slot] is None:
+            tags[slot] = tag
+            missing -= 1
+        n += 1
+    return tuple(tag for tag in tags if tag is not None)
 
 
 def child_of(headers: Sequence[tuple[str, bytes | None]]) -> Child | None:

@@ -191,10 +191,9 @@ def _open_joins(
 ) -> Joins | None:
     """The pipeline step of every publish (``workers.chain``): joins the answers of child
     requests, and with ``then`` sends this worker's boxes to the next model (its request
-    topic checked with the others, in ``facts``). A shadow has none (its answers are its
-    own), nor has a worker on a Redis Cluster, where ``then`` is refused: a child request
-    is answered there under its own id."""
-    if settings.shadow or settings.redis_cluster:
+    topic checked with the others, in ``facts``). A shadow has none: its answers are its
+    own."""
+    if settings.shadow:
         return None
     stage = settings.next_stage
     next_partitions, crop_limit = 1, settings.limits.max_payload_bytes

@@ -20,6 +20,7 @@ from schemas.chain import child_of
 from schemas.fastpath import FastMeta, ResultEncoder
 from tests.fakes import FakeRecord
 from workers.chain.joins import Joins
+from workers.chain.scripts import OneServer
 from workers.config.next_stage import NextStage
 from workers.offsets import OffsetTracker
 from workers.types import ChildAnswer, Item, Outbox, Parent
@@ -51,9 +52,9 @@ def counted() -> Counted:
 
 @pytest.fixture
 async def joins(redis_url: str, counted: Counted) -> AsyncIterator[Joins]:
-    client = aioredis.Redis.from_url(redis_url)
+    scripts = OneServer(aioredis.Redis.from_url(redis_url))
     yield Joins(
-        client,
+        scripts,
         FIRST,
         _once,
         stage=NextStage.parse("next", {"min_score": 0.3, "margin": 0.0}, "conveyor"),
@@ -66,7 +67,7 @@ async def joins(redis_url: str, counted: Counted) -> AsyncIterator[Joins]:
         worker="worker-a",
         counts=counted,
     )
-    await client.aclose()
+    await scripts.aclose()
 
 
 def _png() -> bytes:
@@ -179,7 +180,7 @@ async def test_a_parent_without_chosen_boxes_is_answered_at_once(joins: Joins, u
 async def test_the_whole_image_child_answers_inside_the_parents_object(
     redis_url: str, uid: str
 ) -> None:
-    client = aioredis.Redis.from_url(redis_url)
+    client = OneServer(aioredis.Redis.from_url(redis_url))
     stage = NextStage.parse("next", {"crop": "image", "size": 30}, "conveyor")
     whole = Joins(
         client, FIRST, _once, stage=stage, next_partitions=1, ttl_s=60, max_pixels=10**7,
@@ -223,7 +224,7 @@ async def test_a_chain_of_three_answers_once_with_each_stage_nested(joins: Joins
 async def test_a_parent_is_answered_at_its_deadline_with_the_children_it_has(
     redis_url: str, uid: str
 ) -> None:
-    client = aioredis.Redis.from_url(redis_url)
+    client = OneServer(aioredis.Redis.from_url(redis_url))
     written: list[Outbox] = []
 
     async def publish(outbox: Outbox) -> None:

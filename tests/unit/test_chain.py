@@ -9,11 +9,23 @@ import numpy.typing as npt
 import pytest
 import torch
 from PIL import Image
+from redis.crc import key_slot
 
-from schemas.chain import COUNT_H, INDEX_H, PARENT_H, Child, child_id, child_of, join_key
+from schemas import result_key
+from schemas.chain import (
+    COUNT_H,
+    INDEX_H,
+    PARENT_H,
+    Child,
+    child_id,
+    child_of,
+    hash_slot,
+    join_key,
+)
 from schemas.headers import ContentType
 from workers.chain.crops import Crop, cut, cut_from, cut_pixels, pixel_box
 from workers.config.next_stage import NextStage
+from workers.config.worker import WorkerSettings
 
 
 def _headers(
@@ -59,6 +71,21 @@ def test_child_ids_stay_valid_request_ids() -> None:
     assert made.endswith(":1000")
     assert made != child_id("b" * 128, 1000)
     assert join_key("p-1") == "conveyor:join:p-1"
+
+
+@pytest.mark.parametrize("parent", ["p-1", "cam-1:42", "a" * 128, "7"])
+def test_a_cluster_join_shares_its_result_keys_hash_slot(parent: str) -> None:
+    joined = join_key(parent, cluster=True)
+    assert joined.startswith("conveyor:join:{")
+    assert joined.endswith("}" + parent)
+    slot = key_slot(result_key(parent).encode())  # redis-py's own, as the witness
+    assert hash_slot(result_key(parent)) == slot
+    assert hash_slot(joined) == key_slot(joined.encode()) == slot
+
+
+def test_a_pipeline_on_a_redis_cluster_is_accepted() -> None:
+    settings = WorkerSettings(model="digits", then="reader", redis_cluster=True)
+    assert settings.next_stage is not None
 
 
 def _detections(*scored: tuple[float, str, int]) -> dict[str, object]:

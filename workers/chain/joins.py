@@ -40,12 +40,14 @@ from typing import Any, Protocol, TypeVar
 import orjson
 import redis.asyncio as aioredis
 
+from common.redis_cluster import ClusterRouter
 from common.security import redis_options
 from schemas import ContractError, ErrorCode, result_key, status_for
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H, child_id, join_key
 from schemas.fastpath import ResultEncoder
 from schemas.headers import ContentType
 from workers.chain.crops import cut_from
+from workers.chain.scripts import Item, OnCluster, OneServer, Scripts
 from workers.config.next_stage import WHOLE_IMAGE, NextStage
 from workers.config.worker import WorkerSettings
 from workers.types import Chain, ChildAnswer, Outbox, Parent, PublishReport, Request, ResultSink
@@ -107,17 +109,21 @@ whose count or indices the child does not fit), 0 (children still missing) or ev
 field of the complete join."""
 
 DEADLINE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return 0
+local out = {}
+for i = 1, #KEYS / 2 do
+  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
+  local count = redis.call('HGET', join, 'count')
+  if redis.call('EXISTS', result) == 1 or not count
+     or redis.call('HLEN', join) - 7 >= tonumber(count) then
+    out[i] = 0
+  else
+    out[i] = redis.call('HGETALL', join)
+  end
 end
-local count = redis.call('HGET', KEYS[1], 'count')
-if not count or redis.call('HLEN', KEYS[1]) - 7 >= tonumber(count) then
-  return 0
-end
-return redis.call('HGETALL', KEYS[1])
+return out
 """
-"""KEYS: a parent's join and its result key. Returns every field of the join when the
-parent has no result yet and children are missing, else 0."""
+"""KEYS: per parent its join and its result key. Returns per parent every field of its
+join when it has no result yet and children are missing, else 0."""
 
 _NEW, _STORED, _ANSWERED = 0, 1, 2
 _DEADLINE_GRACE_S = 0.5  # after a parent's deadline, before its missing children expire
@@ -139,6 +145,7 @@ class Joins:
     """The pipeline step of every publish (``workers.types.Chain``): starts the joins of a
     chained worker's answers and adds child answers to theirs.
 
+    ``scripts`` run where the results are kept (one server or a Redis Cluster);
     ``stage`` is the worker's next stage (None: it has none, but still answers children
     of other models' requests); ``retry`` repeats a Redis call through outages (the
     publisher's, so they count for readiness).
@@ -146,7 +153,7 @@ class Joins:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        scripts: Scripts,
         encoder: ResultEncoder,
         retry: Retry[Any],
         *,
@@ -161,7 +168,8 @@ class Joins:
         counts: Counts | None = None,
         publish: Callable[[Outbox], Awaitable[Any]] | None = None,
     ) -> None:
-        self._redis = client
+        self._scripts = scripts
+        self._cluster = scripts.cluster
         self._counts = counts
         self._publish = publish
         self._timers: set[asyncio.Task[None]] = set()
@@ -175,9 +183,6 @@ class Joins:
         self._max_result_bytes = max_result_bytes
         self._results_topic = results_topic
         self._source = f"conveyor.chain/{worker}".encode()
-        self._parents = client.register_script(PARENT_SCRIPT)
-        self._children = client.register_script(CHILD_SCRIPT)
-        self._overdue = client.register_script(DEADLINE_SCRIPT)
 
     @classmethod
     def open(
@@ -196,8 +201,14 @@ class Joins:
     ) -> Joins:
         url = settings.redis_url.get_secret_value()
         options = {"socket_timeout": _SOCKET_TIMEOUT_S, **redis_options(settings)}
+        scripts: Scripts
+        if settings.redis_cluster:
+            scripts = OnCluster(ClusterRouter(url, options))
+            join_key("0", cluster=True)  # each slot's hash tag, found now rather than mid-publish
+        else:
+            scripts = OneServer(aioredis.Redis.from_url(url, **options))
         return cls(
-            aioredis.Redis.from_url(url, **options),
+            scripts,
             encoder,
             retry,
             stage=stage,
@@ -218,7 +229,7 @@ class Joins:
         for timer in list(self._timers):
             timer.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        await self._redis.aclose()
+        await self._scripts.aclose()
 
     async def settle(self, outbox: Outbox) -> None:
         """Start the joins of ``outbox.parents`` (adding their child requests, or their
@@ -249,13 +260,12 @@ class Joins:
         if not parents:
             return
         chosen = [stage.select(parent.output) for parent in parents]
-        keys: list[str] = []
-        args: list[Any] = [self._ttl_s]
+        items = []
         for parent, indices in zip(parents, chosen, strict=True):
             meta = parent.item.meta
-            keys += [join_key(meta.id), result_key(meta.id)]
+            keys = [join_key(meta.id, cluster=self._cluster), result_key(meta.id)]
             reply = meta.reply_to or self._results_topic
-            args += [
+            args = [
                 parent.document,
                 len(indices),
                 orjson.dumps(indices),
@@ -264,7 +274,10 @@ class Joins:
                 stage.model,
                 b"" if parent.up is None else orjson.dumps(parent.up),
             ]
-        found = await self._retry("redis", lambda: self._parents(keys=keys, args=args))
+            items.append((keys, args))
+        found = await self._retry(
+            "redis", lambda: self._scripts.each(PARENT_SCRIPT, items, [self._ttl_s])
+        )
         failed: list[ChildAnswer] = []
         for parent, indices, (state, *stored) in zip(parents, chosen, found, strict=True):
             meta = parent.item.meta
@@ -398,9 +411,11 @@ class Joins:
 
     async def _at_deadline(self, parent: str, partition: int, delay: float) -> None:
         await asyncio.sleep(delay)
-        keys = [join_key(parent), result_key(parent)]
+        item: Item = ([join_key(parent, cluster=self._cluster), result_key(parent)], [])
         try:
-            state = await self._retry("redis", lambda: self._overdue(keys=keys))
+            (state,) = await self._retry(
+                "redis", lambda: self._scripts.each(DEADLINE_SCRIPT, [item])
+            )
             if not isinstance(state, list):
                 return  # answered, or every child in: the last child's worker writes it
             fields = dict(zip(state[::2], state[1::2], strict=True))
@@ -428,11 +443,14 @@ class Joins:
 
     async def _join_round(self, outbox: Outbox, tally: _Tally) -> None:
         children, outbox.children = outbox.children, []
-        keys = [join_key(child.parent) for child in children]
-        args: list[Any] = []
-        for child in children:
-            args += [child.count, child.index, child.document]
-        found = await self._retry("redis", lambda: self._children(keys=keys, args=args))
+        items = [
+            (
+                [join_key(child.parent, cluster=self._cluster)],
+                [child.count, child.index, child.document],
+            )
+            for child in children
+        ]
+        found = await self._retry("redis", lambda: self._scripts.each(CHILD_SCRIPT, items))
         done: set[str] = set()
         for child, state in zip(children, found, strict=True):
             if state == -1:

@@ -525,11 +525,6 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         NextStage.parse(self.then, self.then_options, self.topic_prefix)  # names what is wrong
         if self.then == self.served_name:
             raise ValueError(f"then names the next model; {self.then!r} is this worker's own")
-        if self.redis_cluster:
-            raise ValueError(
-                "a pipeline's joins need a standalone Redis for now: leave then unset with "
-                "redis_cluster"
-            )
         return self
 
     @property

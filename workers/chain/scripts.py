@@ -1,0 +1,151 @@
+"""The joins' Redis scripts, run on one server or on a Redis Cluster.
+
+A script call of the joins carries many items (parents, or child answers), each with its
+keys and arguments, and answers one value an item. On one server it is one call. On a
+Redis Cluster a script may touch keys of one hash slot only: there each item's keys share
+a slot (a join's key carries a hash tag that puts it in its parent's result key's slot,
+``schemas.chain.join_key``), the items are grouped by slot, and each primary gets one
+pipeline with one call per slot, the primaries at once, as the result store writes
+results (``workers.publish.cluster_store``). The scripts are written so that running an
+item twice changes nothing: a call that fails part-way is repeated whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import MovedError, NoScriptError
+
+from common.redis_cluster import ClusterRouter, Node, is_topology_error
+from schemas.chain import hash_slot
+
+Item = tuple[Sequence[str], Sequence[Any]]
+"""One item of a script call: its keys and its arguments."""
+
+
+class Scripts(Protocol):
+    """Runs the joins' scripts where the results are kept."""
+
+    cluster: bool  # whether join keys take their result key's slot (``join_key``)
+
+    async def each(
+        self, script: str, items: Sequence[Item], first: Sequence[Any] = ()
+    ) -> list[Any]:
+        """``script``'s answer for each of ``items``, in order; ``first``: arguments ahead
+        of every item's (the script reads them as ``ARGV[1]``...)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class OneServer:
+    """``Scripts`` on one Redis server: one call for all the items."""
+
+    cluster = False
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
+        self._registered: dict[str, Any] = {}
+
+    async def each(
+        self, script: str, items: Sequence[Item], first: Sequence[Any] = ()
+    ) -> list[Any]:
+        call = self._registered.get(script)
+        if call is None:
+            call = self._registered[script] = self._client.register_script(script)
+        keys = [key for item_keys, _ in items for key in item_keys]
+        args = [*first, *(arg for _, item_args in items for arg in item_args)]
+        return list(await call(keys=keys, args=args))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class OnCluster:
+    """``Scripts`` on a Redis Cluster: one call a slot, one pipeline a primary."""
+
+    cluster = True
+
+    def __init__(self, router: ClusterRouter) -> None:
+        self._router = router
+
+    async def each(
+        self, script: str, items: Sequence[Item], first: Sequence[Any] = ()
+    ) -> list[Any]:
+        slots: dict[int, list[int]] = {}
+        for n, (keys, _) in enumerate(items):
+            slot = {hash_slot(key) for key in keys}
+            if len(slot) != 1:
+                raise ValueError(f"a script's item must keep to one hash slot: {list(keys)}")
+            slots.setdefault(slot.pop(), []).append(n)
+        try:
+            plan = await self._router.by_node(items[numbers[0]][0][0] for numbers in slots.values())
+        except Exception:
+            self._router.mark_stale()
+            raise
+        parts = await asyncio.gather(
+            *(
+                self._on(node, script, [slots[slot] for slot in on_node], items, first)
+                for node, on_node in plan.items()
+            ),
+            return_exceptions=True,
+        )
+        for part in parts:
+            if isinstance(part, MovedError):
+                self._router.moved(part)  # a failover or a resharding: the new route
+            elif isinstance(part, BaseException) and is_topology_error(part):
+                self._router.mark_stale()
+        answers: list[Any] = [None] * len(items)
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+            for n, answer in part:
+                answers[n] = answer
+        return answers
+
+    async def _on(
+        self,
+        node: Node,
+        script: str,
+        groups: list[list[int]],
+        items: Sequence[Item],
+        first: Sequence[Any],
+    ) -> list[tuple[int, Any]]:
+        """Each group's call on ``node``, in one pipeline: (item number, answer) pairs."""
+        client = self._router.client(node)
+        sha = hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
+        replies = await self._pipeline(client, sha, groups, items, first)
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            # A restarted or newly promoted node has an empty script cache; the groups
+            # that ran already change nothing when run again.
+            await client.script_load(script)
+            replies = await self._pipeline(client, sha, groups, items, first)
+        answered: list[tuple[int, Any]] = []
+        for numbers, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            answered += zip(numbers, reply, strict=True)
+        return answered
+
+    @staticmethod
+    async def _pipeline(
+        client: aioredis.Redis,
+        sha: str,
+        groups: list[list[int]],
+        items: Sequence[Item],
+        first: Sequence[Any],
+    ) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for numbers in groups:
+            keys = [key for n in numbers for key in items[n][0]]
+            args = [*first, *(arg for n in numbers for arg in items[n][1])]
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+    async def aclose(self) -> None:
+        await self._router.aclose()
