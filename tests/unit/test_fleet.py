@@ -52,7 +52,7 @@ def test_auto_gives_each_model_of_a_card_the_full_count_within_mps_clients(
 
     # So does planned() for one model of a host file's ``models``.
     monkeypatch.setattr(fleet_gpus, "visible_cards", lambda: cards(2))
-    monkeypatch.setattr(fleet_host.os, "sched_getaffinity", lambda _pid: set(range(32)))
+    monkeypatch.setattr("workers.fleet.host.os.sched_getaffinity", lambda _pid: set(range(32)))
     settings = WorkerSettings(model="digits", device="cuda")
     slots, chosen = fleet_host.planned(settings, share=models)
     assert len(chosen) == 2
