@@ -23,7 +23,8 @@ A crash anywhere repeats a step, never changes one: the join and each child are
 written once, the parent's result is written once, and the last step is redone by
 whichever redelivered child finds the join complete. The scripts touch one key each
 (or, for a parent, its join and its result), so a publish costs one Redis call per
-stage whatever its size.
+stage whatever its size; on a Redis Cluster, one call per hash slot, pipelined per
+primary (``workers.chain.scripts``), each join in its result key's slot.
 """
 
 from __future__ import annotations
