@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import math
+import subprocess
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from typing import Any
 from bench.gpu.config import Config
 from bench.gpu.cores import _pin_services
 from bench.gpu.corpus import Corpus
-from bench.gpu.e2e import UtilizationSampler, _steady_state
+from bench.gpu.e2e import UtilizationSampler, _steady_state, sample_first
 from bench.gpu.host import _await_results, _start_host
 from bench.gpu.load import produce_at_once
 from producers.admin import create_model_topics, delete_model_topics
@@ -162,10 +163,13 @@ async def _serve(
         await until_all_ready([host], args.ready_timeout, settle_s=1.0)
         ready_s = time.monotonic() - started
         prefix = f"chain-{label}-{first}"
+        samplers: list[subprocess.Popen[bytes]] = []
         with UtilizationSampler(1) as gpu:
             if isinstance(sized, Sequence):
                 prefix = f"chain-crop-{first}"
                 count = await _resend_crops(args, sized, first, prefix)
+                if args.profile_s:  # py-spy on a classifier process as it serves the crops
+                    samplers.append(sample_first(args, host, "pyspy-chain-classifier"))
             elif corpus is not None:
                 if sized is None:  # the first host: a short backlog measures the rate to size by
                     probe = [(first, f"{prefix}-probe", _PROBE)]
@@ -176,6 +180,8 @@ async def _serve(
                 count = max(least, math.ceil(sized * args.chain_s))
                 await produce_at_once(args, corpus, [(first, prefix, count)], _PARTITIONS)
             results = await _await_results(prefix, count, args, [host])
+        for sampler in samplers:
+            sampler.wait(timeout=args.profile_s + 30)
         steady = _steady_state(results, gpu)
         row: dict[str, Any] = {
             "ready_s": round(ready_s, 1),

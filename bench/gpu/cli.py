@@ -148,7 +148,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile-s",
         type=float,
         default=0.0,
-        help="e2e: sample the first worker with py-spy for this long (see --profile-phase)",
+        help="e2e: sample the first worker with py-spy for this long (see --profile-phase); "
+        "zoo: each model's first worker as its backlog comes; chain: a classifier process "
+        "serving the crops alone",
     )
     parser.add_argument(
         "--profile-phase",

@@ -298,10 +298,18 @@ def _profile(
 ) -> subprocess.Popen[bytes]:
     """``--profile-s`` seconds of py-spy samples of the host's first worker process (the
     supervisor itself when it runs just one), named by layout, corpus and phase."""
+    name = f"pyspy-{layout_name(per_card, gpus)}-{corpus.name}-{args.profile_phase}"
+    return sample_first(args, host, name)
+
+
+def sample_first(
+    args: argparse.Namespace, host: WorkerProcess, name: str
+) -> subprocess.Popen[bytes]:
+    """``--profile-s`` seconds of py-spy samples of ``host``'s first worker process (the
+    supervisor itself when it runs just one) into ``<name>[-gil].txt`` in ``--out``."""
     gil = "-gil" if args.profile_gil else ""
-    name = f"pyspy-{layout_name(per_card, gpus)}-{corpus.name}-{args.profile_phase}{gil}.txt"
     pid = next(iter(host.children()), host.pid)
-    return _sample(pid, args.out / name, args.profile_s, gil=args.profile_gil)
+    return _sample(pid, args.out / f"{name}{gil}.txt", args.profile_s, gil=args.profile_gil)
 
 
 def _sample(pid: int, path: Path, seconds: float, *, gil: bool = False) -> subprocess.Popen[bytes]:

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import torch
 from bench.gpu.config import Config, _median_forward_s
 from bench.gpu.cores import _pin_services
 from bench.gpu.corpus import Corpus
-from bench.gpu.e2e import UtilizationSampler, _steady_state
+from bench.gpu.e2e import UtilizationSampler, _steady_state, sample_first
 from bench.gpu.host import _await_results, _fleet, _start_host
 from bench.gpu.load import _produce_parallel
 from producers.admin import create_model_topics, delete_model_topics
@@ -146,9 +147,20 @@ async def _served(
         host = _start_host(fleet, cfg, args, None, 1)
         await until_all_ready([host], args.ready_timeout, settle_s=1.0)
         ready_s = time.monotonic() - started
+        samplers: list[subprocess.Popen[bytes]] = []
+
+        def sample() -> None:  # --profile-s: py-spy on a process as the backlog comes
+            if args.profile_s:
+                name = f"pyspy-zoo-{cfg.model.replace(':', '-')}"
+                samplers.append(sample_first(args, host, name))
+
         with UtilizationSampler(1) as gpu:
-            await _produce_parallel(args, model, corpus, f"{run}-z", count, partitions)
+            await _produce_parallel(
+                args, model, corpus, f"{run}-z", count, partitions, on_visible=sample
+            )
             results = await _await_results(f"{run}-z", count, args, [host])
+        for sampler in samplers:
+            sampler.wait(timeout=args.profile_s + 30)
         steady = _steady_state(results, gpu)
         return {
             "ready_s": round(ready_s, 1),
