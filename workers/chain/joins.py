@@ -48,7 +48,15 @@ from schemas.chain import COUNT_H, INDEX_H, PARENT_H, child_id, join_key
 from schemas.fastpath import ResultEncoder
 from schemas.headers import ContentType
 from workers.chain.crops import cut_from
-from workers.chain.scripts import Item, OnCluster, OneServer, Scripts
+from workers.chain.scripts import (
+    CHILD_SCRIPT,
+    DEADLINE_SCRIPT,
+    PARENT_SCRIPT,
+    Item,
+    OnCluster,
+    OneServer,
+    Scripts,
+)
 from workers.config.next_stage import WHOLE_IMAGE, NextStage
 from workers.config.worker import WorkerSettings
 from workers.types import Chain, ChildAnswer, Outbox, Parent, PublishReport, Request, ResultSink
@@ -60,71 +68,6 @@ Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
 
 _META_FIELDS = 7  # doc, count, boxes, reply, trace, next, up
 _SOCKET_TIMEOUT_S = 10.0
-
-PARENT_SCRIPT = """
-local ttl = ARGV[1]
-local out = {}
-for i = 1, #KEYS / 2 do
-  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
-  local a = 1 + 7 * (i - 1)
-  if redis.call('EXISTS', result) == 1 then
-    out[i] = {2}
-  elseif redis.call('HSETNX', join, 'doc', ARGV[a + 1]) == 1 then
-    redis.call('HSET', join, 'count', ARGV[a + 2], 'boxes', ARGV[a + 3], 'reply', ARGV[a + 4],
-               'trace', ARGV[a + 5], 'next', ARGV[a + 6], 'up', ARGV[a + 7])
-    redis.call('EXPIRE', join, ttl)
-    out[i] = {0}
-  else
-    out[i] = {1, redis.call('HGET', join, 'doc')}
-  end
-end
-return out
-"""
-"""KEYS: per parent its join and its result key. ARGV[1]: the TTL; then per parent its
-document, child count, detection indices (JSON), reply topic, trace context, next model,
-and, for a parent that is itself a child, its place in its own parent's join (JSON).
-Returns per parent {0} (this call started the join), {1, document} (a join was there:
-its document) or {2} (the parent's result is written)."""
-
-CHILD_SCRIPT = """
-local out = {}
-for i, join in ipairs(KEYS) do
-  local count = redis.call('HGET', join, 'count')
-  local a = 3 * (i - 1)
-  if count ~= ARGV[a + 1] or tonumber(ARGV[a + 2]) >= tonumber(count) then
-    out[i] = -1
-  else
-    redis.call('HSETNX', join, 'c' .. ARGV[a + 2], ARGV[a + 3])
-    if redis.call('HLEN', join) - 7 >= tonumber(count) then
-      out[i] = redis.call('HGETALL', join)
-    else
-      out[i] = 0
-    end
-  end
-end
-return out
-"""
-"""KEYS: the join of each child answer; ARGV: per child its parent's child count, its
-index and its document. Returns per child -1 (no such join, as after it expired, or one
-whose count or indices the child does not fit), 0 (children still missing) or every
-field of the complete join."""
-
-DEADLINE_SCRIPT = """
-local out = {}
-for i = 1, #KEYS / 2 do
-  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
-  local count = redis.call('HGET', join, 'count')
-  if redis.call('EXISTS', result) == 1 or not count
-     or redis.call('HLEN', join) - 7 >= tonumber(count) then
-    out[i] = 0
-  else
-    out[i] = redis.call('HGETALL', join)
-  end
-end
-return out
-"""
-"""KEYS: per parent its join and its result key. Returns per parent every field of its
-join when it has no result yet and children are missing, else 0."""
 
 _NEW, _STORED, _ANSWERED = 0, 1, 2
 _DEADLINE_GRACE_S = 0.5  # after a parent's deadline, before its missing children expire

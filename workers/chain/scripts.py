@@ -15,13 +15,79 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Sequence
+from functools import cache
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import MovedError, NoScriptError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 
 from common.redis_cluster import ClusterRouter, Node, is_topology_error
 from schemas.chain import hash_slot
+
+PARENT_SCRIPT = """
+local ttl = ARGV[1]
+local out = {}
+for i = 1, #KEYS / 2 do
+  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
+  local a = 1 + 7 * (i - 1)
+  if redis.call('EXISTS', result) == 1 then
+    out[i] = {2}
+  elseif redis.call('HSETNX', join, 'doc', ARGV[a + 1]) == 1 then
+    redis.call('HSET', join, 'count', ARGV[a + 2], 'boxes', ARGV[a + 3], 'reply', ARGV[a + 4],
+               'trace', ARGV[a + 5], 'next', ARGV[a + 6], 'up', ARGV[a + 7])
+    redis.call('EXPIRE', join, ttl)
+    out[i] = {0}
+  else
+    out[i] = {1, redis.call('HGET', join, 'doc')}
+  end
+end
+return out
+"""
+"""KEYS: per parent its join and its result key. ARGV[1]: the TTL; then per parent its
+document, child count, detection indices (JSON), reply topic, trace context, next model,
+and, for a parent that is itself a child, its place in its own parent's join (JSON).
+Returns per parent {0} (this call started the join), {1, document} (a join was there:
+its document) or {2} (the parent's result is written)."""
+
+CHILD_SCRIPT = """
+local out = {}
+for i, join in ipairs(KEYS) do
+  local count = redis.call('HGET', join, 'count')
+  local a = 3 * (i - 1)
+  if count ~= ARGV[a + 1] or tonumber(ARGV[a + 2]) >= tonumber(count) then
+    out[i] = -1
+  else
+    redis.call('HSETNX', join, 'c' .. ARGV[a + 2], ARGV[a + 3])
+    if redis.call('HLEN', join) - 7 >= tonumber(count) then
+      out[i] = redis.call('HGETALL', join)
+    else
+      out[i] = 0
+    end
+  end
+end
+return out
+"""
+"""KEYS: the join of each child answer; ARGV: per child its parent's child count, its
+index and its document. Returns per child -1 (no such join, as after it expired, or one
+whose count or indices the child does not fit), 0 (children still missing) or every
+field of the complete join."""
+
+DEADLINE_SCRIPT = """
+local out = {}
+for i = 1, #KEYS / 2 do
+  local join, result = KEYS[2 * i - 1], KEYS[2 * i]
+  local count = redis.call('HGET', join, 'count')
+  if redis.call('EXISTS', result) == 1 or not count
+     or redis.call('HLEN', join) - 7 >= tonumber(count) then
+    out[i] = 0
+  else
+    out[i] = redis.call('HGETALL', join)
+  end
+end
+return out
+"""
+"""KEYS: per parent its join and its result key. Returns per parent every field of its
+join when it has no result yet and children are missing, else 0."""
 
 Item = tuple[Sequence[str], Sequence[Any]]
 """One item of a script call: its keys and its arguments."""
@@ -84,7 +150,7 @@ class OnCluster:
             slots.setdefault(slot.pop(), []).append(n)
         try:
             plan = await self._router.by_node(items[numbers[0]][0][0] for numbers in slots.values())
-        except Exception:
+        except (RedisError, OSError):
             self._router.mark_stale()
             raise
         parts = await asyncio.gather(
@@ -117,7 +183,7 @@ class OnCluster:
     ) -> list[tuple[int, Any]]:
         """Each group's call on ``node``, in one pipeline: (item number, answer) pairs."""
         client = self._router.client(node)
-        sha = hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
+        sha = _sha(script)
         replies = await self._pipeline(client, sha, groups, items, first)
         if any(isinstance(reply, NoScriptError) for reply in replies):
             # A restarted or newly promoted node has an empty script cache; the groups
@@ -149,3 +215,9 @@ class OnCluster:
 
     async def aclose(self) -> None:
         await self._router.aclose()
+
+
+@cache
+def _sha(script: str) -> str:
+    """The SHA-1 by which Redis knows ``script`` (``EVALSHA``)."""
+    return hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
