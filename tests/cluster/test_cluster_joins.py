@@ -6,7 +6,6 @@ workers, the demo detector and the digits classifier, on the Kafka and Redis clu
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,7 +22,7 @@ from demo.models.detector import DigitsDetector
 from demo.models.digits import DigitsClassifier
 from producers.admin import create_model_topics
 from producers.settings import ClientSettings
-from producers.testing import Fleet, plain_url, produce, read_results, wait_for_results
+from producers.testing import Fleet, plain_url, produce, read_results, until, wait_for_results
 from producers.testing.kafka import requests
 from schemas import ContentType, Status, result_key, topics_for
 from schemas.chain import child_id, join_key
@@ -143,9 +142,7 @@ async def test_a_parent_is_answered_at_its_deadline(
     try:
         await _settled(first, parents=[made])
         await _settled(first, children=[_child(parent, 1, 2, "5")])
-        async with asyncio.timeout(10):
-            while not written:
-                await asyncio.sleep(0.1)
+        await until(lambda: bool(written), "the result written at the deadline", 10)
         (outbox,) = written
         assert outbox.ids == [parent]
         first_box, second_box = orjson.loads(outbox.values[0])["outputs"]["detections"]

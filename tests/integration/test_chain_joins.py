@@ -3,7 +3,6 @@ child that does not fit its parent, does (``workers.chain.joins``)."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -15,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from PIL import Image
 
+from producers.testing import until
 from schemas import ContentType, Status, result_key
 from schemas.chain import child_of
 from schemas.fastpath import FastMeta, ResultEncoder
@@ -242,9 +242,7 @@ async def test_a_parent_is_answered_at_its_deadline_with_the_children_it_has(
     try:
         await _settled(timed, parents=[made])
         await _settled(timed, children=[_child(parent, 0, 2, "3")])
-        async with asyncio.timeout(10):
-            while not written:
-                await asyncio.sleep(0.1)
+        await until(lambda: bool(written), "the result written at the deadline", 10)
         (outbox,) = written
         assert outbox.ids == [parent]
         final = orjson.loads(outbox.values[0])

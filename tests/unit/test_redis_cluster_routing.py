@@ -66,6 +66,22 @@ async def test_a_slot_no_node_serves_is_cluster_down() -> None:
         await router.by_node([uncovered])
 
 
+async def test_the_parts_of_a_call_teach_their_routes_before_its_first_error_is_raised() -> None:
+    router = _router()
+    key = result_key("moving")
+    slot = key_slot(key.encode())
+    assert router.learned([1, 2]) == [1, 2]
+    moved, lost = MovedError(f"{slot} 10.0.0.7:7009"), ConnectionError("node gone")
+    with pytest.raises(MovedError):
+        router.learned([1, moved, lost])
+    assert router._stale  # the lost node: the map is loaded again before the next routing
+    router._stale = False  # by_node routes without loading a map (no node is there)
+    assert list(await router.by_node([key])) == [Node("10.0.0.7", 7009)]  # MOVED: the new route
+    with pytest.raises(AuthenticationError):  # refused credentials teach nothing
+        router.learned([AuthenticationError("no")])
+    assert not router._stale
+
+
 async def test_node_clients_keep_the_urls_scheme_and_credentials() -> None:
     router = ClusterRouter("rediss://worker:s3cret@seed.example:7000/0", {"socket_timeout": 3})
     client = router.client(Node("10.0.0.2", 7001))

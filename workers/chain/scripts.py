@@ -19,9 +19,9 @@ from functools import cache
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import MovedError, NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
-from common.redis_cluster import ClusterRouter, Node, is_topology_error
+from common.redis_cluster import ClusterRouter, Node
 from schemas.chain import hash_slot
 
 PARENT_SCRIPT = """
@@ -148,11 +148,7 @@ class OnCluster:
             if len(slot) != 1:
                 raise ValueError(f"a script's item must keep to one hash slot: {list(keys)}")
             slots.setdefault(slot.pop(), []).append(n)
-        try:
-            plan = await self._router.by_node(items[numbers[0]][0][0] for numbers in slots.values())
-        except (RedisError, OSError):
-            self._router.mark_stale()
-            raise
+        plan = await self._router.by_node(items[numbers[0]][0][0] for numbers in slots.values())
         parts = await asyncio.gather(
             *(
                 self._on(node, script, [slots[slot] for slot in on_node], items, first)
@@ -160,15 +156,8 @@ class OnCluster:
             ),
             return_exceptions=True,
         )
-        for part in parts:
-            if isinstance(part, MovedError):
-                self._router.moved(part)  # a failover or a resharding: the new route
-            elif isinstance(part, BaseException) and is_topology_error(part):
-                self._router.mark_stale()
         answers: list[Any] = [None] * len(items)
-        for part in parts:
-            if isinstance(part, BaseException):
-                raise part
+        for part in self._router.learned(parts):
             for n, answer in part:
                 answers[n] = answer
         return answers

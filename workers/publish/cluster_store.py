@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import MovedError, NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from common.redis_cluster import ClusterRouter, Node, is_topology_error
+from common.redis_cluster import ClusterRouter, Node
 from common.security import redis_options
 from schemas import result_key
 from workers.config.worker import WorkerSettings
@@ -82,11 +82,7 @@ class RedisClusterResultStore:
         if not ids:
             return []
         value_of = {result_key(i): v for i, v in zip(ids, values, strict=True)}
-        try:
-            plan = await self._router.by_node(value_of)
-        except (RedisError, OSError):
-            self._router.mark_stale()
-            raise
+        plan = await self._router.by_node(value_of)
         # Every primary's part runs to its end before an error is raised, so no write
         # of this call is still in flight when the publisher tries the batch again.
         parts = await asyncio.gather(
@@ -94,14 +90,7 @@ class RedisClusterResultStore:
             return_exceptions=True,
         )
         stored: dict[str, bytes | None] = {}
-        for part in parts:
-            if isinstance(part, MovedError):
-                self._router.moved(part)  # a failover or a resharding: the new route
-            elif isinstance(part, BaseException) and is_topology_error(part):
-                self._router.mark_stale()  # a node lost: load the map again
-        for part in parts:
-            if isinstance(part, BaseException):
-                raise part
+        for part in self._router.learned(parts):
             stored.update(part)
         return [stored[result_key(i)] for i in ids]
 
