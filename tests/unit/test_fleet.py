@@ -3,6 +3,7 @@ flags, MPS detection and the profiles (tests/integration/test_fleet.py runs the 
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -346,11 +347,30 @@ def test_an_mps_server_already_running_is_found_by_its_pipes(
 
 
 def test_without_the_control_program_mps_is_unavailable_with_the_reason(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(mps.MpsUnavailable, match="nvidia-cuda-mps-control is not on PATH"):
         mps.MpsServer.start()
+    assert list(tmp_path.iterdir()) == []  # no folder left behind
+
+
+def test_a_control_daemon_that_refuses_leaves_no_folder_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    control = tools / mps.CONTROL
+    control.write_text("#!/bin/sh\necho 'no CUDA device' >&2\nexit 3\n")
+    control.chmod(0o755)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("PATH", str(tools))
+    with pytest.raises(mps.MpsUnavailable, match="status 3: no CUDA device"):
+        mps.MpsServer.start()
+    assert list(scratch.iterdir()) == []
 
 
 # -- profiles ---------------------------------------------------------------------------------

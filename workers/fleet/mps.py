@@ -59,14 +59,14 @@ class MpsServer:
     @classmethod
     def start(cls) -> MpsServer:
         """Start a daemon in fresh folders. Raises ``MpsUnavailable`` saying why it cannot."""
-        server = cls(Path(tempfile.mkdtemp(prefix="conveyor-mps-")))
-        if server._control is None:
+        if shutil.which(CONTROL) is None:
             raise MpsUnavailable(f"{CONTROL} is not on PATH (it comes with NVIDIA's driver)")
+        server = cls(Path(tempfile.mkdtemp(prefix="conveyor-mps-")))
         for path in server.env.values():
             Path(path).mkdir(parents=True, exist_ok=True)
         try:
             subprocess.run(
-                [server._control, "-d"],
+                [str(server._control), "-d"],
                 env=os.environ | server.env,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
@@ -74,6 +74,7 @@ class MpsServer:
                 check=True,
             )
         except (OSError, subprocess.SubprocessError) as exc:
+            shutil.rmtree(server.root, ignore_errors=True)  # nothing started: nothing to inspect
             raise MpsUnavailable(f"{CONTROL} -d failed: {_why(exc)}") from exc
         log.info("MPS control daemon started (pipes and logs in %s)", server.root)
         return server
