@@ -11,7 +11,9 @@ normalised as the model expects. ``--speed-only`` models (random weights) are ti
 never compared.
 
 Precisions: ``float32`` (the reference, TF32 off), ``float16``, ``bfloat16``, ``int8``
-(torchao: int8 weights and dynamically quantized int8 activations), ``float8`` (torchao:
+(torchao: int8 weights and dynamically quantized int8 activations, as the worker's
+``--quantize int8``, the other layers in bfloat16; ``int8-float16``, ``int8-float32``:
+the other layers in that dtype, as ``--quantize int8`` with ``--dtype``), ``float8`` (torchao:
 float8 e4m3 weights and activations, a scale per row; compute capability 8.9 or later).
 torchao quantizes linear layers; ``float8-conv`` also asks it to quantize convolutions.
 Each row says how many layers were quantized, so a model made of convolutions shows
@@ -45,9 +47,24 @@ import torch
 from PIL import Image
 
 from bench.gpu.config import _median_forward_s
+from workers.model.quantize import quantize_module
 
-PRECISIONS = ("float32", "float16", "bfloat16", "int8", "float8", "float8-conv")
-_INPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PRECISIONS = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "int8",
+    "int8-float16",
+    "int8-float32",
+    "float8",
+    "float8-conv",
+)
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_INPUT_DTYPES = {
+    **_FLOAT_DTYPES,
+    "int8-float16": torch.float16,
+    "int8-float32": torch.float32,
+}
 _SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
@@ -118,19 +135,19 @@ def crops(folder: Path, count: int, data: dict[str, Any], seed: int = 0) -> torc
 def variant(module: torch.nn.Module, precision: str, device: torch.device) -> torch.nn.Module:
     """A copy of ``module`` on ``device`` in ``precision``."""
     copied = copy.deepcopy(module).to(device)
-    if precision in _INPUT_DTYPES:
-        return copied.to(_INPUT_DTYPES[precision])
-    from torchao.quantization import (  # type: ignore[import-not-found]
+    if precision in _FLOAT_DTYPES:
+        return copied.to(_FLOAT_DTYPES[precision])
+    if precision.startswith("int8"):  # as the worker's --quantize int8 does it
+        quantize_module(copied.to(_INPUT_DTYPES.get(precision, torch.bfloat16)), "int8")
+        return copied
+    from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
-        Int8DynamicActivationInt8WeightConfig,
         PerRow,
         quantize_,
     )
 
     copied = copied.to(torch.bfloat16)
-    if precision == "int8":
-        quantize_(copied, Int8DynamicActivationInt8WeightConfig())
-    elif precision == "float8":
+    if precision == "float8":
         quantize_(copied, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     else:  # float8-conv
 
@@ -270,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": [],
     }
     try:
-        import torchao  # type: ignore[import-not-found]
+        import torchao
 
         result["meta"]["torchao"] = torchao.__version__
     except ImportError:

@@ -41,6 +41,7 @@ from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
 from workers.model.loader import load_handler
 from workers.model.packages import PACKAGES_FOLDER
+from workers.model.quantize import quantize_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
 from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
@@ -356,6 +357,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
+    quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"
     settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))
     cache = use_compile_cache(settings, device) if settings.compile else None

@@ -22,7 +22,7 @@ import os
 import sys
 import textwrap
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -61,6 +61,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "preprocess",
         "device",
         "dtype",
+        "quantize",
         "channels_last",
         "decode",
         "compile",
@@ -169,6 +170,7 @@ EXPERT = frozenset(
         "worker_id",
         "group_instance_id",
         "redis_replica_acks",
+        "dataref_redis_prefix",
         "s3_region",
         "s3_addressing_style",
         "host_model",
@@ -444,13 +446,9 @@ def run(args: argparse.Namespace) -> int:
             f"{install_hint('worker')}",
             EXIT_NOT_INSTALLED,
         )
-    missing = _missing_for_tracing(settings.tracing)
+    missing = _missing_extra(models)
     if missing is not None:
-        return _fail(
-            f"--tracing {settings.tracing} needs the tracing extra, which is not installed "
-            f"(no module {missing!r}): {install_hint('tracing')}",
-            EXIT_NOT_INSTALLED,
-        )
+        return _fail(missing, EXIT_NOT_INSTALLED)
     try:
         if host is not None:
             return _serve_host(args, host, models)
@@ -567,6 +565,24 @@ def _children(stage: NextStage) -> str:
     )
 
 
+def _missing_extra(models: Sequence[WorkerSettings]) -> str | None:
+    """What the settings need that is not installed, in words, or None."""
+    tracing = models[0].tracing
+    missing = _missing_for_tracing(tracing)
+    if missing is not None:
+        return (
+            f"--tracing {tracing} needs the tracing extra, which is not installed "
+            f"(no module {missing!r}): {install_hint('tracing')}"
+        )
+    quantized = next((m for m in models if m.quantize != "none"), None)
+    if quantized is not None and not _found("torchao"):
+        return (
+            f"--quantize {quantized.quantize} ({quantized.model}) needs the quant extra, "
+            f"which is not installed (no module 'torchao'): {install_hint('quant')}"
+        )
+    return None
+
+
 def _missing_for_tracing(tracing: str) -> str | None:
     """The first module that ``--tracing`` needs and cannot find, or None; looked up, not
     imported, before the model loads (``workers.observe.tracing`` imports them)."""
@@ -575,14 +591,15 @@ def _missing_for_tracing(tracing: str) -> str | None:
     needed = ["opentelemetry.sdk.trace"]
     if tracing == "otlp":
         needed.append("opentelemetry.exporter.otlp.proto.http.trace_exporter")
-    for name in needed:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # a package above it is missing
-            found = False
-        if not found:
-            return name
-    return None
+    return next((name for name in needed if not _found(name)), None)
+
+
+def _found(module: str) -> bool:
+    """Whether ``module`` can be imported; looked up, not imported."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a package above it is missing
+        return False
 
 
 def _os_error(exc: OSError) -> str:

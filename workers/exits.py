@@ -26,7 +26,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_UNREACHABLE: "Kafka or Redis unreachable at start, or they refused the TLS "
     "handshake or the credentials",
     EXIT_NOT_INSTALLED: "the worker extra (torch) is not installed: a client-only install; "
-    "or --tracing is on without the tracing extra (OpenTelemetry)",
+    "or --tracing is on without the tracing extra (OpenTelemetry), or --quantize without the "
+    "quant extra (torchao)",
     EXIT_ENVIRONMENT: "the operating system refused a file or folder the worker needs "
     "(e.g. a model cache folder it may not write: set CONVEYOR_MODEL_DIR)",
     EXIT_DEVICE: "the model's device failed while serving (a sticky CUDA error, e.g. a fault "

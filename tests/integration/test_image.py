@@ -46,7 +46,7 @@ from workers.exits import EXIT_ENVIRONMENT
 DOCKERFILE = REPO / "compose" / "Dockerfile.worker"
 COMPOSE = REPO / "compose" / "docker-compose.yml"
 # The Dockerfile's RUN lines, each reproduced below; a new one must be added here.
-EXTRAS = ("worker", "s3", "tracing", "timm", "demo")
+EXTRAS = ("worker", "s3", "tracing", "timm", "quant", "demo")
 INSTALL = f"pip install '.[{','.join(EXTRAS)}]'"
 BUILD_MODEL = "python -m demo.models.digits"
 ADD_USER = "useradd --create-home --uid 10001 --user-group conveyor"

@@ -198,3 +198,30 @@ async def test_sigkill_mid_stream_then_restart_loses_nothing(
     lost = [i for i in ids if i not in results]
     assert lost == []
     assert all(r.status is Status.ok for r in results.values())
+
+
+@pytest.mark.timeout(180)
+async def test_an_int8_worker_answers_the_heldout_digits_as_the_float_model_does(
+    client_settings: ClientSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    model_name: str,
+    workers: Fleet,
+    digits: list[tuple[bytes, int]],
+    direct_predictions: dict[bytes, dict[str, object]],
+) -> None:
+    topics = topics_for(model_name)
+    await create_model_topics(client_settings, model_name, partitions=2)
+    requests, ids = digit_requests(digits, len(digits), prefix=model_name)
+    await produce(kafka_bootstrap, topics.requests, requests)
+    worker = workers.start("--quantize", "int8")
+
+    results = await wait_for_results(redis_url, ids, timeout_s=120)
+    assert "2 of 2 linear layers quantized to int8" in worker.log()
+    same = 0
+    for record, request_id in zip(requests, ids, strict=True):
+        result = results[request_id]
+        assert result.status is Status.ok, result
+        assert result.outputs is not None
+        same += result.outputs[0]["index"] == direct_predictions[record.value]["index"]
+    assert same >= 0.99 * len(ids), f"{same} of {len(ids)} as the float32 model"

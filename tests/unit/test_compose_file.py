@@ -167,8 +167,8 @@ def test_dockerfile_installs_the_worker_extra() -> None:
     assert re.search(r"^FROM python:3\.12-slim$", dockerfile, re.MULTILINE)
     [extras] = re.findall(r"^RUN pip install '\.\[([a-z0-9,]+)\]'$", dockerfile, re.MULTILINE)
     # The demo extra trains the model it serves while the image is built; the others are
-    # what a worker may be asked to use: payloads in S3, traces, timm models.
-    assert set(extras.split(",")) == {"worker", "demo", "s3", "tracing", "timm"}
+    # what a worker may be asked to use: payloads in S3, traces, timm models, int8 layers.
+    assert set(extras.split(",")) == {"worker", "demo", "s3", "tracing", "timm", "quant"}
     assert 'CMD ["conveyor", "worker", "--model", "digits"]' in dockerfile
 
 

@@ -87,6 +87,14 @@ def test_worker_tracing_without_the_tracing_extra_says_what_to_install(exporter:
     assert line.endswith(install_hint("tracing"))
 
 
+def test_worker_quantize_without_the_quant_extra_says_what_to_install() -> None:
+    outcome = _conveyor_without("torchao", "worker", "--model", "digits", "--quantize", "int8")
+    assert outcome["status"] == EXIT_NOT_INSTALLED
+    [line] = str(outcome["stderr"]).splitlines()
+    assert line.startswith("conveyor worker: --quantize int8 (digits) needs the quant extra")
+    assert line.endswith(install_hint("quant"))
+
+
 def test_client_commands_work_without_the_worker_package() -> None:
     outcome = _conveyor_without("workers", "--redis-url", "redis://127.0.0.1:9/0", "result", "a")
     assert outcome["status"] == 4  # Redis unreachable: the command ran

@@ -50,12 +50,16 @@ def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> W
     ``compile`` is given: its images keep their sizes, so ``torch.compile`` traced a new
     graph for nearly every batch (Faster R-CNN on one H200: 258 s to its first ready
     process, then Dynamo's recompile limit in every process; docs/bench-log,
-    2026-11-29).
+    2026-11-29). A quantized model (``--quantize``) compiles with ``torch.compile``.
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
     if "compile" not in given:
         update["compile"] = cuda and fixed_size_images
+    if settings.quantize != "none" and "compile_form" not in given:
+        # Packages need AOTAutograd's cache, which refuses torchao's weights (no stable
+        # hash in torchao 0.18): the package would fail to build at every start.
+        update["compile_form"] = "static"
     if cuda and fixed_size_images and "max_batch_size" not in given:
         update["max_batch_size"] = GPU_IMAGE_BATCH
     return settings.model_copy(update=update)

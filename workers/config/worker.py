@@ -100,6 +100,12 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="auto: float16 for torchvision models on CUDA, else float32"
     )
+    quantize: Literal["none", "int8"] = Field(
+        default="none",
+        description="int8: the linear layers of a classifier or embedding model in int8 "
+        "through torchao (the quant extra), the other layers in --dtype; gains where linear "
+        "layers dominate (ViTs), little for convolutional networks",
+    )
     channels_last: bool | None = Field(
         default=None, description="default: on for torchvision models on CUDA"
     )

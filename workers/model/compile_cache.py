@@ -15,10 +15,11 @@ and types of its inputs, its own configuration, torch's version and the device, 
 an entry is used only for exactly the code it was made from. On top of that the
 folder ``<key>`` is the SHA-256 of what the worker knows changes the compiled code
 or makes an old entry useless: the model spec, the weights file (path, size and
-modification time), dtype, channels-last, the largest batch size, the compiled form
-(``--compile-form``), CUDA graphs on or off, the versions of torch, CUDA, Triton and
-Python, and the GPU's name and compute capability. An upgrade or another card starts
-a new folder instead of searching an old one; old folders can be deleted at any time.
+modification time), dtype, quantized layers (when asked for), channels-last, the
+largest batch size, the compiled form (``--compile-form``), CUDA graphs on or off,
+the versions of torch, CUDA, Triton and Python, and the GPU's name and compute
+capability. An upgrade or another card starts a new folder instead of searching an
+old one; old folders can be deleted at any time.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def cache_key(settings: WorkerSettings, device: torch.device) -> str:
         "python": platform.python_version(),
         "device": _device_identity(device),
     }
+    if settings.quantize != "none":  # only then: the default's folders keep their names
+        facts["quantize"] = settings.quantize
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

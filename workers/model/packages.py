@@ -168,6 +168,11 @@ def fingerprint_model(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def is_subclass_tensor(tensor: torch.Tensor) -> bool:
+    """A tensor subclass (torchao's quantized weights are), not a plain tensor."""
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+
+
 def _names_path(package: Path) -> Path:
     return package.with_suffix(".json")
 
@@ -192,7 +197,10 @@ def package_fingerprint(model: str, layout: str, device: torch.device) -> str:
 
 
 def _layout(tensor: torch.Tensor) -> str:
-    return f"{tuple(tensor.shape)}:{tensor.dtype}:{tensor.stride()}"
+    text = f"{tuple(tensor.shape)}:{tensor.dtype}:{tensor.stride()}"
+    if is_subclass_tensor(tensor):  # a quantized weight computes otherwise than a plain one
+        text += f":{type(tensor).__module__}.{type(tensor).__qualname__}"
+    return text
 
 
 def _class_source(cls: type) -> str:
