@@ -7,6 +7,10 @@ detectors and segmenters, whose images keep their sizes), then ``conveyor worker
 --model SPEC --weights random`` started with nothing else, its time to ready, and a
 backlog's steady-state rate. Fixed-size models get the 224x224 corpus, the others
 640x480. A row is written as each model finishes, so a run cut short keeps them.
+
+A spec may end in ``@`` and a dtype and/or a quantization, joined by ``+``:
+``timm:vit_base_patch16_224@float16+int8`` is that model with ``--dtype float16
+--quantize int8``, in its ceiling (quantized, then compiled) and in its worker alike.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from producers.testing import until_all_ready
 from schemas import DEFAULT_LIMITS
 from workers.config.worker import WorkerSettings
 from workers.handlers.base import ImageModel
-from workers.model.loader import load_handler
+from workers.model.loader import DTYPES, load_handler
+from workers.model.quantize import QUANTIZE_MODES, quantize_handler
 
 ZOO = (
     "timm:vit_base_patch16_224",
@@ -77,30 +82,67 @@ def stage_zoo(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A zoo spec: the model, and the dtype and quantization it runs with."""
+
+    model: str
+    dtype: str = "auto"
+    quantize: str = "none"
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """``MODEL[@TOKEN[+TOKEN]]``, each token a dtype or a quantization (module doc)."""
+        model, _, tail = spec.partition("@")
+        variant = cls(model)
+        for token in filter(None, tail.split("+")):
+            if token in QUANTIZE_MODES:
+                variant = dataclasses.replace(variant, quantize=token)
+            elif token in DTYPES:
+                variant = dataclasses.replace(variant, dtype=token)
+            else:
+                known = ", ".join([*DTYPES, *QUANTIZE_MODES])
+                raise ValueError(f"zoo spec {spec!r}: {token!r} is not one of {known}")
+        return variant
+
+    def flags(self) -> str:
+        """The worker's flags for this variant beyond the model (none: the defaults)."""
+        flags = [] if self.dtype == "auto" else ["--dtype", self.dtype]
+        return " ".join(flags + ([] if self.quantize == "none" else ["--quantize", self.quantize]))
+
+    def name(self) -> str:
+        """The model and its variant, for file names."""
+        return f"{self.model}-{self.dtype}-{self.quantize}".replace(":", "-")
+
+
 def _one(cfg: Config, corpora: dict[str, Corpus], args: argparse.Namespace) -> dict[str, Any]:
-    row = _ceiling(cfg)
+    variant = Variant.parse(cfg.model)
+    cfg = dataclasses.replace(cfg, model=variant.model)
+    row = _ceiling(cfg, variant)
     corpus = corpora["224x224" if row["fixed_size"] else "640x480"]
     row["corpus"] = corpus.name
     count = max(_MIN_BACKLOG, math.ceil(row["forward_ceiling_img_s"] * _BACKLOG_S))
-    row |= asyncio.run(_served(cfg, corpus, args, count))
+    row |= asyncio.run(_served(cfg, corpus, args, count, variant))
     row["of_ceiling"] = row["img_s"] / row["forward_ceiling_img_s"]
     return row
 
 
-def _ceiling(cfg: Config) -> dict[str, Any]:
+def _ceiling(cfg: Config, variant: Variant | None = None) -> dict[str, Any]:
     """The model's forward alone on the card: compiled at the worker's batch size for a
     fixed-size model, eager on 640x480 images for the others (the best of
-    ``_VARIABLE_BATCHES``)."""
+    ``_VARIABLE_BATCHES``); in ``variant``'s dtype, quantized as it says."""
+    variant = variant or Variant(cfg.model)
     torch.manual_seed(0)
     handler = load_handler(
         cfg.model,
         device=str(cfg.device),
         weights="random",
-        dtype="auto",
+        dtype=variant.dtype,
         channels_last=None,
         limits=DEFAULT_LIMITS,
         decode="cpu",
     )
+    quantize_handler(handler, variant.quantize)
     fixed = isinstance(handler, ImageModel)
     started = time.monotonic()
     rates: dict[int, float] = {}
@@ -134,14 +176,15 @@ def _ceiling(cfg: Config) -> dict[str, Any]:
 
 
 async def _served(
-    cfg: Config, corpus: Corpus, args: argparse.Namespace, count: int
+    cfg: Config, corpus: Corpus, args: argparse.Namespace, count: int, variant: Variant
 ) -> dict[str, Any]:
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
     run = uuid.uuid4().hex[:8]
     model = f"gpuzoo{run}"
     partitions = 8
     await create_model_topics(settings, model, partitions)
-    fleet = _fleet(cfg, model, argparse.Namespace(**{**vars(args), "worker_options": ""}))
+    options = argparse.Namespace(**{**vars(args), "worker_options": variant.flags()})
+    fleet = _fleet(cfg, model, options)
     try:
         started = time.monotonic()
         host = _start_host(fleet, cfg, args, None, 1)
@@ -151,7 +194,7 @@ async def _served(
 
         def sample() -> None:  # --profile-s: py-spy on a process as the backlog comes
             if args.profile_s:
-                name = f"pyspy-zoo-{cfg.model.replace(':', '-')}"
+                name = f"pyspy-zoo-{variant.name()}"
                 samplers.append(sample_first(args, host, name))
 
         with UtilizationSampler(1) as gpu:
@@ -171,6 +214,6 @@ async def _served(
             "command": " ".join(host.config.argv()[3:]),
         }
     finally:
-        (args.out / f"zoo-{cfg.model.replace(':', '-')}.log").write_text(fleet.logs())
+        (args.out / f"zoo-{variant.name()}.log").write_text(fleet.logs())
         await fleet.aclose()
         await delete_model_topics(settings, model)

@@ -208,3 +208,18 @@ def test_zoo_ceiling_of_a_detector_is_the_best_of_its_batches(
     rates = row["ceiling_img_s_by_batch"]
     assert set(rates) == {1, 2}
     assert row["forward_ceiling_img_s"] == max(rates.values()) == rates[row["ceiling_batch"]]
+
+
+def test_zoo_specs_name_a_dtype_and_a_quantization_for_the_ceiling_and_the_worker() -> None:
+    from bench.gpu.zoo import Variant
+
+    plain = Variant.parse("torchvision:resnet50")
+    assert plain == Variant("torchvision:resnet50", "auto", "none")
+    assert plain.flags() == ""  # the one command with its defaults
+    vit = Variant.parse("timm:vit_base_patch16_224@float16+int8")
+    assert vit == Variant("timm:vit_base_patch16_224", "float16", "int8")
+    assert vit.flags() == "--dtype float16 --quantize int8"
+    assert Variant.parse("timm:vit_base_patch16_224@int8").flags() == "--quantize int8"
+    assert vit.name() != Variant.parse("timm:vit_base_patch16_224").name()
+    with pytest.raises(ValueError, match="'int4' is not one of"):
+        Variant.parse("torchvision:resnet50@int4")
