@@ -43,10 +43,7 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,video,timm,quant,s3,tracing,demo,dev]' || { \
-	  df -h $(VENV) >&2; \
-	  echo "[conveyor] ERROR: pip could not install the packages (its message is above). They take about 7 GB in $(VENV) (torch and its CUDA libraries), and pip needs as much again while it unpacks them: check the free space above." >&2; \
-	  exit 1; }
+	$(PY) -m pip install --quiet -e '.[worker,video,timm,quant,s3,tracing,demo,dev]' || compose/local/pip-failed.sh $(VENV)
 	touch $(STAMP)
 
 up:
