@@ -204,6 +204,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="chain: the classifier's backlog alone, the pipeline's crops sent again as often",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--request-params",
+        type=_json_object,
+        default={},
+        help="a JSON object every produced request carries as its parameters (e2e, zoo, "
+        'acceptance), e.g. \'{"dtype": "float16"}\': an embedding\'s results at half size',
+    )
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
@@ -264,6 +271,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=Path(".run/gpu-bench"))
     return parser.parse_args(argv)  # fmt: skip
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--request-params``: a JSON object, else an argparse error saying so."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, not {type(value).__name__}")
+    return value
 
 
 def selected_stages(text: str, args: argparse.Namespace) -> list[str]:

@@ -8,7 +8,7 @@ the request records made of it.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,11 +73,15 @@ def build_corpora(distinct: int, names: Sequence[str] = ("640x480", "224x224")) 
     ]
 
 
-def _records(corpus: Corpus, ids: Sequence[str]) -> list[Any]:
+def _records(
+    corpus: Corpus, ids: Sequence[str], params: Mapping[str, Any] | None = None
+) -> list[Any]:
     from schemas import encode_request
 
     return [
-        encode_request(p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu")
+        encode_request(
+            p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu", params=params
+        )
         for p, i in zip(corpus.take(len(ids)), ids, strict=True)
     ]
 

@@ -149,7 +149,7 @@ def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
     topic, width, height, prefix, first, count, rate = spec.split(",")
     corpus = make_corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
-    records = _records(corpus, ids)
+    records = _records(corpus, ids, args.request_params)
     print("ready", flush=True)
     sys.stdin.readline()
     acked: list[float] = []
@@ -180,6 +180,7 @@ async def _producers(
         command = [
             sys.executable, "-m", "bench.gpu", mode, spec + more,
             "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(partitions),
+            "--request-params", json.dumps(args.request_params),
         ]  # fmt: skip
         first += n
         proc = await asyncio.create_subprocess_exec(
@@ -214,7 +215,7 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
     topic, width, height, prefix, first, count = spec.split(",")
     corpus = make_corpus(int(width), int(height))
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
-    records = _records(corpus, ids)
+    records = _records(corpus, ids, args.request_params)
     print("ready", flush=True)
     sys.stdin.readline()
 

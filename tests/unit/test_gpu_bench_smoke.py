@@ -223,3 +223,20 @@ def test_zoo_specs_name_a_dtype_and_a_quantization_for_the_ceiling_and_the_worke
     assert vit.name() != Variant.parse("timm:vit_base_patch16_224").name()
     with pytest.raises(ValueError, match="'int4' is not one of"):
         Variant.parse("torchvision:resnet50@int4")
+
+
+def test_request_params_go_on_every_produced_request(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.gpu import parse_args
+    from bench.gpu.corpus import _records, make_corpus
+    from schemas.headers import PARAMS_H
+
+    args = parse_args(["--request-params", '{"dtype": "float16"}'])
+    assert args.request_params == {"dtype": "float16"}
+    records = _records(make_corpus(64, 48), ["a", "b"], args.request_params)
+    for record in records:
+        assert json.loads(dict(record.headers)[PARAMS_H]) == {"dtype": "float16"}
+    assert PARAMS_H not in dict(_records(make_corpus(64, 48), ["c"])[0].headers)
+    for bad in ("[1]", "{dtype"):
+        with pytest.raises(SystemExit):
+            parse_args(["--request-params", bad])
+    assert "--request-params" in capsys.readouterr().err
