@@ -29,6 +29,7 @@ class PacedHandler(IdentityHandler):
     version = "paced-v1"
 
     def __init__(self) -> None:
+        super().__init__()
         self.batch_s = float(os.environ.get("CONVEYOR_PACED_BATCH_MS", DEFAULT_BATCH_MS)) / 1000
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
