@@ -47,6 +47,8 @@ import torch
 from PIL import Image
 
 from bench.gpu.config import _median_forward_s
+from workers.model.loader import DTYPES, IMAGENET_MEAN, IMAGENET_STD
+from workers.model.packages import is_subclass_tensor
 from workers.model.quantize import quantize_module
 
 PRECISIONS = (
@@ -59,7 +61,7 @@ PRECISIONS = (
     "float8",
     "float8-conv",
 )
-_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT_DTYPES = {name: DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 _INPUT_DTYPES = {
     **_FLOAT_DTYPES,
     "int8-float16": torch.float16,
@@ -85,7 +87,7 @@ def build(
         import torchvision
 
         module = torchvision.models.get_model(name, weights=None)
-        data = {"size": 224, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+        data = {"size": 224, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
     else:
         raise SystemExit(f"--model {spec!r}: timm:NAME or torchvision:NAME")
     if weights is not None:
@@ -138,7 +140,7 @@ def variant(module: torch.nn.Module, precision: str, device: torch.device) -> to
     if precision in _FLOAT_DTYPES:
         return copied.to(_FLOAT_DTYPES[precision])
     if precision.startswith("int8"):  # as the worker's --quantize int8 does it
-        quantize_module(copied.to(_INPUT_DTYPES.get(precision, torch.bfloat16)), "int8")
+        quantize_module(copied.to(_INPUT_DTYPES.get(precision, torch.bfloat16)))
         return copied
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
@@ -165,8 +167,7 @@ def quantized_layers(module: torch.nn.Module) -> dict[str, int]:
     for layer in module.modules():
         if isinstance(layer, torch.nn.Linear | torch.nn.Conv2d):
             kind = type(layer).__name__
-            plain = type(layer.weight) in (torch.Tensor, torch.nn.Parameter)
-            key = f"{kind}_{'plain' if plain else 'quantized'}"
+            key = f"{kind}_{'quantized' if is_subclass_tensor(layer.weight) else 'plain'}"
             counts[key] = counts.get(key, 0) + 1
     return counts
 

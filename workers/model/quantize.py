@@ -15,11 +15,12 @@ The default, ``none``, leaves the model as loaded.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import get_args
 
 import torch
 
 from common.install import install_hint
+from workers.config.worker import WorkerSettings
 from workers.handlers.base import Handler, ImageClassifier
 from workers.handlers.tasks.embedding import ImageEmbedder
 from workers.handlers.weights import ModelLoadError
@@ -27,8 +28,8 @@ from workers.model.packages import is_subclass_tensor
 
 log = logging.getLogger(__name__)
 
-Quantize = Literal["none", "int8"]
-QUANTIZE_MODES: tuple[Quantize, ...] = ("none", "int8")
+QUANTIZE_MODES: tuple[str, ...] = get_args(WorkerSettings.model_fields["quantize"].annotation)
+"""What ``--quantize`` takes, from the setting itself."""
 
 
 def quantize_handler(handler: Handler, mode: str) -> None:
@@ -46,7 +47,7 @@ def quantize_handler(handler: Handler, mode: str) -> None:
             f"{handler.name}: --quantize {mode} applies to image classifiers and embedding "
             "models (torchvision:, embedding:, timm:); leave it unset for this model"
         )
-    quantized, linear = quantize_module(handler.module, mode)
+    quantized, linear = quantize_module(handler.module)
     if quantized == 0:
         raise ModelLoadError(
             f"{handler.name}: --quantize {mode} quantizes linear layers and this model has "
@@ -64,8 +65,9 @@ def quantize_handler(handler: Handler, mode: str) -> None:
     )
 
 
-def quantize_module(module: torch.nn.Module, mode: str) -> tuple[int, int]:
-    """Quantize ``module``'s linear layers in place; returns (quantized, linear layers).
+def quantize_module(module: torch.nn.Module) -> tuple[int, int]:
+    """Quantize ``module``'s linear layers to int8 in place; returns (quantized, linear
+    layers).
 
     Raises ``ModelLoadError`` when torchao is not installed.
     """
@@ -73,7 +75,7 @@ def quantize_module(module: torch.nn.Module, mode: str) -> tuple[int, int]:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     except ImportError as exc:
         raise ModelLoadError(
-            f"--quantize {mode} needs torchao, which is not installed: {install_hint('quant')}"
+            f"--quantize int8 needs torchao, which is not installed: {install_hint('quant')}"
         ) from exc
     quantize_(module, Int8DynamicActivationInt8WeightConfig())
     linear = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
