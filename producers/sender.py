@@ -19,8 +19,6 @@ from producers.errors import RecordTooLarge, ServiceUnavailable, UnknownModel
 from producers.settings import ClientSettings
 from schemas import OutgoingRecord
 
-# Small enough to keep one submit() quick, large enough for submit_many to fill batches.
-_LINGER_MS = 5
 # How a broker refuses a record larger than the topic's max.message.bytes.
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
@@ -72,7 +70,7 @@ class RequestSender:
                     bootstrap_servers=self._settings.kafka_bootstrap,
                     acks="all",
                     enable_idempotence=True,
-                    linger_ms=_LINGER_MS,
+                    linger_ms=self._settings.send_linger_ms,
                     max_batch_size=self._settings.send_batch_bytes,
                     max_request_size=self._settings.limits.max_payload_bytes + 1024 * 1024,
                     request_timeout_ms=int(self._settings.send_timeout_s * 1000),

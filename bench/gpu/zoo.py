@@ -40,7 +40,7 @@ from producers.testing import until_all_ready
 from schemas import DEFAULT_LIMITS
 from workers.config.worker import WorkerSettings
 from workers.handlers.base import ImageModel
-from workers.model.loader import DTYPES, load_handler
+from workers.model.loader import DTYPES, auto_dtype, load_handler
 from workers.model.quantize import QUANTIZE_MODES, quantize_handler
 
 ZOO = (
@@ -115,10 +115,35 @@ class Variant:
         return f"{self.model}-{self.dtype}-{self.quantize}".replace(":", "-")
 
 
+def ceiling_variant(variant: Variant, device: torch.device) -> Variant:
+    """The variant a row's ceiling runs: its own dtype when it names one, else the
+    fastest precision whose agreement with float32 meets the bar (docs/models.md's
+    precision table): float16 on a GPU, whatever the default runs, so that a float32
+    default cannot make its own ceiling look met."""
+    if variant.dtype != "auto" or device.type != "cuda":
+        return variant
+    return dataclasses.replace(variant, dtype="float16")
+
+
+def worker_dtype(variant: Variant, device: torch.device) -> str:
+    """The dtype the row's worker runs: the variant's, else what ``--dtype auto`` picks."""
+    if variant.dtype != "auto":
+        return variant.dtype
+    return str(auto_dtype(variant.model, device)).removeprefix("torch.")
+
+
+def variant_args(args: argparse.Namespace, variant: Variant) -> argparse.Namespace:
+    """``args`` with ``variant``'s flags after the user's ``--worker-options``: what the
+    zoo row's worker is started with."""
+    options = f"{args.worker_options} {variant.flags()}".strip()
+    return argparse.Namespace(**{**vars(args), "worker_options": options})
+
+
 def _one(cfg: Config, corpora: dict[str, Corpus], args: argparse.Namespace) -> dict[str, Any]:
     variant = Variant.parse(cfg.model)
     cfg = dataclasses.replace(cfg, model=variant.model)
-    row = _ceiling(cfg, variant)
+    row = _ceiling(cfg, ceiling_variant(variant, cfg.device))
+    row["worker_dtype"] = worker_dtype(variant, cfg.device)
     corpus = corpora["224x224" if row["fixed_size"] else "640x480"]
     row["corpus"] = corpus.name
     count = max(_MIN_BACKLOG, math.ceil(row["forward_ceiling_img_s"] * _BACKLOG_S))
@@ -169,6 +194,7 @@ def _ceiling(cfg: Config, variant: Variant | None = None) -> dict[str, Any]:
         "fixed_size": fixed,
         "forward_ceiling_img_s": rates[best],
         "forward_ceiling": "compiled" if fixed else "eager",
+        "ceiling_dtype": variant.dtype,
         "ceiling_batch": best,
         "ceiling_img_s_by_batch": rates,
         "ceiling_s": round(time.monotonic() - started, 1),
@@ -183,11 +209,11 @@ async def _served(
     model = f"gpuzoo{run}"
     partitions = 8
     await create_model_topics(settings, model, partitions)
-    options = argparse.Namespace(**{**vars(args), "worker_options": variant.flags()})
+    options = variant_args(args, variant)
     fleet = _fleet(cfg, model, options)
     try:
         started = time.monotonic()
-        host = _start_host(fleet, cfg, args, None, 1)
+        host = _start_host(fleet, cfg, options, None, 1)
         await until_all_ready([host], args.ready_timeout, settle_s=1.0)
         ready_s = time.monotonic() - started
         samplers: list[subprocess.Popen[bytes]] = []

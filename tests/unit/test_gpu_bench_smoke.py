@@ -225,6 +225,66 @@ def test_zoo_specs_name_a_dtype_and_a_quantization_for_the_ceiling_and_the_worke
         Variant.parse("torchvision:resnet50@int4")
 
 
+def test_a_zoo_variant_starts_its_worker_with_its_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The row's worker gets the variant's --dtype and --quantize after the user's
+    --worker-options, as its ceiling does (a float32 worker once ran beside a float16
+    ceiling)."""
+    import asyncio
+
+    import bench.gpu.zoo as zoo
+    from bench.gpu import parse_args
+    from bench.gpu.config import make_config
+
+    started: list[str] = []
+
+    class Started(Exception):
+        pass
+
+    class Fleet:
+        def logs(self) -> str:
+            return ""
+
+        async def aclose(self) -> None:
+            return None
+
+    async def no_topics(*_: object) -> None:
+        return None
+
+    def start_host(_fleet: object, _cfg: object, args: Any, *_: object) -> None:
+        started.append(args.worker_options)
+        raise Started
+
+    monkeypatch.setattr(zoo, "create_model_topics", no_topics)
+    monkeypatch.setattr(zoo, "delete_model_topics", no_topics)
+    monkeypatch.setattr(zoo, "_fleet", lambda *_: Fleet())
+    monkeypatch.setattr(zoo, "_start_host", start_host)
+    args = parse_args(["--device", "cpu", "--quick", "--worker-options=--max-delay-ms 2"])
+    args.out, args.kafka_bootstrap = tmp_path, "127.0.0.1:9092"  # no topic is made
+    variant = zoo.Variant.parse("timm:vit_base_patch16_224@float16+int8")
+    with pytest.raises(Started):
+        asyncio.run(zoo._served(make_config(args), None, args, 1, variant))  # type: ignore[arg-type]
+
+    assert started == ["--max-delay-ms 2 --dtype float16 --quantize int8"]
+
+
+def test_a_zoo_ceiling_runs_the_fastest_precision_that_meets_the_bar() -> None:
+    import torch
+
+    from bench.gpu.zoo import Variant, ceiling_variant, worker_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    vit = Variant.parse("timm:vit_base_patch16_224")
+    assert ceiling_variant(vit, cuda).dtype == "float16"  # not the default's float32
+    assert worker_dtype(vit, cuda) == "float32"
+    assert ceiling_variant(vit, cpu) == vit
+    named = Variant.parse("timm:vit_base_patch16_224@bfloat16")
+    assert ceiling_variant(named, cuda) == named
+    assert worker_dtype(named, cuda) == "bfloat16"
+    assert worker_dtype(Variant.parse("torchvision:resnet50"), cuda) == "float16"
+
+
 def test_request_params_go_on_every_produced_request(capsys: pytest.CaptureFixture[str]) -> None:
     from bench.gpu import parse_args
     from bench.gpu.corpus import _records, make_corpus

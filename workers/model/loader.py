@@ -138,10 +138,7 @@ def load_handler(
     dev = resolve_device(device)
     spec = SHORT_SPECS.get(spec, spec)
     kind, _, rest = spec.partition(":")
-    # Reduced precision and channels-last pay off for convolution-heavy models on
-    # tensor cores; other models may not tolerate them, so auto leaves them in float32.
-    fast = kind in ("torchvision", "embedding") and dev.type == "cuda"
-    torch_dtype = DTYPES[dtype] if dtype != AUTO else (torch.float16 if fast else torch.float32)
+    torch_dtype = DTYPES[dtype] if dtype != AUTO else auto_dtype(spec, dev)
     serving = Serving(
         dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
     )
@@ -179,6 +176,15 @@ def load_handler(
         handler.decode_budget = decode_budget
         return handler
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")
+
+
+def auto_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """What ``dtype="auto"`` runs ``spec`` in on ``device``. Reduced precision and
+    channels-last pay off for convolution-heavy models on tensor cores; other models may
+    not tolerate them, so auto leaves them in float32."""
+    kind = SHORT_SPECS.get(spec, spec).partition(":")[0]
+    fast = kind in ("torchvision", "embedding") and device.type == "cuda"
+    return torch.float16 if fast else torch.float32
 
 
 def _check_pickle_allowed(spec: str, allow_pickle: bool) -> None:
