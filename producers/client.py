@@ -34,6 +34,7 @@ from producers.payload import load_payload
 from producers.results import RequestStatus, ResultReader
 from producers.sender import RequestSender
 from producers.settings import ClientOptions, ClientSettings, settings_from
+from producers.token_stream import StreamEvent, stream_events
 from producers.tracing import submit_span
 from schemas import ContentType, OutgoingRecord, Result, encode_request, new_request_id, topics_for
 
@@ -219,6 +220,22 @@ class AsyncClient:
         """
         return self._reader.wait_many(request_ids, timeout)
 
+    def stream(self, request_id: str, timeout: float = 120.0) -> AsyncGenerator[StreamEvent, None]:
+        """Yield the events of ``request_id``'s generation as they come (a generation
+        model's: ``start``, ``chunk`` with its ``text``, then ``end`` or ``error``).
+
+        A ``start`` with ``restarted`` set means the request is generated again (its
+        worker was killed): drop the text so far. Ends at the last event of the latest
+        run, or at once when the request has its result and no stream. Raises
+        ``ResultTimeout`` when it has not ended within ``timeout`` seconds; the result
+        document (``wait``) is the answer."""
+        reader = self._reader
+
+        async def has_result() -> bool:
+            return await reader.get(request_id) is not None
+
+        return stream_events(request_id, reader.read_stream, has_result, timeout)
+
     def _encode_all(
         self,
         payloads: list[Payload],
@@ -317,6 +334,13 @@ class Client(SyncTwin[AsyncClient]):
     status = blocking(AsyncClient.status)
     cancel = blocking(AsyncClient.cancel)
     wait = blocking(AsyncClient.wait)
+    stream = blocking_iter(
+        AsyncClient.stream,
+        doc="""Yield the events of ``request_id``'s generation as they come (``start``,
+        ``chunk`` with its ``text``, then ``end`` or ``error``); a ``start`` with
+        ``restarted`` set voids the text so far. Stopping early (``break``) ends it.
+        """,
+    )
     wait_many = blocking_iter(
         AsyncClient.wait_many,
         doc="""Yield the results of ``request_ids`` as they complete, within ``timeout`` s overall.

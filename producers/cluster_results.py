@@ -28,7 +28,7 @@ fails over.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
@@ -37,7 +37,7 @@ from redis.exceptions import MovedError, RedisError
 from common.cluster_keys import per_key
 from common.redis_cluster import ClusterRouter, Node, is_topology_error
 from common.security import redis_options
-from producers.errors import ServiceUnavailable
+from producers.errors import InvalidInput, ServiceUnavailable
 from producers.results import SENT_FIELD, RequestStatus, request_status
 from producers.settings import ClientSettings
 from producers.sharded_channels import ShardedChannels
@@ -81,6 +81,12 @@ class ClusterResultReader:
         """Where the request stands now (``ResultReader.status``): the result key and
         the status hash, each read from its primary."""
         return await self._status(request_id, None)
+
+    async def read_stream(
+        self, key: str, last_id: str, block_ms: int, count: int
+    ) -> list[tuple[str, Mapping[str, str]]]:
+        """Generation streams are written to a single Redis, not a cluster."""
+        raise InvalidInput("generation streams need a single Redis: a cluster has none")
 
     async def cancel(self, request_id: str, ttl_s: int) -> RequestStatus:
         """Set the request's cancel key (kept ``ttl_s``); where it stood then."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -123,6 +123,20 @@ class ResultReader:
         key = result_key(request_id)
         raw = await self._bounded(self._redis.get(key))
         return None if raw is None else _decode(raw)
+
+    async def read_stream(
+        self, key: str, last_id: str, block_ms: int, count: int
+    ) -> list[tuple[str, Mapping[str, str]]]:
+        """The entries of the stream ``key`` after ``last_id``: one ``XREAD``, waiting up to
+        ``block_ms`` for the first (``producers.token_stream``)."""
+        answer: Any = await self._bounded(
+            self._redis.xread({key: last_id}, count=count, block=block_ms)
+        )
+        return [
+            (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+            for _, entries in answer or []
+            for entry_id, fields in entries
+        ]
 
     async def status(self, request_id: str) -> RequestStatus:
         """Where the request stands now: one pipelined GET and HGETALL."""
@@ -319,3 +333,7 @@ def request_status(
 def _decode(raw: bytes | str) -> Result:
     # The client never asks redis-py to decode responses, so values are bytes.
     return decode_result(raw if isinstance(raw, bytes) else raw.encode())
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -21,6 +21,7 @@ from schemas.naming import (
     payload_key,
     result_key,
     status_key,
+    stream_key,
     topics_for,
 )
 from schemas.outputs import parse_outputs
@@ -93,5 +94,6 @@ __all__ = [
     "s3_dataref",
     "status_for",
     "status_key",
+    "stream_key",
     "topics_for",
 ]

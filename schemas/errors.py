@@ -62,6 +62,9 @@ class ErrorCode(StrEnum):
     """The model's answer was larger than the reply topic accepts (its
     ``max.message.bytes``); the message gives both sizes. Raise the topic's limit or
     ask for less (e.g. a smaller ``top_k``)."""
+    prompt_too_long = "prompt_too_long"
+    """A generation model's prompt has more tokens than the model takes; the message
+    gives both numbers. Sending it again fails the same way: shorten the prompt."""
     internal = "internal"
     """A bug or an unexpected failure in the worker itself."""
 

@@ -18,6 +18,7 @@ _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 DEFAULT_RESULT_PREFIX = "conveyor:result:"
 CANCEL_PREFIX = "conveyor:cancel:"
 STATUS_PREFIX = "conveyor:status:"
+STREAM_PREFIX = "conveyor:stream:"
 _LONGEST_SUFFIX = len(".shadow-results")
 DEFAULT_LANE = "default"
 """The lane name of a model's plain request topic, ``<prefix>.<model>.requests``."""
@@ -135,6 +136,12 @@ def status_key(request_id: str) -> str:
     """The Redis hash that says a request is running: ``conveyor:status:{<request id>}``
     with fields ``attempt``, ``worker`` and ``started_ms``."""
     return STATUS_PREFIX + "{" + _checked(request_id) + "}"
+
+
+def stream_key(request_id: str) -> str:
+    """The Redis Stream of a generation's chunks: ``conveyor:stream:{<request id>}``
+    (docs/contract.md, Streams: its events and how to read them)."""
+    return STREAM_PREFIX + "{" + _checked(request_id) + "}"
 
 
 def payload_key(request_id: str, prefix: str) -> str:

@@ -261,3 +261,12 @@ async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Create
     yield _create
     if created:
         await kafka_admin.delete_topics(created)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny causal LM's folder (tests.generation_model): random weights, a tokenizer
+    trained here, saved with ``save_pretrained``; ``hf:FOLDER`` serves it."""
+    from tests.generation_model import build_tiny_llm
+
+    return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"))

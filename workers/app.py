@@ -53,6 +53,7 @@ from workers.publish.publisher import Publisher
 from workers.publish.shadow import NoResultStore
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
+    from workers.generation.stage import GenerationRunner  # and only for generation
     from workers.observe.tracing import Tracing
 
 log = logging.getLogger("conveyor.worker")
@@ -69,7 +70,7 @@ class _Parts:
     """What readiness depends on, filled in as the worker starts."""
 
     stop: asyncio.Event
-    runner: ModelRunner | None = None
+    runner: ModelRunner | GenerationRunner | None = None
     publisher: Publisher | None = None
     consumer: Consumer | None = None
     claims: Claims | None = None
@@ -139,6 +140,8 @@ async def run_worker(settings: WorkerSettings) -> None:
             chained=settings.then is not None,
             children=joins is not None,
         )
+        if not isinstance(runner, ModelRunner):
+            await _open_streams(runner, settings, stack)
         claims = parts.claims = await stack.enter_async_context(Claims.open(settings, metrics))
         admission = await stack.enter_async_context(Admission.open(settings, metrics))
         tracing = None
@@ -339,7 +342,40 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
     }
 
 
-def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
+async def _open_streams(
+    runner: GenerationRunner, settings: WorkerSettings, stack: AsyncExitStack
+) -> None:
+    """Where a generation model's chunks go (``workers.publish.streams``), open until the
+    worker stops."""
+    from workers.publish.streams import TokenStreams
+
+    if settings.redis_cluster:
+        log.warning("generation streams need a single Redis, not a cluster: none are written")
+        return
+    options = runner.handler.streams
+    runner.streams = await stack.enter_async_context(
+        TokenStreams.open(settings, options.stream_maxlen, options.stream_ttl_s)
+    )
+
+
+def _generation(
+    handler: object, settings: WorkerSettings
+) -> tuple[GenerationRunner, WorkerSettings] | None:
+    """A generation model's runner and settings; None for any other model. (Its modules
+    are looked up, not imported: they load transformers, which only generation needs.)"""
+    loading = sys.modules.get("workers.generation.loading")
+    if loading is None or not isinstance(handler, loading.Generator):
+        return None
+    from workers.generation.stage import GenerationRunner
+
+    # Each request joins the engine alone, at once: the engine does the batching.
+    settings = settings.model_copy(update={"max_batch_size": 1, "max_delay_ms": 0.0})
+    return GenerationRunner(handler, cancellation=settings.cancellation), settings
+
+
+def _load_model(
+    settings: WorkerSettings,
+) -> tuple[ModelRunner | GenerationRunner, WorkerSettings]:
     """The model, loaded and warmed up, and ``settings`` tuned for it (``tuned``)."""
     started = time.monotonic()
     device = resolve_device(settings.device)
@@ -357,6 +393,15 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
+    generation = _generation(handler, settings)
+    if generation is not None:
+        log.info(
+            "model %s (%s) loaded in %.1f s",
+            settings.model,
+            handler.version,
+            time.monotonic() - started,
+        )
+        return generation
     quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"
     settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))

@@ -61,6 +61,7 @@ from workers.types import (
     ConfigError,
     DeviceLost,
     Item,
+    ModelStage,
     Outcome,
     Record,
     RecordSource,
@@ -71,6 +72,7 @@ from workers.types import (
 )
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
+    from workers.generation.stage import GenerationRunner  # and only for generation: transformers
     from workers.observe.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ class Pipeline:
         settings: WorkerSettings,
         source: RecordSource,
         sink: ResultSink,
-        runner: ModelRunner,
+        runner: ModelRunner | GenerationRunner,
         answers: Answers,
         metrics: Metrics,
         *,
@@ -125,13 +127,24 @@ class Pipeline:
         self._ingest = Ingest(handler, settings.limits, settings.max_age_ms, metrics)
         self._split = split or Split(settings.role)
         self._claims = claims or Claims.from_settings(settings, metrics, {})
-        self._inference = Inference(
-            runner,
-            self._finished,
-            batches=settings.stage_batches,
-            partial=settings.stage_partial_batches,
-            admission=admission,
-        )
+        self._inference: ModelStage
+        self._floor = 2 * settings.max_batch_size  # in flight: a batch running, the next forming
+        if isinstance(runner, ModelRunner):
+            self._inference = Inference(
+                runner,
+                self._finished,
+                batches=settings.stage_batches,
+                partial=settings.stage_partial_batches,
+                admission=admission,
+            )
+        else:  # a running engine: each request joins it alone (workers.generation)
+            from workers.generation.stage import Generating
+
+            generating = Generating(
+                runner, self._finished, metrics.define_generation(), admission=admission
+            )
+            self._floor = 2 * generating.capacity  # the engine full, as many waiting
+            self._inference = generating
         topics = topics_for(settings.served_name, settings.topic_prefix)
         self._lanes = LaneTopics(settings.request_lanes, topics)
         if self._lanes.several:
@@ -174,7 +187,7 @@ class Pipeline:
 
     def in_flight_cap(self) -> int:
         """Records fetched ahead at most: ``in_flight_target_ms`` of measured model time."""
-        floor = 2 * self._s.max_batch_size  # a batch running and the next one forming
+        floor = self._floor
         per_item = self._inference.seconds_per_item
         if per_item is None:  # nothing measured yet
             target = floor

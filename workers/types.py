@@ -183,6 +183,34 @@ class AdmissionCheck(Protocol):
         """Note a batch of ``size`` that runs without its check, and why."""
 
 
+class ModelStage(Protocol):
+    """What the pipeline's batch loop drives: ``workers.model.inference.Inference`` (a
+    batch in, a batch out) or ``workers.generation.stage.Generating`` (a running engine
+    that each request joins alone). Both report each finished unit of work as an
+    ``Outcome`` to the callback they were built with."""
+
+    seconds_per_item: float | None
+    """Model time per item over recent work (None: nothing measured)."""
+
+    async def wait_for_slot(self) -> None:
+        """Wait until the stage can take more work; ``submit`` or ``release_slot`` next."""
+
+    def takes_partial(self) -> bool:
+        """Whether a batch that is not full may join the stage now."""
+
+    def release_slot(self) -> None:
+        """Give back a slot that no work used."""
+
+    def submit(self, items: list[Item]) -> None:
+        """Start ``items`` (a slot taken); their outcomes come to the callback."""
+
+    async def wait_idle(self) -> None:
+        """Wait until everything submitted has been reported."""
+
+    def close(self) -> None:
+        """Stop the stage's threads (after ``wait_idle``, or to abandon its work)."""
+
+
 @dataclass(slots=True)
 class DeadLetter:
     """A copy of a record that could not be served, with the reason in its headers."""

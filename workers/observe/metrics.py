@@ -38,7 +38,7 @@ from workers.observe.instruments import (
     drain_seconds,
 )
 
-__all__ = ["CONTENT_TYPE", "Metrics", "Totals", "cuda_memory_allocated"]
+__all__ = ["CONTENT_TYPE", "GenerationMetrics", "Metrics", "Totals", "cuda_memory_allocated"]
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus version reads
 
@@ -316,6 +316,10 @@ class Metrics:
         self.registry.register(self._lane_queue)
         self.registry.register(self._lane_e2e)
 
+    def define_generation(self) -> GenerationMetrics:
+        """Add the series of a generation model (``workers.generation``)."""
+        return GenerationMetrics(self.registry, self._model)
+
     # -- per batch ------------------------------------------------------------------------
 
     def batch_closed(self, reason: str) -> None:
@@ -477,3 +481,79 @@ class Metrics:
     def _update_drain(self) -> None:
         rate = self._throughput.rate(self._clock())
         self._drain.set(drain_seconds(self._lag_total, rate))
+
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GenerationMetrics:
+    """A generation model's series: per request at its end, gauges once per step.
+
+    ``conveyor_generation_time_to_first_token_seconds`` and ``..._time_between_tokens_seconds``
+    (the mean gap of each request: one value per request, not per token, so that a
+    scrape's cost stays flat), ``conveyor_generation_tokens_total`` (``kind`` prompt or
+    output: output tokens/s is its rate), ``conveyor_generation_sequences`` (``state``
+    running or waiting, in the engine) and ``conveyor_generation_kv_cache_bytes``
+    (``use``: in_use or capacity)."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self._ttft = Histogram(
+            "conveyor_generation_time_to_first_token_seconds",
+            "Per generation: from joining the engine to its first token.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model)
+        self._tbt = Histogram(
+            "conveyor_generation_time_between_tokens_seconds",
+            "Per generation: the mean time between its tokens.",
+            ["model"],
+            buckets=_TBT_BUCKETS,
+            registry=registry,
+        ).labels(model)
+        tokens = Counter(
+            "conveyor_generation_tokens_total",
+            "Tokens of finished generations: prompt or output.",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self._prompt_tokens, self._output_tokens = (
+            tokens.labels(model, "prompt"),
+            tokens.labels(model, "output"),
+        )
+        sequences = Gauge(
+            "conveyor_generation_sequences",
+            "Sequences in the engine: running (in the batch) or waiting (for cache room).",
+            ["model", "state"],
+            registry=registry,
+        )
+        self._running, self._waiting = (
+            sequences.labels(model, "running"),
+            sequences.labels(model, "waiting"),
+        )
+        kv = Gauge(
+            "conveyor_generation_kv_cache_bytes",
+            "The engine's KV cache: bytes in use, and its capacity.",
+            ["model", "use"],
+            registry=registry,
+        )
+        self._kv_used, self._kv_capacity = kv.labels(model, "in_use"), kv.labels(model, "capacity")
+
+    def finished(
+        self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tbt_s: float | None
+    ) -> None:
+        """One generation ended (answered, stopped, cancelled or expired)."""
+        self._prompt_tokens.inc(prompt_tokens)
+        self._output_tokens.inc(output_tokens)
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+        if tbt_s is not None:
+            self._tbt.observe(tbt_s)
+
+    def engine(self, running: int, waiting: int, kv_in_use: int, kv_capacity: int) -> None:
+        """The engine's state now."""
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv_used.set(kv_in_use)
+        self._kv_capacity.set(kv_capacity)
