@@ -22,6 +22,7 @@ bounds it. ``plan`` says what was chosen, at start.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,7 @@ class Engine:
             total_bytes=total,
         )
         self._count = 0
+        self._process = secrets.token_hex(4)  # runs of two processes never share a name
 
     @property
     def max_tokens(self) -> int:
@@ -174,11 +176,11 @@ class Engine:
 
     def add(self, request_id: str, prompt: Prompt, on_output: OnOutput) -> str:
         """Start generating ``prompt``; ``on_output`` gets each step's state on the event
-        loop (called from it), the last one finished or failed. Returns the engine's
-        id of this run (the request's id and a counter: a request run twice by one
-        worker is two runs)."""
+        loop (called from it), the last one finished or failed. Returns the name of
+        this run: the request's id, this process's random tag and a counter, so that a
+        request generated again, by this worker or another, is another run."""
         self._count += 1
-        run = f"{request_id}#{self._count}"
+        run = f"{request_id}#{self._process}-{self._count}"
         self._manager.register_result_handler(run, on_output)
         self._manager.add_request(
             prompt.token_ids,
