@@ -78,6 +78,12 @@ def add_client_commands(
         "--lane", help="priority lane: send to conveyor.MODEL.requests.LANE (default: none)"
     )
     submit.add_argument("--wait", action="store_true", help="wait for and print the results")
+    submit.add_argument(
+        "--stream",
+        action="store_true",
+        help="a generation model's text on stdout as it is made, file after file (a restart "
+        "is said on stderr); the exit status is the result's",
+    )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds --wait waits")
     submit.add_argument("--params", help="JSON object of model parameters, e.g. '{\"top_k\": 3}'")
     submit.add_argument(
@@ -197,6 +203,8 @@ async def _submit(args: argparse.Namespace, settings: ClientSettings) -> int:
             content_type=args.content_type,
             lane=args.lane,
         )
+        if args.stream:
+            return await _stream(client, ids, args.timeout)
         if not args.wait:
             for path, request_id in zip(files, ids, strict=True):
                 _print({"file": str(path), "id": request_id})
@@ -221,6 +229,30 @@ async def _submit(args: argparse.Namespace, settings: ClientSettings) -> int:
             if progress is not None:
                 progress.close()
         return status
+
+
+async def _stream(client: AsyncClient, ids: list[str], timeout_s: float) -> int:
+    """Print each request's text as it comes, then wait for its result."""
+    status = EXIT_OK
+    for request_id in ids:
+        async with aclosing(client.stream(request_id, timeout_s)) as events:
+            async for event in events:
+                if event.restarted:  # the text printed so far is void: say so
+                    print(
+                        f"\n[{request_id}: generated again, attempt {event.attempt}]",
+                        file=sys.stderr,
+                    )
+                elif event.type == "chunk":
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif event.type == "error":
+                    print(f"\n[{request_id}: {event.code}: {event.message}]", file=sys.stderr)
+        sys.stdout.write("\n")
+        result = await client.wait(request_id, timeout_s)
+        if result.status is not Status.ok:
+            sys.stderr.write(orjson.dumps(_document(result)).decode() + "\n")
+        status = max(status, _exit_status(result))
+    return status
 
 
 async def _result(args: argparse.Namespace, settings: ClientSettings) -> int:

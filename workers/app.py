@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
+import torch
 from aiokafka.errors import KafkaError
 
 from common.security import (
@@ -39,7 +40,7 @@ from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
-from workers.model.loader import load_handler
+from workers.model.loader import AUTO, DTYPES, load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
@@ -359,15 +360,21 @@ async def _open_streams(
 
 
 def _generation(
-    handler: object, settings: WorkerSettings
+    settings: WorkerSettings, device: torch.device
 ) -> tuple[GenerationRunner, WorkerSettings] | None:
-    """A generation model's runner and settings; None for any other model. (Its modules
-    are looked up, not imported: they load transformers, which only generation needs.)"""
-    loading = sys.modules.get("workers.generation.loading")
-    if loading is None or not isinstance(handler, loading.Generator):
+    """``hf:FOLDER`` of a causal LM (its config names a ``*ForCausalLM``): the model in a
+    running engine (``workers.generation``); None for every other spec. Its modules are
+    imported here only: they load transformers, which only generation needs."""
+    kind, _, path = settings.model.partition(":")
+    if kind != "hf" or not path:
         return None
+    from workers.generation.loading import causal_lm_architecture, load_generator
     from workers.generation.stage import GenerationRunner
 
+    if causal_lm_architecture(path) is None:  # another task: the loader's
+        return None
+    dtype = DTYPES[settings.dtype] if settings.dtype != AUTO else torch.float32
+    handler = load_generator(path, device=device, dtype=dtype, options=settings.model_options)
     # Each request joins the engine alone, at once: the engine does the batching.
     settings = settings.model_copy(update={"max_batch_size": 1, "max_delay_ms": 0.0})
     return GenerationRunner(handler, cancellation=settings.cancellation), settings
@@ -380,6 +387,15 @@ def _load_model(
     started = time.monotonic()
     device = resolve_device(settings.device)
     set_cuda_sync(device, settings.cuda_sync)
+    generation = _generation(settings, device)
+    if generation is not None:
+        log.info(
+            "model %s (%s) loaded in %.1f s",
+            settings.model,
+            generation[0].handler.version,
+            time.monotonic() - started,
+        )
+        return generation
     handler = load_handler(
         settings.model,
         device=settings.device,
@@ -393,15 +409,6 @@ def _load_model(
         preprocess=settings.preprocess,
         options=settings.model_options,
     )
-    generation = _generation(handler, settings)
-    if generation is not None:
-        log.info(
-            "model %s (%s) loaded in %.1f s",
-            settings.model,
-            handler.version,
-            time.monotonic() - started,
-        )
-        return generation
     quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"
     settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))

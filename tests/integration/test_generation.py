@@ -9,6 +9,7 @@ passed deadline get their codes; nothing is lost.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from transformers import AutoTokenizer
 
 from producers.admin import create_model_topics
+from producers.cli import main
 from producers.client import AsyncClient
 from producers.settings import ClientSettings
 from producers.testing import Fleet, until
@@ -55,6 +57,8 @@ async def test_a_worker_generates_greedy_text_as_generate_does_and_streams_it(
     workers: Fleet,
     tiny_llm: Path,
     kafka_admin: AIOKafkaAdminClient,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     await create_model_topics(client_settings, model_name, partitions=2)
     options = json.dumps({"max_new_tokens": 450, "default_new_tokens": NEW_TOKENS})
@@ -118,6 +122,19 @@ async def test_a_worker_generates_greedy_text_as_generate_does_and_streams_it(
         assert sampled_result.status is Status.ok, sampled_result
         assert "\n" not in sampled_result.outputs["text"]
         assert _text(await _events(client, sampled)) == sampled_result.outputs["text"]
+
+        # The CLI: `conveyor submit --stream` prints the text as it comes.
+        prompt_file = tmp_path / "prompt.txt"
+        prompt_file.write_text(PROMPTS[0])
+        argv = [
+            *("--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url),
+            *("submit", str(prompt_file), "--model", model_name, "--stream"),
+            *("--content-type", "text/plain", "--params", '{"temperature": 0}'),
+        ]
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, argv) == 0
+        first = (await client.wait(greedy[0], timeout=10)).outputs["text"]
+        assert capsys.readouterr().out == first + "\n"
 
         # A cancel stops a long generation early, and frees its place.
         long_prompt = PROMPTS[0]
@@ -197,13 +214,16 @@ async def test_a_worker_generates_greedy_text_as_generate_does_and_streams_it(
     check(tally, workers.logs())
     assert tally.answered == len(ids)
 
-    # An offset is committed once its result is durable: every request's, in the end.
+    # An offset is committed once its result is durable: every request's (and the CLI's).
     requests_topic = topics_for(model_name).requests
+
+    committed: dict[int, int] = {}
 
     async def all_committed() -> bool:
         offsets = await kafka_admin.list_consumer_group_offsets(consumer_group(model_name))
-        return bool(
-            sum(o.offset for tp, o in offsets.items() if tp.topic == requests_topic) == len(ids)
+        committed.update(
+            {tp.partition: o.offset for tp, o in offsets.items() if tp.topic == requests_topic}
         )
+        return sum(committed.values()) == len(ids) + 1
 
-    await until(all_committed, "every request's offset committed", 60, workers.logs)
+    await until(all_committed, "every request's offset committed", 60, lambda: str(committed))

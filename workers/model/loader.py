@@ -142,10 +142,6 @@ def load_handler(
     serving = Serving(
         dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
     )
-    if kind == "hf" and rest and _generation_model(rest):  # a causal LM: workers.generation
-        from workers.generation.loading import load_generator
-
-        return load_generator(rest, device=dev, dtype=torch_dtype, options=options)
     if kind in ("torchvision", "embedding") and rest:
         return load_torchvision(
             rest, embedding=kind == "embedding", weights=weights, serving=serving
@@ -180,13 +176,6 @@ def load_handler(
         handler.decode_budget = decode_budget
         return handler
     raise ModelLoadError(f"model spec {spec!r} is not one of: {_SPEC_FORMS}")
-
-
-def _generation_model(path: str) -> bool:
-    """Whether ``hf:PATH`` names a causal LM's folder (its config's architectures)."""
-    from workers.generation.loading import causal_lm_architecture
-
-    return causal_lm_architecture(path) is not None
 
 
 def auto_dtype(spec: str, device: torch.device) -> torch.dtype:
