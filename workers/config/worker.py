@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -583,3 +583,20 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     def request_lanes(self) -> tuple[LaneSpec, ...]:
         """Every lane served, highest first; without ``lanes``, the default lane alone."""
         return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)
+
+
+def describe_error(exc: ValidationError, model: str | None = None) -> str:
+    """What is wrong with the settings, as ``--check`` and a host file's reload say it:
+    each field with its flag and variable and what is wrong with it, on one line for one
+    field (``model``: the host file's model whose settings they are, its ``[[models]]``
+    table over the shared ones)."""
+    where = "" if model is None else f" of model {model} ([[models]] table or shared settings)"
+    said = []
+    for err in exc.errors():
+        name = ".".join(str(part) for part in err["loc"]) or "settings"
+        flag = "--" + name.replace("_", "-")
+        env = "CONVEYOR_" + name.upper().replace(".", "__")
+        said.append(f"{name} ({flag} or {env}): {err['msg']}")
+    if len(said) == 1:
+        return f"invalid worker settings{where}: {said[0]}"
+    return "\n  ".join([f"invalid worker settings{where}:", *said])

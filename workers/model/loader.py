@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -224,6 +225,8 @@ def _torchscript(
         # torch.jit.load has no annotations in torch's sources.
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the file's
         raise ModelLoadError(f"{spec}: not a TorchScript file (torch.jit.save): {exc}") from exc
     return _file_classifier(
         path, module, device, dtype, channels_last, limits, decode, image, set_eval=True
@@ -246,6 +249,8 @@ def _exported(
     try:
         program = torch.export.load(path)
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the file's
         raise ModelLoadError(
             f"{spec}: not a torch.export archive (torch.export.save): {exc}"
         ) from exc
@@ -304,6 +309,8 @@ def _count_classes(
             with torch.inference_mode():
                 out = module.to(device=device, dtype=dtype)(probe.to(dtype))
         except Exception as exc:
+            if device_fault(exc):
+                raise  # the card's, not the model's
             raise ModelLoadError(
                 f"{path}: the model failed on a blank ({size}, 3, 224, 224) batch: {exc}. It "
                 "must take a normalized float NCHW batch of any size (for torch.export, "
@@ -315,6 +322,23 @@ def _count_classes(
             )
         classes = out.shape[1]
     return classes
+
+
+_DEVICE_ERROR = re.compile(
+    r"\bCUDA (driver )?error\b|\bcuDNN error\b|CUBLAS_STATUS_|CUDNN_STATUS_|\bNCCL error\b"
+)
+"""A device's error as torch or Inductor words it in a RuntimeError (torch raises
+``torch.AcceleratorError`` for most, Inductor's launchers a plain RuntimeError)."""
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while a model loads or warms up, is its device's doing
+    rather than the model's: memory it could not have (``torch.OutOfMemoryError``,
+    ``MemoryError``) or an accelerator's error. Such a load may succeed on another card,
+    or when more memory is free; a model error is the same wherever it loads."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError)):
+        return True
+    return isinstance(exc, RuntimeError) and _DEVICE_ERROR.search(str(exc)) is not None
 
 
 def _user_class(spec: str, options: dict[str, Any]) -> Handler:
@@ -335,6 +359,8 @@ def _user_class(spec: str, options: dict[str, Any]) -> Handler:
     except OSError:
         raise  # the system refused a file or folder: the environment's fault, not the class's
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the class's: the worker says so (workers.app)
         raise ModelLoadError(f"{spec}: creating {class_name} failed: {exc!r}") from exc
     if not isinstance(handler, Handler):
         missing = [member for member in _HANDLER_MEMBERS if not hasattr(handler, member)]
