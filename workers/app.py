@@ -32,6 +32,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
 from workers.handlers.base import ImageModel
+from workers.handlers.hf_models import TextServing
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
 from workers.intake.references import Claims
@@ -375,6 +376,7 @@ def _load_and_warm_up(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSett
         decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
         preprocess=settings.preprocess,
         options=settings.model_options,
+        text=TextServing(settings.task, settings.max_length, settings.truncation == "refuse"),
     )
     quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"

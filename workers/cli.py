@@ -60,6 +60,9 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "weights",
         "model_options",
         "preprocess",
+        "task",
+        "max_length",
+        "truncation",
         "device",
         "dtype",
         "quantize",
@@ -75,6 +78,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "processes and cards": ("processes", "gpus", "mps", "profile"),
     "batching": (
         "max_batch_size",
+        "max_batch_tokens",
         "max_delay_ms",
         "stage_batches",
         "stage_partial_batches",
@@ -145,6 +149,10 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 
 EXPERT = frozenset(
     {
+        "task",  # hf: models: auto reads it from the folder
+        "max_length",
+        "truncation",
+        "max_batch_tokens",
         "channels_last",
         "compile_form",
         "compile_cache",
@@ -581,6 +589,10 @@ def _children(stage: NextStage) -> str:
     )
 
 
+_SPEC_EXTRAS = {"timm": ("timm", "timm"), "hf": ("transformers", "hf")}
+"""Model spec kinds that need an extra: the module looked up, and the extra's name."""
+
+
 def _missing_extra(models: Sequence[WorkerSettings]) -> str | None:
     """What the settings need that is not installed, in words, or None."""
     tracing = models[0].tracing
@@ -590,6 +602,14 @@ def _missing_extra(models: Sequence[WorkerSettings]) -> str | None:
             f"--tracing {tracing} needs the tracing extra, which is not installed "
             f"(no module {missing!r}): {install_hint('tracing')}"
         )
+    for model in models:
+        kind = model.model.partition(":")[0]
+        if kind in _SPEC_EXTRAS and not _found(_SPEC_EXTRAS[kind][0]):
+            module, extra = _SPEC_EXTRAS[kind]
+            return (
+                f"--model {model.model} needs the {extra} extra, which is not installed "
+                f"(no module {module!r}): {install_hint(extra)}"
+            )
     quantized = next((m for m in models if m.quantize != "none"), None)
     if quantized is not None and not _found("torchao"):
         return (

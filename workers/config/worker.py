@@ -85,7 +85,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     # What to serve.
     model: str = Field(
         description="model spec: digits | torchvision:ARCH | embedding:ARCH | timm:NAME | "
-        "torchscript:PATH | export:PATH | module.path:Class (docs/models.md)"
+        "hf:PATH_OR_ID | torchscript:PATH | export:PATH | module.path:Class (docs/models.md)"
     )
     model_name: str | None = Field(
         default=None, description="name used in topic names (default: derived from --model)"
@@ -124,6 +124,25 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default_factory=dict,
         description="JSON object saying which boxes go to the next model: min_score, "
         "classes, max_children, margin, params (docs/models.md, Pipelines)",
+    )
+    task: Literal["auto", "text-classification", "token-classification", "sentence-embedding"] = (
+        Field(
+            default="auto",
+            description="hf: models: what the model answers; auto = from the folder (a "
+            "sentence-transformers folder embeds) or the config's architectures",
+        )
+    )
+    max_length: int | None = Field(
+        default=None,
+        ge=2,
+        le=1_000_000,
+        description="hf: models: most tokens of a text, special tokens included (default: "
+        "the model's)",
+    )
+    truncation: Literal["truncate", "refuse"] = Field(
+        default="truncate",
+        description="hf: models: a text past --max-length is cut there (its result says "
+        "truncated: true), or refused with text_too_long",
     )
     preprocess: Literal["auto", "reference", "fast"] = Field(
         default="auto",
@@ -219,6 +238,13 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         le=4096,
         description="most requests in one batch (one forward pass); fixed-size image models "
         "on a GPU default to 256",
+    )
+    max_batch_tokens: int = Field(
+        default=16_384,
+        ge=1,
+        le=16_777_216,
+        description="text models: a batch closes before its rows × padded length would pass "
+        "this (a text longer alone still runs alone); other models: unused",
     )
     max_delay_ms: float = Field(
         default=5.0,

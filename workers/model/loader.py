@@ -18,6 +18,10 @@ Spec forms (the worker's ``--model``):
 - ``timm:NAME``, e.g. ``timm:convnext_atto.d2_in1k``: a timm image classifier with
   timm's own data config (``workers.handlers.timm_models``, the ``timm`` extra); weights
   as for ``torchvision:ARCH``, ``DEFAULT`` being the tag's weights on the Hugging Face Hub.
+- ``hf:PATH_OR_ID``, e.g. ``hf:./my-classifier`` or ``hf:owner/name``: a transformers
+  text model with its fast tokenizer (``workers.handlers.hf_models``, the ``hf`` extra):
+  text classification, token classification or sentence embeddings; a local folder
+  always, a hub id from the Hugging Face cache, downloaded only with ``weights="DEFAULT"``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.base.Handler``.
@@ -57,6 +61,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
 from workers.handlers.base import Handler, ImageClassifier
+from workers.handlers.hf_models import TextServing, load_hf
 from workers.handlers.timm_models import load_timm
 from workers.handlers.torchvision_models import Preprocess, Serving, load_torchvision
 from workers.handlers.weights import (
@@ -86,7 +91,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 256)
 
 _SPEC_FORMS = (
-    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, torchscript:PATH, export:PATH or "
+    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, hf:PATH_OR_ID, torchscript:PATH, "
+    "export:PATH or "
     "package.module:ClassName"
 )
 SHORT_SPECS = {
@@ -112,6 +118,7 @@ def load_handler(
     decode_budget: DecodeBudget | None = None,
     preprocess: Preprocess = "auto",
     options: Mapping[str, Any] | None = None,
+    text: TextServing | None = None,
 ) -> Handler:
     """Build the handler a model spec names, its model on ``device`` (``auto`` allowed).
 
@@ -125,7 +132,8 @@ def load_handler(
     ``preprocess`` is ``auto``, ``reference`` or ``fast`` for models of a fixed input
     size; ``options`` are model options for ``torchvision:``, ``embedding:`` and ``timm:``
     specs (``workers.handlers.torchvision_models``, ``workers.handlers.timm_models``) and
-    are passed to a class of yours as ``model_options`` if it takes them.
+    are passed to a class of yours as ``model_options`` if it takes them; ``text`` holds
+    the task and length rules of ``hf:`` specs (``workers.handlers.hf_models``).
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
     file, options the model does not take, or a class that is not a handler;
@@ -149,6 +157,10 @@ def load_handler(
         )
     if kind == "timm" and rest:
         return load_timm(rest, weights=weights, serving=serving)
+    if kind == "hf" and rest:
+        if options:
+            raise ModelLoadError(f"{spec}: model options {options} do not apply to hf: specs")
+        return load_hf(rest, weights=weights, serving=serving, text=text or TextServing())
     if _is_import_path(kind) and rest.isidentifier():
         given = {
             "device": dev,
