@@ -264,6 +264,14 @@ async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Create
 
 
 @pytest.fixture(scope="session")
+def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``)."""
+    from tests.text_models import save_all
+
+    return save_all(tmp_path_factory.mktemp("text-models"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny causal LM's folder (tests.generation_model): random weights, a tokenizer
     trained here, saved with ``save_pretrained``; ``hf:FOLDER`` serves it."""
