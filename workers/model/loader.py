@@ -20,6 +20,11 @@ Spec forms (the worker's ``--model``):
   as for ``torchvision:ARCH``, ``DEFAULT`` being the tag's weights on the Hugging Face Hub.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
+- ``tabular:PATH``: a model over feature records (``workers.handlers.tabular``): a
+  TorchScript file, a ``torch.export`` archive (``.pt2``) or a pickled scikit-learn-style
+  estimator (``.joblib``), its feature schema in ``PATH.features.toml`` beside it (or
+  named by the ``schema`` model option); ``backend`` (option) runs an estimator by its
+  own predict (``native``) or as Hummingbird's tensor program (``hummingbird``).
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.base.Handler``.
 
 TorchScript and export models are served as image classifiers taking a float
@@ -85,7 +90,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 256)
 
 _SPEC_FORMS = (
-    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, torchscript:PATH, export:PATH or "
+    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, torchscript:PATH, export:PATH, "
+    "tabular:PATH or "
     "package.module:ClassName"
 )
 SHORT_SPECS = {
@@ -151,6 +157,17 @@ def load_handler(
         )
     if kind == "timm" and rest:
         return load_timm(rest, weights=weights, serving=serving)
+    if kind == "tabular" and rest:
+        from workers.handlers.tabular import load_tabular
+
+        return load_tabular(
+            spec,
+            Path(rest),
+            weights=weights,
+            device=dev,
+            allow_pickle=allow_pickle,
+            options=options,
+        )
     if _is_import_path(kind) and rest.isidentifier():
         given = {
             "device": dev,
