@@ -23,6 +23,7 @@ one-hot merchant, two hidden layers, softmax), each answering (N, 2) probabiliti
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,8 +177,11 @@ def build(folder: Path = DEFAULT_FOLDER, train_rows: int = 10_000) -> tuple[Path
     joblib.dump(train_gbdt(data), gbdt)
     example = torch.from_numpy(data.rows[:8])
     # torch.jit.trace has no annotations in torch's sources.
-    traced = torch.jit.trace(train_mlp(data), example)  # type: ignore[no-untyped-call]
-    torch.jit.save(traced, str(mlp))
+    with warnings.catch_warnings():
+        # TorchScript is deprecated in favour of torch.export, but still a served form.
+        warnings.simplefilter("ignore", FutureWarning)
+        traced = torch.jit.trace(train_mlp(data), example)  # type: ignore[no-untyped-call]
+        torch.jit.save(traced, str(mlp))
     for path in (gbdt, mlp):
         path.with_name(path.name + ".features.toml").write_text(SCHEMA_TOML)
     return gbdt, mlp
