@@ -50,9 +50,10 @@ def _direct(path: Path, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         return np.asarray(joblib.load(path).predict_proba(rows))[:, 1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchScript's deprecation notice
-        module = torch.jit.load(str(path))
+        module = torch.jit.load(str(path))  # type: ignore[no-untyped-call]  # torch: unannotated
     with torch.inference_mode():
-        return module(torch.from_numpy(rows)).numpy()[:, 1]
+        scores: np.ndarray[Any, Any] = module(torch.from_numpy(rows)).numpy()[:, 1]
+    return scores
 
 
 @pytest.mark.timeout(300)
