@@ -264,7 +264,7 @@ def _hummingbird(spec: str, estimator: object, device: torch.device) -> Scorer:
     except ImportError as exc:
         raise ModelLoadError(
             f"{spec}: backend hummingbird needs the tabular extra (pip install "
-            f"'conveyor-serving[tabular]'): {exc}"
+            f"'conveyor-serve[tabular]'): {exc}"
         ) from exc
     try:
         container = convert(estimator, "torch", device=str(device))
