@@ -31,7 +31,7 @@ from workers.config.worker import WorkerSettings
 from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
-from workers.handlers.base import ImageModel
+from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
@@ -385,7 +385,10 @@ def _load_and_warm_up(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSett
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
     # recorded; docs/benchmarks.md).
-    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
+    # Text batches (a cost per item) are sized by tokens: padding their rows up to a graph's
+    # batch size would cost whole rows of the longest text, so they run eagerly by default.
+    eager = isinstance(handler, Costed)
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda and not eager
     if settings.compile:
         buckets = batch_buckets(settings.max_batch_size)
     elif graphs:
