@@ -43,6 +43,7 @@ from workers.model.loader import load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
+from workers.observe.description import Describer, describe
 from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline
@@ -158,6 +159,10 @@ async def run_worker(settings: WorkerSettings) -> None:
             tracing=tracing,
             split=split,
         )
+        # The primary's version is the model's; a canary's or a shadow's would flap it.
+        if settings.role == "primary":
+            description = describe(handler, settings.served_name, settings.worker_id)
+            await stack.enter_async_context(Describer(settings, description))
         log.info(
             "worker %s ready: serving %s, version %s, as %s (group %s) from %s to %s (%s)",
             settings.worker_id,
