@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -53,6 +54,15 @@ class HttpCaller:
         self._writer: asyncio.StreamWriter | None = None
 
     async def infer(self, png: bytes) -> dict[str, Any]:
+        answer = await self._call(png)
+        if answer is None:  # the server closed the idle connection (its keep-alive): again
+            await self.close()
+            answer = await self._call(png)
+        if answer is None:
+            raise RuntimeError("the gateway closed a fresh connection without answering")
+        return answer
+
+    async def _call(self, png: bytes) -> dict[str, Any] | None:
         if self._reader is None or self._writer is None:
             self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self._port)
         tensor = struct.pack("<I", len(png)) + png
@@ -77,6 +87,8 @@ class HttpCaller:
             + body
         )
         status_line = await self._reader.readline()
+        if not status_line:
+            return None
         length = 0
         while (line := await self._reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode().partition(":")
@@ -88,9 +100,11 @@ class HttpCaller:
         return answer
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            await self._writer.wait_closed()
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
 
 
 async def _closed_loop(

@@ -94,6 +94,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         host=settings.gateway_host,
         port=settings.gateway_port,
         access_log=args.access_log,
+        timeout_keep_alive=settings.gateway_keep_alive_s,
         lifespan="on",
         log_level="info",
         **_tls(settings),

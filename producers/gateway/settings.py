@@ -35,6 +35,10 @@ class GatewaySettings(ClientSettings):
     """PEM private key of ``gateway_tls_cert_file``."""
     gateway_tls_ca_file: FilePath | None = None
     """PEM CA(s) whose client certificates are required (mTLS); needs the two above."""
+    gateway_keep_alive_s: int = Field(default=75, ge=1, le=3600)
+    """How long an idle keep-alive connection stays open: longer than the idle timeout
+    of a load balancer in front (many close theirs at 60 s), so that it never sends a
+    request on a connection the gateway is closing."""
     gateway_wait_s: float = Field(default=30.0, gt=0, le=3600)
     """How long a request waits for its answer when the caller gives no timeout."""
     gateway_max_wait_s: float = Field(default=300.0, gt=0, le=86_400)
