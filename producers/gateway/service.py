@@ -3,20 +3,22 @@
 ``Gateway.answer`` is the whole path of an infer call, whatever protocol brought it:
 
 1. results already in Redis for its ids are the answers (a retry of a call answered
-   before gets the same answer: results are first-final-wins);
-2. each remaining id is claimed (``SET conveyor:gateway:claim:<id> NX``): only the
-   call that claims an id sends it, so a retry that arrives while the first call is in
-   flight waits for the same answer instead of a second computation, on any gateway;
-3. over the model's lag limit the claims are given back and the call is refused
+   before gets the same answer: results are first-final-wins), and each id is claimed
+   (``SET conveyor:gateway:claim:<id> NX``), in one round trip: only the call that
+   claims an id sends it, so a retry that arrives while the first call is in flight
+   waits for the same answer instead of a second computation, on any gateway;
+2. over the model's lag limit the claims are given back and the call is refused
    (``Overloaded``): back-pressure instead of a queue without bound;
-4. the claimed requests go out through the SDK (``AsyncClient.submit_many``, the
+3. the claimed requests go out through the SDK (``AsyncClient.submit_many``, the
    caller's ids, the caller's timeout as ``ce_deadline``, the caller's trace);
-5. every id is waited for through the SDK's result channel (``wait_many``), up to
-   the caller's timeout; those still pending raise ``AnswerTimeout`` naming them.
+4. every id is waited for through the SDK's result channel (``wait_many``, subscribed
+   while step 3 runs), up to the caller's timeout; those still pending raise
+   ``AnswerTimeout`` naming them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,18 +129,33 @@ class Gateway:
         """
         settings = self.settings
         wait_s = min(call.timeout_s or settings.gateway_wait_s, settings.gateway_max_wait_s)
-        found = await self._results(call.ids)
+        found, claimed = await self._read_and_claim(call.ids)
         pending = [i for i in call.ids if i not in found]
-        if pending:
-            mine = await self._claim(pending)
+        if not pending:
+            return [found[i] for i in call.ids]
+        mine = [i for i in pending if i in claimed]
+        if mine:
+            try:
+                await self._refuse_if_behind(call.model)
+            except BaseException:
+                await self._unclaim(mine)
+                raise
+        # The wait subscribes while the requests are being sent: its subscription is
+        # confirmed before it reads the keys, so no answer is missed either way.
+        waiting = asyncio.ensure_future(self._wait(pending, wait_s))
+        try:
             if mine:
                 try:
-                    await self._refuse_if_behind(call.model)
                     await self._send(call, mine)
                 except BaseException:
                     await self._unclaim(mine)
                     raise
-            found.update(await self._wait(pending, wait_s))
+            found.update(await waiting)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
         return [found[i] for i in call.ids]
 
     async def describe(self, model: str) -> ModelDescription | None:
@@ -159,16 +176,19 @@ class Gateway:
             redis_ok = False
         return {"kafka": await self._backlog.reachable(), "redis": redis_ok}
 
-    async def _results(self, ids: list[str]) -> dict[str, Result]:
-        values = await self._redis_call(self._redis.mget([result_key(i) for i in ids]))
-        return {i: decode_result(v) for i, v in zip(ids, values, strict=True) if v is not None}
+    async def _read_and_claim(self, ids: list[str]) -> tuple[dict[str, Result], set[str]]:
+        """The results already there, and the ids this call claimed: one round trip.
 
-    async def _claim(self, ids: list[str]) -> list[str]:
+        An id with a result may be claimed too (its claim had expired); it is not sent.
+        """
         pipe = self._redis.pipeline(transaction=False)
+        pipe.mget([result_key(i) for i in ids])
+        ttl = self.settings.gateway_claim_ttl_s
         for request_id in ids:
-            pipe.set(CLAIM_PREFIX + request_id, b"1", nx=True, ex=self.settings.gateway_claim_ttl_s)
-        claimed = await self._redis_call(pipe.execute())
-        return [i for i, won in zip(ids, claimed, strict=True) if won]
+            pipe.set(CLAIM_PREFIX + request_id, b"1", nx=True, ex=ttl)
+        values, *claims = await self._redis_call(pipe.execute())
+        found = {i: decode_result(v) for i, v in zip(ids, values, strict=True) if v is not None}
+        return found, {i for i, won in zip(ids, claims, strict=True) if won}
 
     async def _unclaim(self, ids: list[str]) -> None:
         """Give back claims of requests that were not sent, so a retry sends them."""
