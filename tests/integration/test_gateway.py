@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import ssl
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -300,3 +303,58 @@ def test_metrics_count_requests_by_route(gateway: GatewayProcess) -> None:
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     assert 'conveyor_gateway_requests_total{route="/v2/health/live",status="200"}' in text
+
+
+def _certificates(folder: Path) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it."""
+
+    def run(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, cwd=folder)
+
+    run(
+        *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+        *("-subj", "/CN=gateway test CA", "-keyout", "ca.key", "-out", "ca.pem"),
+    )
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        run(
+            *("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}"),
+            *("-keyout", f"{name}.key", "-out", f"{name}.csr"),
+        )
+        run(
+            *("openssl", "x509", "-req", "-days", "1", "-in", f"{name}.csr", "-CA", "ca.pem"),
+            *("-CAkey", "ca.key", "-CAcreateserial", "-extfile", "san.ext"),
+            *("-out", f"{name}.pem"),
+        )
+    return folder
+
+
+async def test_mtls_refuses_a_caller_without_a_client_certificate(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """With a CA for client certificates, a caller that presents one signed by it is
+    answered over HTTPS; one that presents none is refused in the handshake."""
+    tls = _certificates(tmp_path)
+    env = {
+        "CONVEYOR_GATEWAY_TLS_CERT_FILE": str(tls / "server.pem"),
+        "CONVEYOR_GATEWAY_TLS_KEY_FILE": str(tls / "server.key"),
+        "CONVEYOR_GATEWAY_TLS_CA_FILE": str(tls / "ca.pem"),
+    }
+    with GatewayProcess(kafka_bootstrap, redis_url, tmp_path / "gateway.log", env=env) as gateway:
+        url = f"https://{gateway.url}/v2/health/live"
+        trusted = ssl.create_default_context(cafile=tls / "ca.pem")
+        with_certificate = ssl.create_default_context(cafile=tls / "ca.pem")
+        with_certificate.load_cert_chain(tls / "client.pem", tls / "client.key")
+
+        def answered() -> bool:
+            try:
+                with urllib.request.urlopen(url, timeout=10, context=with_certificate) as r:
+                    return bool(r.status == 200)
+            except (urllib.error.URLError, ConnectionError):
+                return False
+
+        await until(
+            lambda: asyncio.to_thread(answered), "the gateway answers HTTPS", 60, gateway.log
+        )
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=10, context=trusted)
