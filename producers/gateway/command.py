@@ -2,12 +2,14 @@
 
 Flags override the ``CONVEYOR_*`` variables (``GatewaySettings``); the settings are
 parsed completely before anything starts. Exit status: 0 after a clean stop
-(SIGTERM, Ctrl-C), 2 bad settings, 5 the gateway extra is not installed.
+(SIGTERM, Ctrl-C), 2 bad settings, 4 it could not start (Kafka unreachable, the port
+taken), 5 the gateway extra is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import ssl
 import sys
@@ -21,6 +23,7 @@ if TYPE_CHECKING:  # the gateway extra may not be installed
     from producers.gateway.settings import GatewaySettings
 
 EXIT_BAD_INPUT = 2
+EXIT_UNAVAILABLE = 4
 EXIT_NOT_INSTALLED = 5
 _FLAGS = {
     # flag dest: settings field
@@ -99,7 +102,17 @@ def run_gateway(args: argparse.Namespace) -> int:
         log_level="info",
         **_tls(settings),
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    # uvicorn exits (SystemExit) when the lifespan's start-up failed: said below instead.
+    with contextlib.suppress(SystemExit):
+        server.run()
+    if not server.started:  # the lifespan failed (uvicorn logged why) or the port is taken
+        print(
+            f"conveyor gateway: did not start: Kafka at {settings.kafka_bootstrap} cannot be "
+            f"reached, or {settings.gateway_host}:{settings.gateway_port} is taken (see above)",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
     return 0
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from producers.cli import main
-from producers.gateway.command import EXIT_BAD_INPUT
+from producers.gateway.command import EXIT_BAD_INPUT, EXIT_UNAVAILABLE
 
 
 def test_a_client_ca_without_a_server_certificate_is_refused(
@@ -32,3 +32,9 @@ def test_a_redis_cluster_is_refused(
 def test_a_max_lag_that_is_not_a_number_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["gateway", "--max-lag", "lots"]) == EXIT_BAD_INPUT
     assert "gateway_max_lag" in capsys.readouterr().err
+
+
+def test_a_gateway_that_cannot_reach_kafka_exits_4(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["gateway", "--port", "0", "--kafka-bootstrap", "127.0.0.1:1"]
+    assert main([*argv]) == EXIT_UNAVAILABLE
+    assert "did not start" in capsys.readouterr().err
