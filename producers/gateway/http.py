@@ -242,8 +242,7 @@ class _Routes:
                 404,
                 "unknown_model",
                 f"no worker has served model {name} within the last {DESCRIPTION_TTL_S} s: "
-                f"start "
-                f"`conveyor worker --model-name {name} ...`",
+                f"start `conveyor worker --model-name {name} ...`",
             )
         if version is not None and version != described.version:
             raise _Refused(
