@@ -39,11 +39,11 @@ from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
+from workers.model.description import Describer, describe
 from workers.model.loader import load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
-from workers.observe.description import Describer, describe
 from workers.observe.health import Check, HealthServer
 from workers.observe.metrics import Metrics
 from workers.pipeline import Pipeline

@@ -1,4 +1,4 @@
-"""What a worker says about its model (``workers.observe.description``): the task from
+"""What a worker says about its model (``workers.model.description``): the task from
 the handler's type, the media types it decodes, its version; and the document's trip
 through its wire form (``schemas.description``)."""
 
@@ -19,7 +19,7 @@ from schemas.description import (
 )
 from tests.unit.test_handlers import Identity, classifier
 from workers.handlers import ImageEmbedder, ImageSpec
-from workers.observe.description import describe
+from workers.model.description import describe
 
 
 class TextHandler:
