@@ -145,17 +145,17 @@ class Gateway:
         waiting = asyncio.ensure_future(self._wait(pending, wait_s))
         try:
             if mine:
-                try:
-                    await self._send(call, mine)
-                except BaseException:
-                    await self._unclaim(mine)
-                    raise
-            found.update(await waiting)
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiting
+                await self._send(call, mine)
+        except BaseException as exc:
+            waiting.cancel()
+            # Its outcome no longer matters, but it is collected (no "never retrieved").
+            await asyncio.gather(waiting, return_exceptions=True)
+            # A send that failed gives its claims back, so that a retry sends them; one
+            # cancelled midway keeps them: its records may be on their way already.
+            if mine and not isinstance(exc, asyncio.CancelledError):
+                await self._unclaim(mine)
+            raise
+        found.update(await waiting)
         return [found[i] for i in call.ids]
 
     async def describe(self, model: str) -> ModelDescription | None:

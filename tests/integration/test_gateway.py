@@ -358,3 +358,27 @@ async def test_mtls_refuses_a_caller_without_a_client_certificate(
         )
         with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
             await asyncio.to_thread(urllib.request.urlopen, url, timeout=10, context=trusted)
+
+
+async def test_a_call_that_failed_to_send_leaves_its_id_free(
+    served_model: str,
+    gateway: GatewayProcess,
+    triton_client: Triton,
+    digits: list[tuple[bytes, int]],
+    uid: str,
+) -> None:
+    """A call refused after its id was claimed (no such model) gives the claim back: the
+    same id then sends and is answered."""
+    await _until_described(triton_client, served_model)
+    request_id = f"free-{uid}"
+    tensor = triton.InferInput("INPUT", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([digits[0][0]], dtype=np.object_))
+    body, length = triton.InferenceServerClient.generate_request_body(
+        [tensor], [triton.InferRequestedOutput("OUTPUT", binary_data=False)], request_id
+    )
+    headers = {**AUTH, "Inference-Header-Content-Length": str(length)}
+    status, _, answer = _post(gateway, "/v2/models/nosuchmodel/infer", body, headers)
+    assert (status, answer["code"]) == (404, "unknown_model")
+    status, _, answer = _post(gateway, f"/v2/models/{served_model}/infer", body, headers)
+    assert status == 200, answer
+    assert answer["id"] == request_id
