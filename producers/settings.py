@@ -54,9 +54,9 @@ class ClientSettings(BaseSettings, ConnectionSecurity, S3Settings):
     send_linger_ms: int = Field(default=0, ge=0, le=1000)
     """How long the producer waits for more requests before sending a partition's batch:
     0 sends a lone ``submit`` at once (its ack p50 2.5 ms on a 2-vCPU VM, 9.0 ms lingering
-    5 ms: ``bench.sdk_send --linger-ms``), and ``submit_many`` still fills its batches (its
-    records are appended before the producer sends, and more gather while a request is in
-    flight)."""
+    5 ms: ``bench.sdk_send --linger-ms``), and ``submit_many`` still fills its batches
+    (its records are appended before the producer sends, and more gather while a request
+    is in flight)."""
     redis_client_name: str | None = None
     """Redis ``CLIENT SETNAME`` of the client's connections, to find them in ``CLIENT LIST``."""
     redis_max_connections: int = Field(default=50, ge=1, le=10_000)

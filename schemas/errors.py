@@ -31,6 +31,9 @@ class ErrorCode(StrEnum):
     """The record value is larger than the worker's ``max_payload_bytes``."""
     image_too_large = "image_too_large"
     """The image decodes to more pixels than the worker's ``max_pixels``."""
+    text_too_long = "text_too_long"
+    """The text has more tokens than the model's ``max_length``, and the worker refuses
+    such texts (``--truncation refuse``) rather than cutting them."""
     decode_failed = "decode_failed"
     """The payload (or a result document) could not be decoded: a corrupt image,
     malformed JSON or NumPy data, or a tensor of the wrong shape for the model."""

@@ -42,6 +42,8 @@ INSTANCE_SEGMENTATION_V1: Final = "conveyor.instance_segmentation.v1"
 KEYPOINTS_V1: Final = "conveyor.keypoints.v1"
 SEMANTIC_SEGMENTATION_V1: Final = "conveyor.semantic_segmentation.v1"
 EMBEDDING_V1: Final = "conveyor.embedding.v1"
+TEXT_CLASSIFICATION_V1: Final = "conveyor.text_classification.v1"
+ENTITIES_V1: Final = "conveyor.entities.v1"
 
 EMBEDDING_DTYPES: dict[str, int] = {"float32": 4, "float16": 2}
 """Embedding element types and their sizes in bytes (always little-endian)."""
@@ -296,6 +298,8 @@ class EmbeddingOutput(BaseModel, frozen=True):
     """Whether the vector was scaled to unit L2 norm (before the cast to ``dtype``)."""
     data: str
     """The values as little-endian ``dtype``, row-major, base64 (standard, padded)."""
+    truncated: bool = False
+    """Text models: the text was cut to the model's ``max_length`` tokens before it ran."""
 
     @model_validator(mode="after")
     def _data_fits_the_shape(self) -> Self:
@@ -319,6 +323,44 @@ class EmbeddingOutput(BaseModel, frozen=True):
         return values.tolist()
 
 
+# -- text ---------------------------------------------------------------------------------
+
+
+class TextClassificationOutput(BaseModel, frozen=True):
+    """``conveyor.text_classification.v1``: the classes of one text (or pair of texts)."""
+
+    type: Literal["conveyor.text_classification.v1"] = TEXT_CLASSIFICATION_V1
+    labels: list[ClassScore]
+    """The ``top_k`` classes, best first (a one-output model, a reranker: its sigmoid)."""
+    truncated: bool
+    """The text was cut to the model's ``max_length`` tokens before it ran."""
+
+
+class Entity(BaseModel, frozen=True):
+    """A run of tokens given one entity (transformers' ``aggregation_strategy="simple"``)."""
+
+    entity_group: str
+    """The label without its ``B-``/``I-`` prefix."""
+    score: Score
+    """The mean of its tokens' softmax scores."""
+    word: str
+    """Its tokens joined back by the tokenizer (``convert_tokens_to_string``)."""
+    start: NonNegative
+    """Offset of its first character in the submitted text (Python ``str`` indices)."""
+    end: NonNegative
+    """Offset just past its last character: ``text[start:end]`` is the span."""
+
+
+class EntitiesOutput(BaseModel, frozen=True):
+    """``conveyor.entities.v1``: the entities of one text (token classification)."""
+
+    type: Literal["conveyor.entities.v1"] = ENTITIES_V1
+    entities: list[Entity]
+    """In text order; runs labelled ``O`` are left out."""
+    truncated: bool
+    """The text was cut to the model's ``max_length`` tokens before it ran."""
+
+
 # -- reading any of them --------------------------------------------------------------------
 
 TaskOutput = Annotated[
@@ -326,7 +368,9 @@ TaskOutput = Annotated[
     | InstanceSegmentationOutput
     | KeypointsOutput
     | SemanticSegmentationOutput
-    | EmbeddingOutput,
+    | EmbeddingOutput
+    | TextClassificationOutput
+    | EntitiesOutput,
     Field(discriminator="type"),
 ]
 _TASK_OUTPUT: TypeAdapter[TaskOutput] = TypeAdapter(TaskOutput)

@@ -261,3 +261,11 @@ async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Create
     yield _create
     if created:
         await kafka_admin.delete_topics(created)
+
+
+@pytest.fixture(scope="session")
+def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``)."""
+    from tests.text_models import save_all
+
+    return save_all(tmp_path_factory.mktemp("text-models"))

@@ -12,12 +12,13 @@ data it may throw away while other tests run beside it).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -38,7 +39,7 @@ from producers.testing import (
     requests,
     tally,
 )
-from schemas import ContentType, OutgoingRecord, topics_for
+from schemas import ContentType, OutgoingRecord, encode_request, topics_for
 
 T = TypeVar("T")
 _LOCAL_SCRIPTS = Path(__file__).resolve().parents[1] / "compose" / "local"
@@ -197,24 +198,38 @@ def check_exactly_once(tally: Tally, logs: str) -> None:
     assert tally.redelivered == 0, logs[-5000:]
 
 
+def endless_digit_requests(
+    images: Sequence[tuple[bytes, int]], prefix: str
+) -> Iterator[OutgoingRecord]:
+    """Digit requests without end, as ``digit_requests`` makes them (ids ``<prefix>-<n>``
+    from 0, cycling through ``images``): a stream for ``submit_paced`` that lasts as
+    long as the faults it carries through take, until its ``stop`` is set."""
+    for n in itertools.count():
+        png, _digit = images[n % len(images)]
+        yield encode_request(
+            png, request_id=f"{prefix}-{n}", content_type=ContentType.PNG, source="tests"
+        )
+
+
 async def submit_paced(
     bootstrap: str,
     model: str,
-    records: Sequence[OutgoingRecord],
+    records: Iterable[OutgoingRecord],
     chunk: int = 100,
     pause_s: float = 0.2,
     stop: asyncio.Event | None = None,
 ) -> list[str]:
     """Send ``records`` with the SDK, ``chunk`` at a time with a pause between: a steady
-    stream that a fault can land in the middle of. Stops early once ``stop`` is set.
-    Returns the ids sent (the records' own)."""
+    stream that a fault can land in the middle of. Stops early once ``stop`` is set
+    (``endless_digit_requests`` end only then). Returns the ids sent (the records' own)."""
     sent: list[str] = []
     settings = ClientSettings(kafka_bootstrap=bootstrap)
+    source = iter(records)
     async with AsyncClient(settings) as client:
-        for begin in range(0, len(records), chunk):
-            if stop is not None and stop.is_set():
+        while not (stop is not None and stop.is_set()):
+            part = list(itertools.islice(source, chunk))
+            if not part:
                 break
-            part = records[begin : begin + chunk]
             sent += await client.submit_many(
                 [r.value for r in part],
                 model=model,

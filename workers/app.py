@@ -32,6 +32,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
 from workers.handlers.base import ImageModel
+from workers.handlers.hf_models import TextServing
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
 from workers.intake.references import Claims
@@ -40,7 +41,7 @@ from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
 from workers.model.description import Describer, describe
-from workers.model.loader import load_handler
+from workers.model.loader import device_fault, load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
 from workers.model.runner import GRAPH_BUCKET_STEP, ModelRunner, batch_buckets, resolve_device
@@ -52,6 +53,7 @@ from workers.publish.dead_letters import RECORD_OVERHEAD
 from workers.publish.errors import is_outage, refused_at_start
 from workers.publish.publisher import Publisher
 from workers.publish.shadow import NoResultStore
+from workers.types import LoadOnDeviceFailed
 
 if TYPE_CHECKING:  # imported only when tracing is on: it loads the OpenTelemetry SDK
     from workers.observe.tracing import Tracing
@@ -345,7 +347,25 @@ def _readiness_checks(parts: _Parts, settings: WorkerSettings) -> dict[str, Chec
 
 
 def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
-    """The model, loaded and warmed up, and ``settings`` tuned for it (``tuned``)."""
+    """The model, loaded and warmed up, and ``settings`` tuned for it (``tuned``).
+
+    Raises ``LoadOnDeviceFailed`` when the device failed it (``device_fault``: memory,
+    an accelerator's error), which another card may not: the worker exits with status 9,
+    not 2, so that its supervisor gives up that card rather than the model.
+    """
+    try:
+        return _load_and_warm_up(settings)
+    except Exception as exc:
+        if not device_fault(exc):
+            raise
+        said = str(exc).strip().splitlines()
+        raise LoadOnDeviceFailed(
+            f"model {settings.model} did not load on device {settings.device}, by the "
+            f"device's fault: {type(exc).__name__}: {said[0] if said else 'no message'}"
+        ) from exc
+
+
+def _load_and_warm_up(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
     started = time.monotonic()
     device = resolve_device(settings.device)
     set_cuda_sync(device, settings.cuda_sync)
@@ -361,6 +381,7 @@ def _load_model(settings: WorkerSettings) -> tuple[ModelRunner, WorkerSettings]:
         decode_budget=DecodeBudget(settings.decode_memory_mb * 1024 * 1024),
         preprocess=settings.preprocess,
         options=settings.model_options,
+        text=TextServing(settings.task, settings.max_length, settings.truncation == "refuse"),
     )
     quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"

@@ -38,12 +38,13 @@ from common.security import ConnectFailed
 from schemas import Limits
 from workers.config.host import HOST_FILE_PATH, HostFile, read_host_file, reload_from
 from workers.config.next_stage import NextStage
-from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings
+from workers.config.worker import MODEL_DIR_VARIABLE, WorkerSettings, describe_error
 from workers.exits import (
     EXIT_BAD_SETTINGS,
     EXIT_CONFIG,
     EXIT_DEVICE,
     EXIT_ENVIRONMENT,
+    EXIT_LOAD_DEVICE,
     EXIT_NOT_INSTALLED,
     EXIT_STATUSES,
     EXIT_STOPPED,
@@ -59,6 +60,9 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "weights",
         "model_options",
         "preprocess",
+        "task",
+        "max_length",
+        "truncation",
         "device",
         "dtype",
         "quantize",
@@ -74,6 +78,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "processes and cards": ("processes", "gpus", "mps", "profile"),
     "batching": (
         "max_batch_size",
+        "max_batch_tokens",
         "max_delay_ms",
         "stage_batches",
         "stage_partial_batches",
@@ -144,6 +149,10 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
 
 EXPERT = frozenset(
     {
+        "task",  # hf: models: auto reads it from the folder
+        "max_length",
+        "truncation",
+        "max_batch_tokens",
         "channels_last",
         "compile_form",
         "compile_cache",
@@ -370,6 +379,22 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class _ModelSettingsError(ValueError):
+    """A host file's model's settings are invalid: the message names the model."""
+
+
+def _host_settings(args: argparse.Namespace, host: HostFile) -> list[WorkerSettings]:
+    """Each model's settings of the host file; raises ``_ModelSettingsError`` naming the
+    first model whose settings are invalid, as a reload's log does."""
+    models = []
+    for model in host.models:
+        try:
+            models.append(settings_from_args(args, host_model=model.name))
+        except ValidationError as exc:
+            raise _ModelSettingsError(describe_error(exc, model.name)) from None
+    return models
+
+
 def settings_from_args(args: argparse.Namespace, host_model: str | None = None) -> WorkerSettings:
     """The settings of ``args`` (for a host file: its model ``host_model``'s)."""
     given = _given(args)
@@ -378,16 +403,6 @@ def settings_from_args(args: argparse.Namespace, host_model: str | None = None) 
     if "redis_url" in given:
         given["redis_url"] = SecretStr(given["redis_url"])
     return WorkerSettings(**given)
-
-
-def describe_error(exc: ValidationError) -> str:
-    lines = ["invalid worker settings:"]
-    for err in exc.errors():
-        name = ".".join(str(part) for part in err["loc"]) or "settings"
-        flag = "--" + name.replace("_", "-")
-        env = "CONVEYOR_" + name.upper().replace(".", "__")
-        lines.append(f"  {name} ({flag} or {env}): {err['msg']}")
-    return "\n".join(lines)
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -420,13 +435,11 @@ def _require_worker_extra() -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         host = host_of(args)
-        models = (
-            [settings_from_args(args, host_model=m.name) for m in host.models]
-            if host is not None
-            else [settings_from_args(args)]
-        )
+        models = _host_settings(args, host) if host is not None else [settings_from_args(args)]
     except ValidationError as exc:
         return _fail(describe_error(exc), EXIT_BAD_SETTINGS)
+    except _ModelSettingsError as exc:
+        return _fail(str(exc), EXIT_BAD_SETTINGS)
     except SettingsError as exc:  # the config file: missing, unreadable, not TOML, unknown keys
         return _fail(str(exc), EXIT_BAD_SETTINGS)
     settings = models[0]
@@ -437,7 +450,6 @@ def run(args: argparse.Namespace) -> int:
         # supervisor never imports it (its fork server does, meanwhile: 3-5 s on a GPU host).
         _require_worker_extra()
         import workers.fleet.supervisor  # noqa: F401
-        from workers.types import ConfigError, DeviceLost
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] in _OWN_ROOTS:
             raise  # a module of Conveyor's own: a broken install, not a missing extra
@@ -449,6 +461,16 @@ def run(args: argparse.Namespace) -> int:
     missing = _missing_extra(models)
     if missing is not None:
         return _fail(missing, EXIT_NOT_INSTALLED)
+    return _serve_or_fail(args, host, models)
+
+
+def _serve_or_fail(
+    args: argparse.Namespace, host: HostFile | None, models: list[WorkerSettings]
+) -> int:
+    """Serve, or say in one line why the worker could not, with its exit status."""
+    from workers.types import ConfigError, DeviceLost, LoadOnDeviceFailed
+
+    settings = models[0]
     try:
         if host is not None:
             return _serve_host(args, host, models)
@@ -459,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_CONFIG)
     except DeviceLost as exc:  # its batches were left unanswered, for another worker
         return _fail(str(exc), EXIT_DEVICE)
+    except LoadOnDeviceFailed as exc:  # memory or a device error: another card may load it
+        return _fail(str(exc), EXIT_LOAD_DEVICE)
     except ConnectFailed as exc:  # unreachable, or TLS or credentials refused: retrying won't help
         return _fail(str(exc), EXIT_UNREACHABLE)
     except OSError as exc:  # PermissionError, a read-only or full file system, ...
@@ -565,6 +589,10 @@ def _children(stage: NextStage) -> str:
     )
 
 
+_SPEC_EXTRAS = {"timm": ("timm", "timm"), "hf": ("transformers", "hf")}
+"""Model spec kinds that need an extra: the module looked up, and the extra's name."""
+
+
 def _missing_extra(models: Sequence[WorkerSettings]) -> str | None:
     """What the settings need that is not installed, in words, or None."""
     tracing = models[0].tracing
@@ -574,6 +602,14 @@ def _missing_extra(models: Sequence[WorkerSettings]) -> str | None:
             f"--tracing {tracing} needs the tracing extra, which is not installed "
             f"(no module {missing!r}): {install_hint('tracing')}"
         )
+    for model in models:
+        kind = model.model.partition(":")[0]
+        if kind in _SPEC_EXTRAS and not _found(_SPEC_EXTRAS[kind][0]):
+            module, extra = _SPEC_EXTRAS[kind]
+            return (
+                f"--model {model.model} needs the {extra} extra, which is not installed "
+                f"(no module {module!r}): {install_hint(extra)}"
+            )
     quantized = next((m for m in models if m.quantize != "none"), None)
     if quantized is not None and not _found("torchao"):
         return (

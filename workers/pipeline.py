@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from schemas import topics_for
 from workers.batching.batcher import Batch
@@ -47,7 +47,7 @@ from workers.batching.lanes import LaneBatcher, LaneTopics
 from workers.config.worker import WorkerSettings
 from workers.delivery.policies import delivery_for
 from workers.delivery.stage import Publishing
-from workers.handlers.base import Handler
+from workers.handlers.base import BatchPreprocess, Costed, Handler
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
 from workers.intake.ingest import INLINE_BYTES, Ingest
@@ -136,8 +136,16 @@ class Pipeline:
         self._lanes = LaneTopics(settings.request_lanes, topics)
         if self._lanes.several:
             metrics.define_lanes(self._lanes.names)
+        self._tokenizes = isinstance(handler, BatchPreprocess)
+        costs: dict[str, Any] = {}
+        if isinstance(handler, Costed):  # text: batches by tokens, a stream's frames in order
+            costs = {
+                "cost_of": lambda item: handler.cost(item.tensor),
+                "max_cost": settings.max_batch_tokens,
+                "group_of": _stream_of,
+            }
         self._batcher: LaneBatcher[Item] = LaneBatcher(
-            self._lanes.weights, settings.max_batch_size, settings.max_delay_s, _deadline
+            self._lanes.weights, settings.max_batch_size, settings.max_delay_s, _deadline, **costs
         )
         self._frames: LatestFrames[Item] = LatestFrames(self._freshest_stream)
         self._pool = ThreadPoolExecutor(settings.decode_threads, "conveyor-decode")
@@ -245,7 +253,10 @@ class Pipeline:
         for start in range(0, len(items), _PREPROCESS_CHUNK):
             chunk = items[start : start + _PREPROCESS_CHUNK]
             size = sum(len(item.record.value or b"") for item in chunk)
-            if size <= INLINE_BYTES:  # a thread hop would cost more than the work
+            # A thread hop would cost more than decoding a few small payloads; tokenizing
+            # a chunk of texts (one batch call) is more work, and the Rust tokenizer
+            # releases the GIL, so it always goes to the decode threads.
+            if size <= INLINE_BYTES and not self._tokenizes:
                 done: asyncio.Future[Decoded] = loop.create_future()
                 done.set_result(self._ingest.preprocess(chunk))
                 self._decoding.put_nowait(_Decoding(lane, chunk, done))
@@ -404,3 +415,7 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _deadline(item: Item) -> float | None:
     return item.deadline_at
+
+
+def _stream_of(item: Item) -> str | None:
+    return item.meta.stream

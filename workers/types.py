@@ -39,6 +39,13 @@ class DeviceLost(Exception):
     exits with status 7 for its supervisor to restart it."""
 
 
+class LoadOnDeviceFailed(Exception):
+    """The model did not load or warm up on the process's device, and not by its own
+    fault: too little memory, or a device (CUDA) error while it loaded (the same model
+    may load on another card, or with more memory free). The worker exits with status 9;
+    its supervisor counts a failed start of that card (docs/operations.md)."""
+
+
 TopicPartition = tuple[str, int]
 """A partition of a topic; aiokafka's ``TopicPartition`` is such a named tuple."""
 

@@ -9,8 +9,12 @@ Loaded by the worker as ``--model tests.faults.faulty:FaultyDigits``:
 - a request's ``ce_params`` ``{"pad": n}`` adds an n-character string to its
   answer (a large result);
 - with ``CONVEYOR_TEST_FAIL_AT_START=s``, a process whose command line has an
-  argument ending in ``s`` (its worker id, ``<host>-cpu-1``, say) fails its first
-  forward, as a process on a card that cannot run the compiled model does.
+  argument ending in ``s`` (its worker id, ``<host>-cpu-1``, say; ``*``: every
+  process) fails its first forward, as a process on a card that cannot run the
+  compiled model does, with a RuntimeError saying ``CONVEYOR_TEST_FAIL_AT_START_SAYS``
+  (by default a CUDA driver error);
+- with ``CONVEYOR_TEST_FAIL_INIT=s``, such a process raises in ``__init__`` (a
+  ValueError), as a model that cannot be created there does.
 Other warm-up batches (all equal to ``example_item``) never fail.
 """
 
@@ -29,6 +33,14 @@ from schemas import DEFAULT_LIMITS, ContentType, Limits
 
 SPEC = "tests.faults.faulty:FaultyDigits"
 """What a test worker is given as ``--model`` to serve it."""
+_DRIVER_ERROR = "injected: CUDA driver error: invalid argument"
+
+
+def _cued(variable: str) -> bool:
+    """Whether this process's command line has an argument ending in ``variable``'s
+    value (its worker id does), or the value is ``*``."""
+    cue = os.environ.get(variable)
+    return bool(cue) and (cue == "*" or any(arg.endswith(str(cue)) for arg in sys.argv))
 
 
 class FaultyDigits:
@@ -39,8 +51,10 @@ class FaultyDigits:
         oom_above = os.environ.get("CONVEYOR_TEST_OOM_ABOVE")
         self._oom_above = int(oom_above) if oom_above else None
         self._slow_s = float(os.environ.get("CONVEYOR_TEST_SLOW_MS", "0")) / 1000.0
-        cue = os.environ.get("CONVEYOR_TEST_FAIL_AT_START")
-        self._fails_at_start = bool(cue) and any(arg.endswith(str(cue)) for arg in sys.argv)
+        self._fails_at_start = _cued("CONVEYOR_TEST_FAIL_AT_START")
+        self._fails_says = os.environ.get("CONVEYOR_TEST_FAIL_AT_START_SAYS", _DRIVER_ERROR)
+        if _cued("CONVEYOR_TEST_FAIL_INIT"):
+            raise ValueError("injected: this process cannot create the model")
 
     def example_item(self) -> torch.Tensor:
         return self._inner.example_item()
@@ -52,7 +66,7 @@ class FaultyDigits:
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self._fails_at_start:
-            raise RuntimeError("injected: CUDA driver error: invalid argument")
+            raise RuntimeError(self._fails_says)
         if self._is_warm_up(batch):  # faults are for requests; start-up must succeed
             return self._inner.forward(batch)
         if self._oom_above is not None and batch.shape[0] > self._oom_above:

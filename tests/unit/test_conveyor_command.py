@@ -95,6 +95,20 @@ def test_worker_quantize_without_the_quant_extra_says_what_to_install() -> None:
     assert line.endswith(install_hint("quant"))
 
 
+@pytest.mark.parametrize(
+    ("blocked", "spec", "extra"),
+    [("transformers", "hf:./m", "hf"), ("timm", "timm:resnet18", "timm")],
+)
+def test_worker_of_a_spec_without_its_extra_says_what_to_install(
+    blocked: str, spec: str, extra: str
+) -> None:
+    outcome = _conveyor_without(blocked, "worker", "--model", spec)
+    assert outcome["status"] == EXIT_NOT_INSTALLED
+    [line] = str(outcome["stderr"]).splitlines()
+    assert line.startswith(f"conveyor worker: --model {spec} needs the {extra} extra")
+    assert line.endswith(install_hint(extra))
+
+
 def test_client_commands_work_without_the_worker_package() -> None:
     outcome = _conveyor_without("workers", "--redis-url", "redis://127.0.0.1:9/0", "result", "a")
     assert outcome["status"] == 4  # Redis unreachable: the command ran

@@ -160,3 +160,39 @@ def test_check_says_what_a_pipeline_sends_on(
     bad = chained.replace("min_score = 0.3", "min_score = 3")
     assert main(["--config-file", str(write(tmp_path, bad)), "--device", "cpu", "--check"]) == 2
     assert "then_options min_score is a number from 0 to 1, not 3" in capsys.readouterr().err
+
+
+def test_a_reload_with_an_invalid_setting_says_what_check_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import argparse
+    import asyncio
+
+    from workers.cli import configure, main, settings_from_args
+    from workers.fleet.exposition import FleetMetrics
+    from workers.fleet.host import Host
+    from workers.fleet.state import State
+    from workers.fleet.supervisor import _Making, _reload
+
+    path = write(tmp_path, HOST)
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--config-file", str(path), "--device", "cpu"])
+    found = read_host_file(path, FIELDS)
+    assert found is not None
+    host = Host(path, found, lambda name: settings_from_args(args, host_model=name), 2)
+    path.write_text(HOST.replace("max_batch_size = 64", 'max_batch_size = "many"'))
+    assert main(["--config-file", str(path), "--device", "cpu", "--check"]) == 2
+    [checked] = capsys.readouterr().err.splitlines()  # one line
+    said = checked.removeprefix("conveyor worker: ")
+    assert said.startswith("invalid worker settings of model faces ([[models]] table")
+    assert "max_batch_size (--max-batch-size or CONVEYOR_MAX_BATCH_SIZE): Input should be" in said
+
+    state = State(host=host)
+    metrics = FleetMetrics("host", list)
+    with caplog.at_level("ERROR", logger="conveyor.fleet"):
+        asyncio.run(_reload(state, metrics, _Making([], [], 1, {})))
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "conveyor.fleet"]
+    assert logged == f"SIGHUP: the host file is not reloaded, nothing changes: {said}"
+    assert state.host is host
+    assert host.file is found  # nothing changed

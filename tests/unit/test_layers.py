@@ -20,7 +20,7 @@ from tests.imports import Import, imports_in, module_name
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-MAX_MODULES = 12
+MAX_MODULES = 15  # handlers: the image families and tasks, and the text models beside them
 _ROW = re.compile(r"^\| (\d+) \| `workers\.(\w+)` \|[^|]*\|\s*([\w, ]*?)\s*\|$")
 
 

@@ -145,6 +145,7 @@ def embedding_documents(draw: st.DrawFn) -> dict[str, Any]:
         "shape": shape,
         "normalized": draw(st.booleans()),
         "data": base64.b64encode(data).decode(),
+        "truncated": draw(st.booleans()),  # text embedders say so; images: always false
     }
 
 

@@ -13,6 +13,17 @@ Order is always kept (frames of one stream must reach the model in order), both
 in batches and in `withdraw`, which takes out items a caller no longer wants run
 (frames superseded by newer ones, ``workers.batching.freshest``), keeping the others' order;
 ``workers.batching.lanes`` builds priority lanes from one batcher per lane.
+
+A batch may also have a cost (text models: ``cost_of(item)`` is the item's padded
+length, and a batch costs its rows times its widest item, the tokens a forward
+computes, as Text Embeddings Inference's queue counts them). With ``max_cost`` a
+batch closes (``budget``) before one more row would pass it; an item that passes it
+alone runs alone. Items of similar cost go together: the oldest item always leads
+the next batch and sets its width, and items behind it join in order while they are
+no wider, within the first ``WINDOW_BATCHES`` batches' worth of the queue; a wider
+one waits to lead a batch of its own (it is the oldest soon enough, so it waits no
+longer than the timer). ``group_of(item)`` (a video stream's id) keeps a group's
+order: once one of its items waits, the group's later items wait behind it.
 """
 
 from __future__ import annotations
@@ -28,6 +39,10 @@ __all__ = ["Batch", "Batcher", "CloseReason"]
 
 T = TypeVar("T")
 
+WINDOW_BATCHES = 4
+"""How far behind the oldest item a costed batch looks for items to join it, in batches
+of ``max_batch_size``: a bounded pass per batch, whatever the queue holds."""
+
 
 class CloseReason(StrEnum):
     """Why a batch was closed (a metrics label, so the values are stable)."""
@@ -37,6 +52,7 @@ class CloseReason(StrEnum):
     BACKLOG = "backlog"  # more work was already waiting, so the timer was skipped
     DRAIN = "drain"  # shutdown or partition revocation: everything left goes out
     DEADLINE = "deadline"  # only expired items to hand back; no batch was due
+    BUDGET = "budget"  # one more row would have passed max_cost (rows × the widest item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class _Entry(Generic[T]):
     arrived: float
     deadline: float | None
     seq: int  # arrival sequence number: the queue is always sorted by it
+    cost: int  # per row, e.g. a text's padded length; 1 without cost_of
 
 
 class Batcher(Generic[T]):
@@ -66,6 +83,9 @@ class Batcher(Generic[T]):
 
     Typical loop: ``add`` what arrived; ``poll(now, backlog)``; when it returns
     None, sleep until `next_deadline` or until new items arrive.
+
+    ``cost_of``, ``max_cost`` and ``group_of``: batches by cost (see the module doc);
+    without ``cost_of``, batches are the front of the queue, by count alone.
     """
 
     def __init__(
@@ -73,13 +93,22 @@ class Batcher(Generic[T]):
         max_batch_size: int,
         max_delay: float,
         deadline_of: Callable[[T], float | None] | None = None,
+        *,
+        cost_of: Callable[[T], int] | None = None,
+        max_cost: int | None = None,
+        group_of: Callable[[T], object] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_delay < 0:
             raise ValueError(f"max_delay must be 0 or more seconds, got {max_delay}")
+        if cost_of is not None and (max_cost is None or max_cost < 1):
+            raise ValueError(f"batches with a cost need a max_cost of at least 1, got {max_cost}")
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
+        self.max_cost = max_cost
+        self._cost_of = cost_of
+        self._group_of = group_of
         self._deadline_of = deadline_of
         self._queue: deque[_Entry[T]] = deque()
         # Min-heap of (deadline, seq) so finding whether anything expired is O(1).
@@ -95,7 +124,8 @@ class Batcher(Generic[T]):
     def add(self, item: T, now: float) -> None:
         """Queue ``item``, which arrived at ``now``."""
         deadline = self._deadline_of(item) if self._deadline_of is not None else None
-        entry = _Entry(item, now, deadline, self._seq)
+        cost = self._cost_of(item) if self._cost_of is not None else 1
+        entry = _Entry(item, now, deadline, self._seq, cost)
         self._seq += 1
         self._queue.append(entry)
         if deadline is not None:
@@ -122,9 +152,7 @@ class Batcher(Generic[T]):
             if not expired:
                 return None
             return _batch([], expired, CloseReason.DEADLINE)
-        size = min(self.max_batch_size, len(self._queue))
-        taken = [self._queue.popleft() for _ in range(size)]
-        return _batch(taken, expired, reason)
+        return _batch(self._take(), expired, reason)
 
     def due(self, now: float, backlog: bool = False, full_only: bool = False) -> CloseReason | None:
         """Why `poll` would close a batch of items at ``now``, or None (expired items aside)."""
@@ -173,16 +201,66 @@ class Batcher(Generic[T]):
         expired = self._take_expired(now)
         batches: list[Batch[T]] = []
         while self._queue or (expired and not batches):
-            size = min(self.max_batch_size, len(self._queue))
-            taken = [self._queue.popleft() for _ in range(size)]
+            taken = self._take()
             batches.append(_batch(taken, [] if batches else expired, CloseReason.DRAIN))
         self._deadlines.clear()
         return batches
 
+    def _take(self) -> list[_Entry[T]]:
+        """Remove the next batch's entries from the queue (an empty queue: none)."""
+        if self._cost_of is None:
+            size = min(self.max_batch_size, len(self._queue))
+            return [self._queue.popleft() for _ in range(size)]
+        chosen, _ = self._select()
+        queue = self._queue
+        window = [queue.popleft() for _ in range(min(len(queue), self._window()))]
+        taken: list[_Entry[T]] = []
+        kept: list[_Entry[T]] = []
+        for position, entry in enumerate(window):
+            (taken if position in chosen else kept).append(entry)
+        queue.extendleft(reversed(kept))
+        return taken
+
+    def _window(self) -> int:
+        return WINDOW_BATCHES * self.max_batch_size
+
+    def _select(self) -> tuple[set[int], CloseReason | None]:
+        """Positions in the queue of the next costed batch (module doc), and ``FULL`` or
+        ``BUDGET`` when it cannot grow, else None."""
+        queue, group_of = self._queue, self._group_of
+        if not queue:
+            return set(), None
+        assert self.max_cost is not None
+        width = queue[0].cost
+        chosen = {0}
+        waiting: set[object] = set()  # groups with an item left behind
+        for position in range(1, min(len(queue), self._window())):
+            if len(chosen) >= self.max_batch_size:
+                return chosen, CloseReason.FULL
+            if (len(chosen) + 1) * width > self.max_cost:
+                return chosen, CloseReason.BUDGET
+            entry = queue[position]
+            group = group_of(entry.item) if group_of is not None else None
+            if group is not None and group in waiting:
+                continue
+            if entry.cost <= width:
+                chosen.add(position)
+            elif group is not None:
+                waiting.add(group)
+        if len(chosen) >= self.max_batch_size:
+            return chosen, CloseReason.FULL
+        if (len(chosen) + 1) * width > self.max_cost:
+            return chosen, CloseReason.BUDGET
+        return chosen, None
+
     def _due(self, now: float, backlog: bool, full_only: bool) -> CloseReason | None:
         if not self._queue:
             return None
-        if len(self._queue) >= self.max_batch_size:
+        if self._cost_of is not None:
+            _, full = self._select()
+            if full is not None:
+                return full
+        elif len(self._queue) >= self.max_batch_size:
             return CloseReason.FULL
         if full_only:
             return None

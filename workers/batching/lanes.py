@@ -88,9 +88,11 @@ class LaneBatcher(Generic[T]):
         max_batch_size: int,
         max_delay: float,
         deadline_of: Callable[[T], float | None] | None = None,
+        **costs: Any,
     ) -> None:
+        """``costs``: ``Batcher``'s ``cost_of``, ``max_cost`` and ``group_of``, per lane."""
         self._scheduler = LaneScheduler(weights)
-        self._lanes = [Batcher(max_batch_size, max_delay, deadline_of) for _ in weights]
+        self._lanes = [Batcher(max_batch_size, max_delay, deadline_of, **costs) for _ in weights]
 
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes)

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -85,7 +85,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     # What to serve.
     model: str = Field(
         description="model spec: digits | torchvision:ARCH | embedding:ARCH | timm:NAME | "
-        "torchscript:PATH | export:PATH | module.path:Class (docs/models.md)"
+        "hf:PATH_OR_ID | torchscript:PATH | export:PATH | module.path:Class (docs/models.md)"
     )
     model_name: str | None = Field(
         default=None, description="name used in topic names (default: derived from --model)"
@@ -124,6 +124,25 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         default_factory=dict,
         description="JSON object saying which boxes go to the next model: min_score, "
         "classes, max_children, margin, params (docs/models.md, Pipelines)",
+    )
+    task: Literal["auto", "text-classification", "token-classification", "sentence-embedding"] = (
+        Field(
+            default="auto",
+            description="hf: models: what the model answers; auto = from the folder (a "
+            "sentence-transformers folder embeds) or the config's architectures",
+        )
+    )
+    max_length: int | None = Field(
+        default=None,
+        ge=2,
+        le=1_000_000,
+        description="hf: models: most tokens of a text, special tokens included (default: "
+        "the model's)",
+    )
+    truncation: Literal["truncate", "refuse"] = Field(
+        default="truncate",
+        description="hf: models: a text past --max-length is cut there (its result says "
+        "truncated: true), or refused with text_too_long",
     )
     preprocess: Literal["auto", "reference", "fast"] = Field(
         default="auto",
@@ -219,6 +238,13 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         le=4096,
         description="most requests in one batch (one forward pass); fixed-size image models "
         "on a GPU default to 256",
+    )
+    max_batch_tokens: int = Field(
+        default=16_384,
+        ge=1,
+        le=16_777_216,
+        description="text models: a batch closes before its rows × padded length would pass "
+        "this (a text longer alone still runs alone); other models: unused",
     )
     max_delay_ms: float = Field(
         default=5.0,
@@ -583,3 +609,20 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     def request_lanes(self) -> tuple[LaneSpec, ...]:
         """Every lane served, highest first; without ``lanes``, the default lane alone."""
         return self.lanes or (LaneSpec(DEFAULT_LANE, 1),)
+
+
+def describe_error(exc: ValidationError, model: str | None = None) -> str:
+    """What is wrong with the settings, as ``--check`` and a host file's reload say it:
+    each field with its flag and variable and what is wrong with it, on one line for one
+    field (``model``: the host file's model whose settings they are, its ``[[models]]``
+    table over the shared ones)."""
+    where = "" if model is None else f" of model {model} ([[models]] table or shared settings)"
+    said = []
+    for err in exc.errors():
+        name = ".".join(str(part) for part in err["loc"]) or "settings"
+        flag = "--" + name.replace("_", "-")
+        env = "CONVEYOR_" + name.upper().replace(".", "__")
+        said.append(f"{name} ({flag} or {env}): {err['msg']}")
+    if len(said) == 1:
+        return f"invalid worker settings{where}: {said[0]}"
+    return "\n  ".join([f"invalid worker settings{where}:", *said])

@@ -28,6 +28,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 REPEATS = 3
 """Failed starts in a row, with the same error, after which a process is retired."""
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+"""A process that exits is started again after 1 s, doubling to 30 s."""
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before starting a process again after its ``failures``-th exit in a row."""
+    return min(BACKOFF_MAX_S, BACKOFF_START_S * 2.0 ** (failures - 1))
+
 
 _ERROR = re.compile(r"Error\b|Exception\b|^conveyor worker: |\berror\b", re.IGNORECASE)
 _MAX_LINE = 300
@@ -77,6 +86,25 @@ class StartFailures:
         for name in newly:
             self.retired[name] = error
         return newly
+
+    def retire(self, processes: Sequence[str], error: str) -> None:
+        """Retire ``processes`` at once, with ``error`` (a model's first process failed
+        alike ``REPEATS`` times on a card where none of its processes has loaded: the
+        others there would load the same way)."""
+        for name in processes:
+            self.retired.setdefault(name, error)
+
+    def count(self, process: str) -> int:
+        """``process``'s failed starts in a row with the same error, so far."""
+        return self._streaks.get(process, ("", 0))[1]
+
+    def regrouped(self, cards: Mapping[str, Sequence[str]]) -> StartFailures:
+        """The tally over ``cards`` (the host's processes changed: some did not fit in
+        memory), keeping what is known of the processes still there."""
+        fresh = StartFailures(cards, self._repeats)
+        fresh._streaks = {n: s for n, s in self._streaks.items() if n in fresh._card_of}
+        fresh.retired = {n: e for n, e in self.retired.items() if n in fresh._card_of}
+        return fresh
 
     def served(self, process: str) -> None:
         """``process`` reached ready: its failed starts so far no longer count."""

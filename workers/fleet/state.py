@@ -14,6 +14,7 @@ from workers.config.worker import WorkerSettings
 from workers.exits import EXIT_CONFIG
 from workers.fleet import plan
 from workers.fleet.children import Child
+from workers.fleet.exposition import FleetMetrics
 from workers.fleet.failing import StartFailures
 from workers.fleet.forkserver import ForkServer
 from workers.fleet.host import Host
@@ -32,6 +33,7 @@ class Model:
     children: list[Child] = field(default_factory=list)
     failed: str = ""
     process_mb: float | None = None  # one process's memory on its card, once measured
+    loaded: bool = False  # a process of it loaded the model: a later one's failure is its own
 
     @property
     def name(self) -> str:
@@ -53,6 +55,8 @@ class State:
     rolling: set[Child] = field(default_factory=set)  # stopped on purpose, to start at once
     failures: StartFailures = field(default_factory=lambda: StartFailures({}))
     retired: set[Child] = field(default_factory=set)  # failed at start: not started again
+    retrying: dict[str, str] = field(default_factory=dict)  # process → its failed starts so far
+    metrics: FleetMetrics | None = None
     baseline_mb: dict[int, int] = field(default_factory=dict)  # each card's use before any model
 
 

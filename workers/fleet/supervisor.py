@@ -36,7 +36,10 @@ under an MPS server fill it. The supervisor assembles that from the one command:
    again and again, or a card whose processes all do, is not started again
    (``workers.fleet.failing``): the log says why once, ``/readyz`` names it (the host
    is unready: it serves, short of what it should), and the metrics count it; when
-   no card is left, the host exits ``EXIT_NO_CARD``;
+   no card is left, the host exits ``EXIT_NO_CARD``. A model's first process counts
+   its failed starts the same way, and gives its place to the next process, or card
+   (``workers.fleet.starting``); a model error (status 2) of a process after another
+   has loaded that model is that process's failed start, not a reason to stop;
 6. **roll**: SIGHUP restarts the processes one a card at a time, each ready before its
    card's next one stops, each reading its settings and model afresh: a new model version without
    downtime (docs/operations.md "Changing the model");
@@ -61,19 +64,17 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from workers.config.host import HOST_FILE_PATH, fingerprint, reload_plan
-from workers.config.worker import WorkerSettings
+from workers.config.worker import WorkerSettings, describe_error
 from workers.exits import (
     EXIT_DEVICE,
     EXIT_ENVIRONMENT,
-    EXIT_NO_CARD,
     EXIT_STOPPED,
-    EXIT_UNREACHABLE,
     PERMANENT,
 )
 from workers.fleet import plan
 from workers.fleet.children import Child
 from workers.fleet.exposition import FleetMetrics, Scrape
-from workers.fleet.failing import StartFailures, error_line
+from workers.fleet.failing import backoff_s
 from workers.fleet.forkserver import ForkServer
 from workers.fleet.host import (
     Host,
@@ -85,15 +86,22 @@ from workers.fleet.host import (
     start_mps,
 )
 from workers.fleet.mps import MpsUnavailable
-from workers.fleet.starting import FIRST_START_TIMEOUT_S, start_all, start_model
+from workers.fleet.starting import (
+    FIRST_START_TIMEOUT_S,
+    card_of,
+    count_failed_start,
+    failed_at_start,
+    model_error_of_one_process,
+    start_all,
+    start_model,
+    tally,
+)
 from workers.fleet.state import Model, State, left_out, sync
 from workers.observe.health import Check, HealthServer
 from workers.types import ConfigError
 
 log = logging.getLogger("conveyor.fleet")
 
-BACKOFF_START_S = 1.0
-BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a process up this long starts its backoff afresh
 _POLL_S = 0.5
 
@@ -158,7 +166,7 @@ async def _supervise(
     sync(state)
     # A host file's host-wide gauges (ready, cards, restarts, loop lag) say model="host".
     label = "host" if state.host is not None else settings.served_name
-    metrics = FleetMetrics(label, lambda: _sources(state))
+    metrics = state.metrics = FleetMetrics(label, lambda: _sources(state))
     checks: dict[str, Check] = {
         "processes_ready": lambda: _all_ready(state, metrics),
         "cards": lambda: _cards_serving(state),
@@ -174,9 +182,12 @@ async def _supervise(
             scoped=lambda name: _model_checks(state, metrics, name),
             documents=_documents(state),
         ):
-            await start_all(state, cards, started)
-            state.failures = _tally(state.children)
+            state.failures = tally(state.children)  # a first process's failed starts count
             metrics.set_cards(len(state.failures.serving_cards()), 0)
+            await start_all(state, cards, started)
+            state.failures = tally(state.children, state.failures)  # some may not fit
+            failed = len(state.failures.failed_cards())
+            metrics.set_cards(len(state.failures.serving_cards()), failed)
             announce = asyncio.create_task(_announce_ready(state, metrics, started))
             roller = asyncio.create_task(
                 _roll_on_request(state, metrics, _Making(flags, cards, threads, env))
@@ -271,7 +282,7 @@ async def _keep(child: Child, state: State, metrics: FleetMetrics) -> None:
                 status,
             )
             return
-        if status in PERMANENT:
+        if status in PERMANENT and not model_error_of_one_process(state, child, status):
             log.error(
                 "process %s exited with status %d, which restarting cannot change: "
                 "stopping the host",
@@ -281,12 +292,12 @@ async def _keep(child: Child, state: State, metrics: FleetMetrics) -> None:
             state.failure = status
             state.stop.set()
             return
-        if _failed_at_start(child, status) and _retire(child, status, state, metrics):
+        if failed_at_start(child, status) and count_failed_start(child, status, state):
             return
         if status == EXIT_DEVICE:
             _restart_card(child, state)
         failures = 1 if up_s >= STABLE_AFTER_S else failures + 1
-        delay = min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** (failures - 1))
+        delay = backoff_s(failures)
         log.warning(
             "process %s exited with status %s after %.0f s; starting it again in %.0f s",
             child.name,
@@ -307,77 +318,22 @@ async def _until_ready(child: Child, state: State) -> None:
     while child.running:
         if await child.ready():
             state.failures.served(child.name)
+            state.retrying.pop(child.name, None)
             return
         await asyncio.sleep(_POLL_S)
 
 
-def _failed_at_start(child: Child, status: int) -> bool:
-    """An error exit before it was ever ready: one that a Kafka outage explains (status 4)
-    does not count, nor a signal's (a kill, an out-of-memory kill)."""
-    return status > 0 and status != EXIT_UNREACHABLE and not child.ready_seen
-
-
-def _retire(child: Child, status: int, state: State, metrics: FleetMetrics) -> bool:
-    """Count ``child``'s failed start; retire what the count condemns (``failing``), say
-    why once, and stop the host when no card is left. Whether ``child`` was retired."""
-    error = error_line(child.last_lines)
-    newly = state.failures.failed(child.name, error)
-    if not newly:
-        return False
-    retired = [c for c in state.children if c.name in newly]
-    state.retired.update(retired)
-    for other in retired:
-        other.signal(signal.SIGTERM)  # a process of that card still starting
-    card = _card(child.slot)
-    many = len(retired) > 1
-    what = (
-        f"{card}: its {len(retired)} worker processes failed at start the same way"
-        if many
-        else f"process {child.name} failed at start the same way again and again"
-    )
-    log.error(
-        "%s (status %d): %s. %s not started again: %s partitions go to the group's other "
-        "processes once its session timeout (--session-timeout-ms) has passed. The whole "
-        "error is in %s output above: fix its cause (a model or compile form that does not "
-        "run on this card, too little memory on it), then restart the host",
-        what,
-        status,
-        error,
-        "They are" if many else "It is",
-        "their" if many else "its",
-        "their" if many else "its",
-    )
-    failed = len(state.failures.failed_cards())
-    metrics.set_cards(len(state.failures.serving_cards()), failed)
-    if state.failures.none_serve:
-        log.error(
-            "no card of this host can serve: stopping the host (exit status %d)", EXIT_NO_CARD
-        )
-        state.failure = EXIT_NO_CARD
-        state.stop.set()
-    return child in retired
-
-
-def _card(slot: plan.Slot) -> str:
-    return "the CPU" if slot.card is None else f"GPU {slot.card}"
-
-
-def _tally(children: list[Child]) -> StartFailures:
-    cards: dict[str, list[str]] = {}
-    for child in children:
-        cards.setdefault(_card(child.slot), []).append(child.name)
-    return StartFailures(cards)
-
-
 def _cards_serving(state: State) -> bool | str:
-    """/readyz's ``cards`` check: fails, saying why, once any process was retired."""
-    if not state.retired:
+    """/readyz's ``cards`` check: fails, saying why, once any process was retired, or
+    while a process's failed starts are counted towards that."""
+    if not state.retired and not state.retrying:
         return True
     failed = state.failures.failed_cards()
     said = [f"{card} failed at start: {error}" for card, error in failed.items()]
-    alone = sorted(c.name for c in state.retired if _card(c.slot) not in failed)
+    alone = sorted(c.name for c in state.retired if card_of(c.slot) not in failed)
     if alone:
         said.append(f"not started again after failing at start: {', '.join(alone)}")
+    said += state.retrying.values()
     return "; ".join(said)
 
 
@@ -433,8 +389,8 @@ async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:
     assert state.host is not None
     try:
         after = state.host.read()
-        fresh = {m.name: state.host.settings_for(m.name) for m in after.models}
-    except (SettingsError, ValidationError, ValueError) as exc:
+        fresh = {m.name: _fresh_settings(state.host, m.name) for m in after.models}
+    except (SettingsError, ValueError) as exc:
         log.error("SIGHUP: the host file is not reloaded, nothing changes: %s", exc)
         return
     before = state.host.file
@@ -469,8 +425,17 @@ async def _reload(state: State, metrics: FleetMetrics, making: _Making) -> None:
     if leaving:
         await asyncio.gather(*(c.wait() for c in leaving))
         log.info("models %s drained and stopped", ", ".join(m.name for m in gone))
-    state.failures = _tally([c for c in state.children if c not in state.retired])
+    state.failures = tally([c for c in state.children if c not in state.retired])
     log.info("rolling restart done: host file reloaded")
+
+
+def _fresh_settings(host: Host, name: str) -> WorkerSettings:
+    """Model ``name``'s settings as the host file says now; raises ValueError saying what
+    is wrong as ``--check`` does (``describe_error``)."""
+    try:
+        return host.settings_for(name)
+    except ValidationError as exc:
+        raise ValueError(describe_error(exc, name)) from None
 
 
 async def _replanned(
@@ -534,6 +499,7 @@ async def _add(
         return
     model.children = _children(model, state, making.flags, making.cards, making.threads, making.env)
     sync(state)
+    state.failures = tally([c for c in state.children if c not in state.retired], state.failures)
     for child in model.children:
         child.forks = state.forks  # a child starts as a new process when it does not serve
     await start_model(model, state, making.cards, time.monotonic())

@@ -94,6 +94,31 @@ class Collating(Protocol):
 
 
 @runtime_checkable
+class Costed(Protocol):
+    """Optional handler hook: what an item costs a batch per row, e.g. a text's padded
+    length. The batcher then closes a batch at ``--max-batch-tokens`` (rows × the widest
+    item's cost) and groups items of similar cost (``workers.batching.batcher``)."""
+
+    def cost(self, item: torch.Tensor) -> int:
+        """The cost of a row for ``item`` (as ``preprocess`` made it): 1 or more."""
+
+
+@runtime_checkable
+class BatchPreprocess(Protocol):
+    """Optional handler hook: ``preprocess`` for a chunk of payloads in one call (a fast
+    tokenizer's batch call), in the decode threads as ``preprocess`` is."""
+
+    def preprocess_batch(
+        self,
+        payloads: Sequence[bytes],
+        content_types: Sequence[ContentType],
+        params: Sequence[Mapping[str, Any]],
+    ) -> list[torch.Tensor | ContractError]:
+        """Per payload, its item or the ``ContractError`` that refuses it (never raised:
+        one bad payload fails alone)."""
+
+
+@runtime_checkable
 class Exportable(Protocol):
     """Optional handler hook: ``forward`` as one ``torch.nn.Module``, for ahead-of-time
     compilation (``workers.model.packages``).

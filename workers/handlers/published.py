@@ -152,14 +152,14 @@ def hf_download(spec: str, repo: str, filenames: Sequence[str]) -> Path:
             raise ModelLoadError(f"{spec}: cannot download {url} ({exc}). {where}") from exc
         except (HfHubHTTPError, OSError) as exc:
             raise ModelLoadError(f"{spec}: cannot download {url}: {exc}") from exc
-        _check_blob(spec, url, path)
+        check_blob(spec, url, path)
         return path
     raise ModelLoadError(
         f"{spec}: {repo_id} on the Hugging Face Hub holds none of {', '.join(filenames)}"
     )
 
 
-def _check_blob(spec: str, url: str, path: Path) -> None:
+def check_blob(spec: str, url: str, path: Path) -> None:
     """Delete a download whose content is not the SHA-256 the cache names its blob by
     (the Hub's ETag of a file stored with Git LFS, as model weights are)."""
     blob = path.resolve()

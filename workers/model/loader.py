@@ -18,6 +18,10 @@ Spec forms (the worker's ``--model``):
 - ``timm:NAME``, e.g. ``timm:convnext_atto.d2_in1k``: a timm image classifier with
   timm's own data config (``workers.handlers.timm_models``, the ``timm`` extra); weights
   as for ``torchvision:ARCH``, ``DEFAULT`` being the tag's weights on the Hugging Face Hub.
+- ``hf:PATH_OR_ID``, e.g. ``hf:./my-classifier`` or ``hf:owner/name``: a transformers
+  text model with its fast tokenizer (``workers.handlers.hf_models``, the ``hf`` extra):
+  text classification, token classification or sentence embeddings; a local folder
+  always, a hub id from the Hugging Face cache, downloaded only with ``weights="DEFAULT"``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.base.Handler``.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -56,6 +61,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import ImageSpec
 from workers.handlers.base import Handler, ImageClassifier
+from workers.handlers.hf_models import TextServing, load_hf
 from workers.handlers.timm_models import load_timm
 from workers.handlers.torchvision_models import Preprocess, Serving, load_torchvision
 from workers.handlers.weights import (
@@ -85,7 +91,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 256)
 
 _SPEC_FORMS = (
-    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, torchscript:PATH, export:PATH or "
+    "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, hf:PATH_OR_ID, torchscript:PATH, "
+    "export:PATH or "
     "package.module:ClassName"
 )
 SHORT_SPECS = {
@@ -111,6 +118,7 @@ def load_handler(
     decode_budget: DecodeBudget | None = None,
     preprocess: Preprocess = "auto",
     options: Mapping[str, Any] | None = None,
+    text: TextServing | None = None,
 ) -> Handler:
     """Build the handler a model spec names, its model on ``device`` (``auto`` allowed).
 
@@ -124,7 +132,8 @@ def load_handler(
     ``preprocess`` is ``auto``, ``reference`` or ``fast`` for models of a fixed input
     size; ``options`` are model options for ``torchvision:``, ``embedding:`` and ``timm:``
     specs (``workers.handlers.torchvision_models``, ``workers.handlers.timm_models``) and
-    are passed to a class of yours as ``model_options`` if it takes them.
+    are passed to a class of yours as ``model_options`` if it takes them; ``text`` holds
+    the task and length rules of ``hf:`` specs (``workers.handlers.hf_models``).
 
     Raises ``ModelLoadError`` for a malformed spec, a missing or unfitting weights
     file, options the model does not take, or a class that is not a handler;
@@ -148,6 +157,10 @@ def load_handler(
         )
     if kind == "timm" and rest:
         return load_timm(rest, weights=weights, serving=serving)
+    if kind == "hf" and rest:
+        if options:
+            raise ModelLoadError(f"{spec}: model options {options} do not apply to hf: specs")
+        return load_hf(rest, weights=weights, serving=serving, text=text or TextServing())
     if _is_import_path(kind) and rest.isidentifier():
         given = {
             "device": dev,
@@ -224,6 +237,8 @@ def _torchscript(
         # torch.jit.load has no annotations in torch's sources.
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the file's
         raise ModelLoadError(f"{spec}: not a TorchScript file (torch.jit.save): {exc}") from exc
     return _file_classifier(
         path, module, device, dtype, channels_last, limits, decode, image, set_eval=True
@@ -246,6 +261,8 @@ def _exported(
     try:
         program = torch.export.load(path)
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the file's
         raise ModelLoadError(
             f"{spec}: not a torch.export archive (torch.export.save): {exc}"
         ) from exc
@@ -304,6 +321,8 @@ def _count_classes(
             with torch.inference_mode():
                 out = module.to(device=device, dtype=dtype)(probe.to(dtype))
         except Exception as exc:
+            if device_fault(exc):
+                raise  # the card's, not the model's
             raise ModelLoadError(
                 f"{path}: the model failed on a blank ({size}, 3, 224, 224) batch: {exc}. It "
                 "must take a normalized float NCHW batch of any size (for torch.export, "
@@ -315,6 +334,23 @@ def _count_classes(
             )
         classes = out.shape[1]
     return classes
+
+
+_DEVICE_ERROR = re.compile(
+    r"\bCUDA (driver )?error\b|\bcuDNN error\b|CUBLAS_STATUS_|CUDNN_STATUS_|\bNCCL error\b"
+)
+"""A device's error as torch or Inductor words it in a RuntimeError (torch raises
+``torch.AcceleratorError`` for most, Inductor's launchers a plain RuntimeError)."""
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while a model loads or warms up, is its device's doing
+    rather than the model's: memory it could not have (``torch.OutOfMemoryError``,
+    ``MemoryError``) or an accelerator's error. Such a load may succeed on another card,
+    or when more memory is free; a model error is the same wherever it loads."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, torch.AcceleratorError)):
+        return True
+    return isinstance(exc, RuntimeError) and _DEVICE_ERROR.search(str(exc)) is not None
 
 
 def _user_class(spec: str, options: dict[str, Any]) -> Handler:
@@ -335,6 +371,8 @@ def _user_class(spec: str, options: dict[str, Any]) -> Handler:
     except OSError:
         raise  # the system refused a file or folder: the environment's fault, not the class's
     except Exception as exc:
+        if device_fault(exc):
+            raise  # the card's, not the class's: the worker says so (workers.app)
         raise ModelLoadError(f"{spec}: creating {class_name} failed: {exc!r}") from exc
     if not isinstance(handler, Handler):
         missing = [member for member in _HANDLER_MEMBERS if not hasattr(handler, member)]

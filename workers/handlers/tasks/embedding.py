@@ -38,12 +38,15 @@ class ImageEmbedder(ImageModel):
         shape = [int(size) for size in outputs.shape[1:]]
         vectors = outputs.float().reshape(len(outputs), -1).cpu().numpy()  # one copy per batch
         return [
-            _document(vector, shape, EmbeddingParams.parse(p))
+            embedding_document(vector, shape, EmbeddingParams.parse(p))
             for vector, p in zip(vectors, params, strict=True)
         ]
 
 
-def _document(vector: np.ndarray[Any, Any], shape: list[int], params: EmbeddingParams) -> Any:
+def embedding_document(
+    vector: np.ndarray[Any, Any], shape: list[int], params: EmbeddingParams
+) -> dict[str, Any]:
+    """One ``conveyor.embedding.v1`` document: ``vector`` normalized if asked, cast, base64."""
     if params.normalize:
         norm = float(np.sqrt(np.dot(vector.astype(np.float64), vector)))
         # A zero vector stays zero rather than becoming NaNs.

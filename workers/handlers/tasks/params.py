@@ -151,8 +151,10 @@ class EmbeddingParams:
     DTYPES = ("float32", "float16")
 
     @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> EmbeddingParams:
+    def parse(cls, params: Mapping[str, Any], *, normalize: bool = True) -> EmbeddingParams:
+        """``normalize``: the default when the request does not say."""
         check_names(params, cls.NAMES)
         return cls(
-            boolean(params, "normalize", True), choice(params, "dtype", "float32", cls.DTYPES)
+            boolean(params, "normalize", normalize),
+            choice(params, "dtype", "float32", cls.DTYPES),
         )
