@@ -28,6 +28,10 @@ class Task(StrEnum):
     """What a model's ``outputs`` are (docs/models.md describes each shape)."""
 
     classification = "classification"
+    """Classes of an image or a text: a list of ``{label, index, score}``, or a text
+    classification document holding one (``labels``)."""
+    token_classification = "token_classification"
+    """Entities of a text (``entities/v1``)."""
     detection = "detection"
     segmentation = "segmentation"
     embedding = "embedding"
@@ -47,7 +51,7 @@ class ModelDescription(BaseModel, frozen=True):
     content_types: tuple[ContentType | str, ...]
     """Media types its requests may have."""
     labels: int | None = None
-    """How many classes a classifier chooses among; null for other tasks."""
+    """How many classes (or token tags) a classifier chooses among; null for other tasks."""
     worker: str
     """The worker that wrote this description last."""
     published_ms: int

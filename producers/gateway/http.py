@@ -7,8 +7,8 @@ is ``{"error": <sentence>, "code": <code>}`` with the protocol's status
 (docs/http.md has the table). Requests are counted by route and status and timed by
 route on ``/metrics``.
 
-The routes of OpenAI's API (``/v1/...``) and a text classifier's inputs are meant to
-be more routes beside these over the same ``Gateway``; they are not here yet.
+The routes of OpenAI's API (``/v1/...``, for generation) are meant to be more routes
+beside these over the same ``Gateway``; they are not here yet.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from producers.gateway.oip import (
 )
 from producers.gateway.service import AnswerTimeout, Call, Gateway, Overloaded
 from producers.gateway.settings import GatewaySettings
+from producers.payload import sniff_content_type
 from schemas import ContentType, ContractError, ErrorCode, Result, Status, is_valid_request_id
 from schemas.description import DESCRIPTION_TTL_S, ModelDescription
 
@@ -281,7 +282,7 @@ class _Routes:
                     model=name,
                     payloads=call.payloads,
                     ids=ids,
-                    content_type=call.content_type or (ContentType.TEXT if call.text else None),
+                    content_type=_content_type(call),
                     params=params,
                     timeout_s=_timeout_s(call, request),
                     traceparent=request.headers.get("traceparent"),
@@ -363,6 +364,27 @@ def _ids(request_id: str, count: int) -> list[str]:
             "at most 128 characters",
         )
     return ids
+
+
+def _content_type(call: InferCall) -> ContentType | str | None:
+    """Every payload's media type: the input's ``parameters.content_type``; text for JSON
+    strings, and for binary elements that are UTF-8 and no image or array (tritonclient
+    sends text as binary BYTES, with no media type); None: each one's magic bytes say."""
+    if call.content_type is not None:
+        return call.content_type
+    if call.text or all(_is_text(p) for p in call.payloads):
+        return ContentType.TEXT
+    return None
+
+
+def _is_text(payload: bytes) -> bool:
+    if sniff_content_type(payload) is not None:
+        return False
+    try:
+        payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _timeout_s(call: InferCall, request: Request) -> float | None:

@@ -326,7 +326,10 @@ def result_outputs(
 
 
 def _classes(outputs: Any, k: int) -> list[bytes]:
-    """A classification result as Triton's ``"score:index:label"`` strings, best first."""
+    """A classification result as Triton's ``"score:index:label"`` strings, best first:
+    an image classifier's list of classes, or a text classifier's document of them."""
+    if isinstance(outputs, dict) and isinstance(outputs.get("labels"), list):
+        outputs = outputs["labels"]
     if not isinstance(outputs, list) or not all(
         isinstance(c, dict) and {"score", "index", "label"} <= c.keys() for c in outputs
     ):

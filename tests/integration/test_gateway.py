@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from producers import AsyncClient, ClientSettings
 from producers.admin import create_model_topics
-from producers.testing import read_topic, until
+from producers.testing import Fleet, read_topic, until
 from producers.testing.gateway import GatewayProcess
 from schemas import topics_for
 
@@ -382,3 +382,52 @@ async def test_a_call_that_failed_to_send_leaves_its_id_free(
     status, _, answer = _post(gateway, f"/v2/models/{served_model}/infer", body, headers)
     assert status == 200, answer
     assert answer["id"] == request_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_tritonclient_classifies_text_as_the_sdk_answers(
+    gateway: GatewayProcess,
+    triton_client: Triton,
+    workers: Fleet,
+    text_models: dict[str, Path],
+    client_settings: ClientSettings,
+    model_name: str,
+    drop_topics: list[str],
+) -> None:
+    """A text classifier (``hf:PATH``, a tiny model): tritonclient reads its metadata and
+    sends two texts as binary BYTES (no media type: UTF-8 that is no image is text); the
+    answers are the SDK's for the same texts."""
+    drop_topics.append(model_name)
+    await create_model_topics(client_settings, model_name, partitions=1)
+    worker = workers.start(model=f"hf:{text_models['text-classification']}")
+    await worker.until_ready(240)
+    await _until_described(triton_client, model_name)
+    metadata = await triton_client("get_model_metadata", model_name)
+    assert metadata["parameters"]["task"] == "classification"
+    assert metadata["parameters"]["content_types"] == ["text/plain", "application/json"]
+
+    texts = ["Return a JSON string.", "paths"]
+    tensor = triton.InferInput("text", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
+    outputs = [
+        triton.InferRequestedOutput("OUTPUT"),
+        triton.InferRequestedOutput("CLASSES", class_count=2),
+    ]
+    answer = await triton_client("infer", model_name, [tensor], outputs=outputs)
+    served = [json.loads(element) for element in answer.as_numpy("OUTPUT")]
+    classes = answer.as_numpy("CLASSES")
+
+    async with AsyncClient(client_settings) as sdk:
+        ids = [
+            await sdk.submit(
+                t.encode(), model=model_name, content_type="text/plain", params={"top_k": 2}
+            )
+            for t in texts
+        ]
+        expected = [(await sdk.wait(i, timeout=60)).outputs for i in ids]
+    for got, want, top in zip(served, expected, classes, strict=True):
+        assert [c["label"] for c in got["labels"]] == [c["label"] for c in want["labels"]]
+        scores = [c["score"] for c in want["labels"]]
+        assert [c["score"] for c in got["labels"]] == pytest.approx(scores, abs=1e-4)
+        assert top[0].decode().split(":")[2] == want["labels"][0]["label"]

@@ -190,3 +190,14 @@ def test_metadata_says_the_task() -> None:
         "content_types": ["image/png"],
         "labels": 10,
     }
+
+
+def test_a_text_classifiers_document_gives_its_classes() -> None:
+    document = {
+        "inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "data": ["x"]}],
+        "outputs": [{"name": "top", "parameters": {"classification": 1}}],
+    }
+    call = parse_infer(json.dumps(document).encode(), None, max_requests=4)
+    text = {"type": "text-classification/v1", "labels": CLASSES, "truncated": False}
+    (tensor,) = result_outputs(call.outputs, call.shape, [text])
+    assert tensor.elements == [b"0.9:7:7"]

@@ -1,7 +1,8 @@
 """The worker's description of its model in Redis (``schemas.description``), kept fresh.
 
 ``describe`` reads what the handler knows: its task from its type, the media types it
-decodes, its version, and a classifier's label count. ``Describer`` writes that
+decodes (images and npy arrays, or text and JSON), its version, and a classifier's label
+count. ``Describer`` writes that
 document when the worker starts serving and again every third of its TTL, so the key
 expires within ``DESCRIPTION_TTL_S`` of the last worker stopping. A Redis that refuses
 the write (an ACL without ``+set`` on ``~conveyor:model:*``) or cannot be reached costs
@@ -38,6 +39,8 @@ from workers.handlers.tasks.detection import Detector
 from workers.handlers.tasks.embedding import ImageEmbedder
 from workers.handlers.tasks.full_size import FullSizeImageTask
 from workers.handlers.tasks.segmentation import SemanticSegmenter
+from workers.handlers.tasks.text import TextModel
+from workers.handlers.tasks.text_tasks import SentenceEmbedder, TextClassifier, TokenClassifier
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,12 @@ _TASKS: tuple[tuple[type[Any], Task], ...] = (
     (Detector, Task.detection),
     (SemanticSegmenter, Task.segmentation),
     (ImageEmbedder, Task.embedding),
+    (TextClassifier, Task.classification),
+    (TokenClassifier, Task.token_classification),
+    (SentenceEmbedder, Task.embedding),
 )
 _IMAGES = (*IMAGE_TYPES, ContentType.NPY)  # what ImageModel and FullSizeImageTask decode
+_TEXT = (ContentType.TEXT, ContentType.JSON)  # what TextModel reads (text, or text and pair)
 
 
 def describe(handler: Handler, served_name: str, worker: str) -> ModelDescription:
@@ -63,9 +70,13 @@ def describe(handler: Handler, served_name: str, worker: str) -> ModelDescriptio
         content_types: tuple[str, ...] = tuple(declared)
     elif isinstance(handler, ImageModel | FullSizeImageTask):
         content_types = _IMAGES
+    elif isinstance(handler, TextModel):
+        content_types = _TEXT
     else:
         content_types = tuple(ContentType)
-    labels = len(handler.labels) if isinstance(handler, ImageClassifier) else None
+    labels = None
+    if isinstance(handler, ImageClassifier | TextClassifier | TokenClassifier):
+        labels = len(handler.labels)
     return ModelDescription(
         name=served_name,
         version=handler.version,
