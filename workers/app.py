@@ -40,6 +40,7 @@ from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
+from workers.model.description import Describer, describe
 from workers.model.loader import device_fault, load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
@@ -160,6 +161,10 @@ async def run_worker(settings: WorkerSettings) -> None:
             tracing=tracing,
             split=split,
         )
+        # The primary's version is the model's; a canary's or a shadow's would flap it.
+        if settings.role == "primary":
+            description = describe(handler, settings.served_name, settings.worker_id)
+            await stack.enter_async_context(Describer(settings, description))
         log.info(
             "worker %s ready: serving %s, version %s, as %s (group %s) from %s to %s (%s)",
             settings.worker_id,
