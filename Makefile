@@ -20,7 +20,7 @@ PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 .PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo demo-video bench settings-doc clean
 
 help:
-	@echo "make install  virtual environment in $(VENV) with the worker, video, timm, hf, s3, tracing, demo and dev extras"
+	@echo "make install  virtual environment in $(VENV) with the worker, video, timm, hf, s3, tracing, gateway, demo, tabular and dev extras"
 	@echo "make up       start Kafka (127.0.0.1:$(KAFKA_PORT)) and Redis (127.0.0.1:$(REDIS_PORT))"
 	@echo "make up-s3    start SeaweedFS's S3 gateway (127.0.0.1:$(S3_PORT)), built from its Go module once"
 	@echo "make down     stop what 'make up' and 'make up-s3' started"
@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 	compose/local/tools.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[worker,video,timm,hf,quant,s3,tracing,demo,dev]' || compose/local/pip-failed.sh $(VENV)
+	$(PY) -m pip install --quiet -e '.[worker,video,timm,hf,quant,s3,tracing,gateway,demo,tabular,dev]' || compose/local/pip-failed.sh $(VENV)
 	touch $(STAMP)
 
 up:

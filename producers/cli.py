@@ -1,7 +1,7 @@
 """The ``conveyor`` command.
 
 The client commands (submit, result, status, wait, cancel, topics, results, stream,
-canary, compare) live in this package and need only the client install. Other
+canary, compare, gateway) live in this package and need only the client install. Other
 commands come from the packages that own them, through the entry-point group
 ``COMMANDS`` (``pyproject.toml``): ``conveyor worker`` is ``workers.cli``'s, so this package
 never imports the worker. A command whose package is not installed, or cannot
@@ -18,6 +18,7 @@ from importlib.metadata import entry_points, version
 
 from common.install import DISTRIBUTION, install_hint
 from producers.commands import CONNECTION_OPTIONS, add_client_commands, connection_options
+from producers.gateway.command import add_gateway_command
 from producers.rebuild_command import add_results_commands
 from producers.version_commands import add_version_commands
 from producers.video import add_stream_command
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_results_commands(commands, connection)
     add_stream_command(commands, connection)
     add_version_commands(commands, connection)
+    add_gateway_command(commands, connection)
     return parser
 
 

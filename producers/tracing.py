@@ -80,3 +80,23 @@ def _installed() -> bool:
         return importlib.util.find_spec("opentelemetry.trace") is not None
     except ModuleNotFoundError:  # no opentelemetry package at all
         return False
+
+
+@contextmanager
+def continuing(traceparent: str | None) -> Iterator[None]:
+    """Make the trace of an incoming ``traceparent`` (W3C) current while the block runs,
+    so that a submit inside it is that trace's child (the HTTP gateway continues each
+    caller's trace this way). Without OpenTelemetry, or without a valid
+    ``traceparent``, nothing changes."""
+    if traceparent is None or not _installed():
+        yield
+        return
+    from opentelemetry import context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    extracted = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+    token = context.attach(extracted)
+    try:
+        yield
+    finally:
+        context.detach(token)

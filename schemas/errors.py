@@ -37,6 +37,10 @@ class ErrorCode(StrEnum):
     decode_failed = "decode_failed"
     """The payload (or a result document) could not be decoded: a corrupt image,
     malformed JSON or NumPy data, or a tensor of the wrong shape for the model."""
+    bad_feature = "bad_feature"
+    """A feature record does not fit the model's feature schema: an unknown (misspelt)
+    feature, a required one missing, or a value of the wrong type (a category outside its
+    values included); ``field`` names the feature (``features.<name>``)."""
     expired = "expired"
     """``ce_deadline`` passed before the model ran."""
     superseded = "superseded"

@@ -32,7 +32,7 @@ from workers.config.worker import WorkerSettings
 from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
-from workers.handlers.base import ImageModel
+from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
@@ -41,6 +41,7 @@ from workers.kafka import fetch_buffers
 from workers.kafka.consumer import Consumer
 from workers.kafka.topics import TopicFacts, check_topics, max_message_bytes
 from workers.model.compile_cache import mark_warm, use_compile_cache
+from workers.model.description import Describer, describe
 from workers.model.loader import AUTO, DTYPES, device_fault, load_handler
 from workers.model.packages import PACKAGES_FOLDER
 from workers.model.quantize import quantize_handler
@@ -164,6 +165,10 @@ async def run_worker(settings: WorkerSettings) -> None:
             tracing=tracing,
             split=split,
         )
+        # The primary's version is the model's; a canary's or a shadow's would flap it.
+        if settings.role == "primary":
+            description = describe(handler, settings.served_name, settings.worker_id)
+            await stack.enter_async_context(Describer(settings, description))
         log.info(
             "worker %s ready: serving %s, version %s, as %s (group %s) from %s to %s (%s)",
             settings.worker_id,
@@ -439,7 +444,10 @@ def _load_and_warm_up(
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
     # recorded; docs/benchmarks.md).
-    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda
+    # Text batches (a cost per item) are sized by tokens: padding their rows up to a graph's
+    # batch size would cost whole rows of the longest text, so they run eagerly by default.
+    eager = isinstance(handler, Costed)
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda and not eager
     if settings.compile:
         buckets = batch_buckets(settings.max_batch_size)
     elif graphs:

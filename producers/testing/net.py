@@ -24,7 +24,8 @@ async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, 
     """(status, body) of one GET; raises OSError while nothing listens on the port."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
     try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        # Connection: close, so that a server that keeps connections open closes this one.
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
     finally:

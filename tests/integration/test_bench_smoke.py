@@ -1,6 +1,6 @@
-"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``
-and ``bench/gpu/``'s e2e and acceptance stages (on the CPU) run end to end, so the
-benchmarks cannot rot. Never checks speed."""
+"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``,
+``bench/gateway.py`` and ``bench/gpu/``'s e2e and acceptance stages (on the CPU) run end to
+end, so the benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -189,3 +189,21 @@ def test_gil_wait_bench_times_every_record_of_each_variant(
         assert 0 < run["records"] < 75  # the first second's records are read, not counted
         assert 0 <= run["p50_ms"] <= run["p99_ms"]
     assert rows[0]["busy_runs_per_s"] == 0 < rows[1]["busy_runs_per_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gateway_bench_compares_both_paths(
+    kafka_bootstrap: str, redis_url: str, digits: list[tuple[bytes, int]], tmp_path: Path
+) -> None:
+    """``bench.gateway`` with tiny counts: both paths answered, the report written."""
+    argv = [sys.executable, "-m", "bench.gateway", "--requests", "8", "--concurrency", "2"]
+    argv += ["--repeats", "1", "--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gateway-bench.json").read_text())
+    for path in ("sdk", "gateway"):
+        assert report["median"][path]["requests_s"] > 0
+        assert 0 < report["median"][path]["p50_ms"] <= report["median"][path]["p99_ms"]

@@ -295,6 +295,12 @@ def _npy_pixels(payload: bytes, max_pixels: int) -> npt.NDArray[np.uint8]:
     return pixels
 
 
+def read_npy(payload: bytes) -> npt.NDArray[Any]:
+    """A ``.npy`` payload's array, viewed in place, its declared size checked first
+    (``ContractError(decode_failed)`` otherwise)."""
+    return _read_npy(payload)
+
+
 def _read_npy(payload: bytes) -> npt.NDArray[Any]:
     """Parse the .npy header and view the data in place, checking sizes first.
 

@@ -24,6 +24,11 @@ Spec forms (the worker's ``--model``):
   always, a hub id from the Hugging Face cache, downloaded only with ``weights="DEFAULT"``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
+- ``tabular:PATH``: a model over feature records (``workers.handlers.tabular``): a
+  TorchScript file, a ``torch.export`` archive (``.pt2``) or a pickled scikit-learn-style
+  estimator (``.joblib``), its feature schema in ``PATH.features.toml`` beside it (or
+  named by the ``schema`` model option); ``backend`` (option) runs an estimator by its
+  own predict (``native``) or as Hummingbird's tensor program (``hummingbird``).
 - ``package.module:ClassName``: a class of yours that satisfies ``workers.handlers.base.Handler``.
 
 TorchScript and export models are served as image classifiers taking a float
@@ -92,7 +97,7 @@ IMAGENET_IMAGE = ImageSpec(height=224, width=224, mode="RGB", crop_ratio=224 / 2
 
 _SPEC_FORMS = (
     "digits, torchvision:ARCH, embedding:ARCH, timm:NAME, hf:PATH_OR_ID, torchscript:PATH, "
-    "export:PATH or "
+    "export:PATH, tabular:PATH or "
     "package.module:ClassName"
 )
 SHORT_SPECS = {
@@ -161,6 +166,17 @@ def load_handler(
         if options:
             raise ModelLoadError(f"{spec}: model options {options} do not apply to hf: specs")
         return load_hf(rest, weights=weights, serving=serving, text=text or TextServing())
+    if kind == "tabular" and rest:
+        from workers.handlers.tabular import load_tabular
+
+        return load_tabular(
+            spec,
+            Path(rest),
+            weights=weights,
+            device=dev,
+            allow_pickle=allow_pickle,
+            options=options,
+        )
     if _is_import_path(kind) and rest.isidentifier():
         given = {
             "device": dev,
