@@ -1,6 +1,6 @@
 """The feature schema and its check: every violation refused with the feature's name.
 
-Pure: ``schemas.features`` turns records, columns and ``.npy`` rows into float32 rows in
+Pure: ``workers.handlers.features`` turns records, columns and ``.npy`` rows into float32 rows in
 the schema's order; a misspelt, missing-and-required or ill-typed feature is a
 ``ContractError(bad_feature)`` whose field is ``features.<name>``, never a zero.
 """
@@ -15,7 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from schemas import ContractError, ErrorCode
-from schemas.features import FeatureCheck, FeatureSchema
+from schemas.features import FeatureSchema
+from workers.handlers.features import FeatureCheck, load_schema
 
 SCHEMA = FeatureSchema.model_validate(
     {
@@ -151,4 +152,4 @@ def test_a_toml_file_reads_as_the_same_schema(tmp_path: Path) -> None:
         '[[features]]\nname = "hour"\ntype = "int"\ndefault = 12\n'
         '[[features]]\nname = "mismatch"\ntype = "boolean"\ndefault = false\n'
     )
-    assert FeatureSchema.load(path) == SCHEMA
+    assert load_schema(path) == SCHEMA

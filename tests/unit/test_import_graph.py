@@ -63,6 +63,7 @@ SCHEMAS_MAY_IMPORT = frozenset(
         "secrets",
         "string",
         "struct",
+        "tomllib",  # parses a str: a feature schema's text (schemas.features)
         "sys",  # sys.byteorder; nothing here reads or writes its streams
         "types",
         "typing",

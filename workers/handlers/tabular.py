@@ -1,12 +1,13 @@
 """Tabular models: feature records in, a score or class probabilities out (``tabular:PATH``).
 
-A request is one record (``{"features": {...}}``), many rows as columns
-(``{"columns": {...}}``) or ``application/x-npy`` rows already in feature order; every
-one is checked against the model's feature schema (``schemas.features``) in
-``preprocess``, so a bad feature fails only its own request. An item travels as a
-float32 (F,) row for one record, or (R, F) rows for many; ``collate`` hands the items
-to ``forward`` as a list, which runs the model once on all their rows and splits the
-outputs back per request. A request of R rows is answered with R outputs.
+A request is one record (``{"features": {...}}``), many rows as columns (``{"columns":
+{...}}``) or ``application/x-npy`` rows already in feature order; every one is checked
+against the model's feature schema (``schemas.features``, by
+``workers.handlers.features``) in ``preprocess``, so a bad feature fails only its own
+request. An item travels as a float32 (F,) row for one record, or (R, F) rows for many;
+``collate`` hands the items to ``forward`` as a list, which runs the model once on all
+their rows and splits the outputs back per request. A request of R rows is answered with
+R outputs.
 
 The model is any callable from an (N, F) float32 tensor to (N,), (N, 1) or (N, C)
 scores: a TorchScript or ``torch.export`` module, or a scikit-learn-style estimator
@@ -29,8 +30,9 @@ import orjson
 import torch
 
 from schemas import ContentType, ContractError, ErrorCode
-from schemas.features import FeatureCheck, FeatureSchema
+from schemas.features import FeatureSchema
 from workers.decode.images import read_npy
+from workers.handlers.features import FeatureCheck, load_schema
 from workers.handlers.weights import ModelLoadError, require_file, sha256
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ def load_tabular(
     require_file(spec, path)
     schema_path = _schema_path(spec, path, options.get("schema"))
     try:
-        schema = FeatureSchema.load(schema_path)
+        schema = load_schema(schema_path)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(
             f"{spec}: the feature schema {schema_path} is not valid: {exc}"
