@@ -101,6 +101,9 @@ class Describer:
         self._description = description
         self._ttl_s = ttl_s
         self._task: asyncio.Task[None] | None = None
+        # Set on exit: redis-py can turn a cancellation inside a command into its own
+        # error, which _write forgives, so the loop also ends on this.
+        self._stopped = asyncio.Event()
         self._failing = False  # logged once per outage, not every refresh
 
     async def __aenter__(self) -> Self:
@@ -114,6 +117,7 @@ class Describer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._stopped.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -129,9 +133,10 @@ class Describer:
         )
         key = description_key(self._description.name)
         try:
-            while True:
+            while not self._stopped.is_set():
                 await self._write(redis, key)
-                await asyncio.sleep(self._ttl_s / 3)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), self._ttl_s / 3)
         finally:
             await redis.aclose()
 
