@@ -15,7 +15,6 @@ less one new token), ``max_sequences``, ``max_batch_tokens``, ``page_size``,
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -26,6 +25,7 @@ import torch
 
 from schemas import ContentType
 from workers.generation.engine import Engine, EngineOptions
+from workers.generation.folder import causal_lm_architecture
 from workers.generation.requests import Limits, Prompt, parse_prompt, token_list
 from workers.handlers.weights import ModelLoadError
 
@@ -41,17 +41,6 @@ class StreamOptions:
     stream_maxlen: int = 10_000
     stream_ttl_s: int = 3_600
     cancel_poll_ms: int = 20
-
-
-def causal_lm_architecture(path: str) -> str | None:
-    """The ``*ForCausalLM`` architecture the folder's config names, else None (so an
-    ``hf:`` folder of another task goes to its own loader)."""
-    config = Path(path) / "config.json"
-    try:
-        names = json.loads(config.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None
-    return next((n for n in names if isinstance(n, str) and n.endswith("ForCausalLM")), None)
 
 
 class Generator:
