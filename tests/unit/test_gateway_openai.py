@@ -1,4 +1,5 @@
-"""OpenAI's bodies as generation requests and back (``producers.gateway.openai``): the
+"""OpenAI's bodies as generation requests and back (``producers.gateway.openai_requests`` and
+``openai_answers``): the
 parameters each route maps, what it refuses by name, the shapes of whole answers and
 of stream chunks, and a restarted stream that never splices two texts."""
 
@@ -9,18 +10,20 @@ from typing import Any
 
 import pytest
 
-from producers.gateway.openai import (
-    BadRequest,
+from producers.gateway.openai_answers import (
     Chunks,
     Diverged,
-    Kind,
     Resumed,
     completion_body,
     error_body,
+    sse,
+)
+from producers.gateway.openai_requests import (
+    BadRequest,
+    Kind,
     parse_body,
     parse_chat,
     parse_completion,
-    sse,
 )
 
 OUTPUTS = {"text": "Hello", "finish_reason": "length", "prompt_tokens": 5, "completion_tokens": 3}
