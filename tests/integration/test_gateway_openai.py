@@ -4,7 +4,8 @@ tokenizer trained here), broker and Redis: completions and chats, whole and stre
 equal what the SDK gets for the same request under greedy decoding; ``/v1/models``
 lists the model; an unknown model, a bad parameter, a missing token, back-pressure and
 a wait that times out get their statuses in OpenAI's error shape; a caller that
-disconnects mid-stream cancels its generation."""
+disconnects mid-stream cancels its generation, and a generation cancelled mid-stream
+ends it with an error event."""
 
 from __future__ import annotations
 
@@ -263,6 +264,41 @@ async def test_a_caller_that_disconnects_mid_stream_cancels_the_generation(
     assert result.error.code is ErrorCode.cancelled
     made = int(result.error.message.rsplit("after ", 1)[1].split()[0])
     assert 0 < made < LONG
+
+
+@pytest.mark.timeout(300)
+async def test_a_generation_cancelled_mid_stream_ends_it_with_an_error_event(
+    llm: str, oa: AsyncOpenAI, uid: str, client_settings: ClientSettings
+) -> None:
+    """A streamed generation cancelled by someone else after a few chunks: the stream
+    ends with OpenAI's error event (the client raises it) carrying the code."""
+    await _until_listed(oa, llm)
+    request_id = f"stopped-{uid}"
+    stream = await oa.chat.completions.create(
+        model=llm,
+        messages=MESSAGES,
+        max_completion_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_headers={"X-Request-Id": request_id},
+    )
+    seen = 0
+    async with AsyncClient(client_settings) as sdk:
+
+        async def read_all() -> None:
+            nonlocal seen
+            async for _chunk in stream:
+                seen += 1
+                if seen == 3:
+                    await sdk.cancel(request_id)
+
+        with pytest.raises(openai.APIError) as stopped:
+            await read_all()
+        result = await sdk.wait(request_id, timeout=60)
+    assert result.error is not None
+    assert result.error.code is ErrorCode.cancelled
+    assert stopped.value.code == "cancelled"
+    assert seen < LONG
 
 
 @pytest.mark.timeout(300)
