@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from schemas import ContentType
+from schemas.description import Task
 from workers.generation.engine import Engine, EngineOptions
 from workers.generation.folder import causal_lm_architecture
 from workers.generation.requests import Limits, Prompt, parse_prompt, token_list
@@ -50,6 +51,11 @@ class Generator:
     a payload into a ``Prompt``); the batch methods are never called: the pipeline
     hands its requests to ``workers.generation.stage.Generating``, which feeds the
     engine."""
+
+    task = Task.text_generation
+    """What the worker's description of the model says (``workers.model.description``)."""
+    content_types = (ContentType.TEXT, ContentType.JSON)
+    """The media types ``preprocess`` takes: a prompt, or ``{"prompt"}``/``{"messages"}``."""
 
     def __init__(
         self,
