@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_tabular import tabular
 from bench.plot import Line, Panel, draw_panels
 from bench.services import Services, all_results_in
 from bench.stats import (
@@ -597,12 +598,20 @@ async def run(bench: Bench) -> dict[str, Any]:
     async def overhead_scenario() -> None:
         report["overhead"] = await _timed("2/4 per-request overhead", overhead(bench))
 
+    async def tabular_scenario() -> None:
+        counts = (300, 20) if bench.quick else (20_000, 200)
+        report["tabular"] = await _timed(
+            "tabular: feature records, peak, idle and half the peak",
+            tabular(bench, *counts, bench.plan.latency_seconds),
+        )
+
     scenarios = tuple(
         scenario
         for name, scenario in (
             ("transport", transport_scenario),
             ("overhead", overhead_scenario),
             ("digits", digits_scenarios),
+            ("tabular", tabular_scenario),
         )
         if not bench.only or name in bench.only
     )
@@ -619,7 +628,7 @@ async def run(bench: Bench) -> dict[str, Any]:
     meta["plan"] = asdict(bench.plan)
     return {
         key: report[key]
-        for key in ("meta", "transport", "overhead", "latency", "batching")
+        for key in ("meta", "transport", "overhead", "latency", "batching", "tabular")
         if key in report
     }
 
@@ -805,8 +814,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated scenarios to run: transport, overhead, digits (3 and 4); "
-        "default all (the table and plot then show only what ran)",
+        help="comma-separated scenarios to run: transport, overhead, digits (3 and 4), tabular "
+        "(feature records: bench.cpu_tabular); default all (the table and plot then show "
+        "only what ran)",
     )
     parser.add_argument(
         "--overhead-options",
