@@ -9,7 +9,7 @@
    child process and waits for its first answer;
 3. streams the held-out transactions to it at a steady rate, each one a request of its
    own (``{"features": {...}}``), and waits for every score;
-4. prints, per model, precision and recall at a threshold of 0.5 against the truth, the
+4. prints, per model, precision and recall at a threshold of 0.2 against the truth, the
    same for the offline scores, the largest difference between a served and an offline
    score, and the latency from each request's production to its score's write to Redis;
 5. stops the worker (SIGTERM, then waits for it to drain), also on Ctrl-C or error.
@@ -57,7 +57,9 @@ JSON = ContentType.JSON  # every request of the stream
 HELD_OUT = 2000
 RATE = 500  # records a second, sent in slices of ``_SLICE`` every ``_SLICE / RATE`` s
 SCORE_TOLERANCE = 1e-4
-THRESHOLD = 0.5
+THRESHOLD = 0.2
+"""Flagged at this fraud probability: with 3 % of transactions fraud and noisy labels the
+models rarely reach 0.5 (the MLP's highest held-out score was 0.44, recall 0 there)."""
 _SLICE = 5
 _PARTITIONS = 2
 
