@@ -146,8 +146,12 @@ class ScaleRule:
 
 @dataclass(frozen=True)
 class Step:
-    seconds: float
+    seconds: float  # how long the step lasts (with ``hold_s``: at most)
     rate: float  # requests per second offered during the step
+    hold_s: float | None = None
+    """When set, the step ends this long after the backlog it built fell back under the
+    rule's target (``caught_up``), or at ``seconds`` if that never happens: a load that
+    lasts until the workers caught up, however long starting them takes on the machine."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ class Report:
     model: str
     samples: list[Sample] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
+    step_ends_s: list[float] = field(default_factory=list)  # when each step of the profile ended
+    caught_up_at_s: float | None = None  # when the backlog fell back under target (``caught_up``)
 
     def summary(self, load_end_s: float) -> dict[str, Any]:
         """What the run did; ``load_end_s``: when the step's high load ended (for the record)."""
@@ -300,13 +306,24 @@ class Replicas:
         await asyncio.gather(*list(self._stopping))
 
 
+def caught_up(lag: int, workers: int, peak_lag: int, threshold: int) -> bool:
+    """Whether a backlog built up (``peak_lag`` over twice ``threshold``, one worker's
+    target) and the lag fell back under the target of the ``workers`` serving it, and to
+    half its peak at most: a lag still growing is under the target of workers just asked
+    for, before they serve, without anything having caught up."""
+    return peak_lag > 2 * threshold and lag <= min(threshold * workers, peak_lag / 2)
+
+
 class Load:
-    """Sends the profile's requests through the SDK, 10 sends a second; remembers the ids."""
+    """Sends the profile's requests through the SDK, 10 sends a second; remembers the ids
+    and when each step ended (``time.monotonic()``)."""
 
     def __init__(self, config: RunConfig, model: str) -> None:
         self._config, self._model = config, model
         self.ids: list[str] = []
         self.offered = 0.0
+        self.step_ends: list[float] = []
+        self.caught_up_at: float | None = None  # set by the control loop (``caught_up``)
 
     async def run(self) -> None:
         settings = ClientSettings(
@@ -319,7 +336,7 @@ class Load:
             for step in self._config.profile:
                 self.offered = step.rate
                 owed, until = 0.0, due + step.seconds
-                while due < until:
+                while due < min(until, self._held_until(step, start)):
                     owed += step.rate * tick
                     count, owed = int(owed), owed - int(owed)
                     ids = [f"{self._model}-{len(self.ids) + n}" for n in range(count)]
@@ -333,7 +350,14 @@ class Load:
                         self.ids += ids
                     due += tick
                     await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+                self.step_ends.append(time.monotonic())
         self.offered = 0.0
+
+    def _held_until(self, step: Step, start: float) -> float:
+        """When a ``hold_s`` step ends, in seconds since ``start`` (inf until caught up)."""
+        if step.hold_s is None or self.caught_up_at is None:
+            return math.inf
+        return self.caught_up_at - start + step.hold_s
 
 
 async def run(config: RunConfig) -> Report:
@@ -355,10 +379,15 @@ async def run(config: RunConfig) -> Report:
     history: deque[tuple[float, int]] = deque()
     start = time.monotonic()
     load_end = sum(step.seconds for step in config.profile)
+    peak_lag = 0
     try:
         while True:
             now = time.monotonic() - start
             lag, committed = await lag_probe.read()
+            peak_lag = max(peak_lag, lag)
+            threshold = config.policy.lag_threshold
+            if load.caught_up_at is None and caught_up(lag, fleet.size, peak_lag, threshold):
+                load.caught_up_at = start + now
             history.append((now, committed))
             while history[0][0] < now - _RATE_WINDOW_S:
                 history.popleft()
@@ -377,6 +406,9 @@ async def run(config: RunConfig) -> Report:
         await fleet.aclose()
         await lag_probe.stop()
     report.request_ids = load.ids
+    report.step_ends_s = [round(end - start, 1) for end in load.step_ends]
+    if load.caught_up_at is not None:
+        report.caught_up_at_s = round(load.caught_up_at - start, 1)
     return report
 
 
@@ -417,8 +449,9 @@ COMPRESSED = replace(
 """worker-scaledobject.yaml's rule ten times faster (periods and window divided by 10),
 a threshold of 3 s of one paced worker's work, and a cap of 3 workers."""
 
-LOAD_STEP = (Step(8, 30), Step(50, 200), Step(30, 30))
-"""Light load, a step to twice one worker's capacity, light load again."""
+LOAD_STEP = (Step(8, 30), Step(150, 200, hold_s=15), Step(30, 30))
+"""Light load, a step to twice one worker's capacity until 15 s after the workers caught up
+with the backlog it built (at most 150 s), light load again."""
 
 
 def plot(report: Report, path: Path) -> None:
@@ -497,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         replication_factor=args.replication_factor,
     )
     report = asyncio.run(run(config))
-    summary = report.summary(LOAD_STEP[0].seconds + LOAD_STEP[1].seconds)
+    summary = report.summary(report.step_ends_s[1])
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / "autoscale.json", args.out / "autoscale.png"
     samples = [asdict(s) | {"drain_s": _finite(s.drain_s)} for s in report.samples]

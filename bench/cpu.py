@@ -27,7 +27,9 @@ fresh model name (so fresh topics and consumer groups), each worker a real
    vs micro-batched (the defaults), both from a backlog as in 2.
 
 It prints a table last and writes ``cpu-bench.json`` and ``cpu-bench.png``
-into ``--out`` (default ``docs/``).
+into ``--out`` (default ``docs/``). ``--only tabular`` measures feature records
+instead (``bench.cpu_tabular``: the fraud demo's MLP at its peak, idle and half the
+peak), printed as JSON; no run measures it unless named.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_tabular import tabular
 from bench.plot import Line, Panel, draw_panels
 from bench.services import Services, all_results_in
 from bench.stats import (
@@ -124,7 +127,7 @@ class Bench:
     run_id: str
     quick: bool  # tiny counts, scenarios side by side: the numbers mean nothing
     baseline_tree: Path | None = None  # a checkout of the previous design, run side by side
-    only: frozenset[str] = frozenset()  # scenarios to run; empty: all
+    only: frozenset[str] = frozenset()  # scenarios to run; empty: DEFAULT_SCENARIOS
     overhead_options: tuple[str, ...] = ()  # more worker flags for scenario 2 (both trees)
     overhead_variant: tuple[str, ...] = ()  # scenario 2 also runs this worker with these flags
     overhead_traced: bool = False  # scenario 2's requests carry a traceparent; spans collected
@@ -574,6 +577,11 @@ def _digit_requests(
 # -- the run ----------------------------------------------------------------------------------
 
 
+DEFAULT_SCENARIOS = frozenset({"transport", "overhead", "digits"})
+"""What a run without ``--only`` measures: the four scenarios of the table. ``tabular`` is
+a model family of its own, measured when named (``--only tabular``)."""
+
+
 async def run(bench: Bench) -> dict[str, Any]:
     started = time.monotonic()
     meta = _machine() | {"load_average_before": os.getloadavg()}
@@ -597,14 +605,22 @@ async def run(bench: Bench) -> dict[str, Any]:
     async def overhead_scenario() -> None:
         report["overhead"] = await _timed("2/4 per-request overhead", overhead(bench))
 
+    async def tabular_scenario() -> None:
+        counts = (300, 20) if bench.quick else (20_000, 200)
+        report["tabular"] = await _timed(
+            "tabular: feature records, peak, idle and half the peak",
+            tabular(bench, *counts, bench.plan.latency_seconds),
+        )
+
     scenarios = tuple(
         scenario
         for name, scenario in (
             ("transport", transport_scenario),
             ("overhead", overhead_scenario),
             ("digits", digits_scenarios),
+            ("tabular", tabular_scenario),
         )
-        if not bench.only or name in bench.only
+        if name in (bench.only or DEFAULT_SCENARIOS)
     )
     if bench.quick:
         # Only checks that everything runs: side by side, the workers start up together.
@@ -619,7 +635,7 @@ async def run(bench: Bench) -> dict[str, Any]:
     meta["plan"] = asdict(bench.plan)
     return {
         key: report[key]
-        for key in ("meta", "transport", "overhead", "latency", "batching")
+        for key in ("meta", "transport", "overhead", "latency", "batching", "tabular")
         if key in report
     }
 
@@ -805,8 +821,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated scenarios to run: transport, overhead, digits (3 and 4); "
-        "default all (the table and plot then show only what ran)",
+        help="comma-separated scenarios to run: transport, overhead, digits (3 and 4), tabular "
+        "(feature records: bench.cpu_tabular, run only when named); default: the first three "
+        "(the table and plot then show only what ran)",
     )
     parser.add_argument(
         "--overhead-options",

@@ -28,10 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demo.models.digits import build_digits_model, digits_metadata, heldout_digits
-from demo.worker import REPO, client_settings, exit_status, launch, worker_config
+from demo.worker import (
+    REPO,
+    client_settings,
+    durable_ms,
+    exit_status,
+    latency_ms,
+    launch,
+    percentile,
+    worker_config,
+)
 from producers import AsyncClient, ClientSettings, Result, Status
 from producers.admin import create_model_topics
-from schemas import Timings
 
 ACCURACY_TOLERANCE = 0.01
 """How far (as a fraction) served accuracy may fall below the offline accuracy."""
@@ -122,25 +130,15 @@ def _top1(result: Result) -> tuple[int, float] | None:
     return int(best["index"]), float(best["score"])
 
 
-def _durable_ms(timings: Timings) -> float:
-    """When the result was sent to Redis (durable one round trip later)."""
-    return timings.finished_ms if timings.published_ms is None else timings.published_ms
-
-
-def _latency_ms(result: Result) -> float | None:
-    timings = result.timings
-    return None if timings is None else _durable_ms(timings) - timings.produced_ms
-
-
 def _report(results: list[Result], truth: dict[str, int], offline: float) -> DemoReport:
     correct = 0
     for result in results:
         top1 = _top1(result)
         correct += top1 is not None and top1[0] == truth[result.id]
-    latencies = sorted(ms for ms in map(_latency_ms, results) if ms is not None)
+    latencies = sorted(ms for ms in map(latency_ms, results) if ms is not None)
     spans = [r.timings for r in results if r.timings is not None]
     elapsed_s = (
-        (max(_durable_ms(t) for t in spans) - min(t.produced_ms for t in spans)) / 1000
+        (max(durable_ms(t) for t in spans) - min(t.produced_ms for t in spans)) / 1000
         if spans
         else math.nan
     )
@@ -150,16 +148,8 @@ def _report(results: list[Result], truth: dict[str, int], offline: float) -> Dem
         offline_accuracy=offline,
         requests_per_s=len(results) / elapsed_s if elapsed_s > 0 else math.nan,
         latency_p50_ms=statistics.median(latencies) if latencies else math.nan,
-        latency_p99_ms=_percentile(latencies, 99),
+        latency_p99_ms=percentile(latencies, 99),
     )
-
-
-def _percentile(sorted_values: list[float], percent: int) -> float:
-    """Nearest-rank percentile: the smallest value with ``percent``% of values at or below it."""
-    if not sorted_values:
-        return math.nan
-    rank = math.ceil(percent / 100 * len(sorted_values))
-    return sorted_values[max(rank, 1) - 1]
 
 
 def _print_table(results: Sequence[Result], truth: dict[str, int]) -> None:
@@ -167,7 +157,7 @@ def _print_table(results: Sequence[Result], truth: dict[str, int]) -> None:
     for result in results:
         top1 = _top1(result)
         predicted, score = (str(top1[0]), f"{top1[1]:.3f}") if top1 else (result.status, "-")
-        latency = _latency_ms(result)
+        latency = latency_ms(result)
         shown = "-" if latency is None else f"{latency:.1f}"
         print(f"{result.id:<24} {truth[result.id]:>4} {predicted:>9} {score:>6} {shown:>10}")
 

@@ -56,11 +56,19 @@ from demo.models.detector import (
 )
 from demo.models.digits import build_digits_model, digits_metadata
 from demo.models.scenes import CANVAS
-from demo.worker import REPO, DemoError, client_settings, exit_status, launch, worker_config
+from demo.worker import (
+    REPO,
+    DemoError,
+    client_settings,
+    durable_ms,
+    exit_status,
+    launch,
+    worker_config,
+)
 from producers import AsyncClient, ClientSettings, Status
 from producers.admin import create_model_topics
 from producers.testing import unless_one_exits
-from schemas import ContentType, Result, Timings, decode_result
+from schemas import ContentType, Result, decode_result
 
 MIN_RECALL = 0.7
 """The share of true digits the served boxes must find (IoU >= 0.5, right label)."""
@@ -293,9 +301,9 @@ def _report(
         counts.add(detections(result), truth)
     done = [r for r in results if r is not None]
     spans = [r.timings for r in done if r.timings is not None]
-    latencies = sorted(_durable_ms(t) - t.produced_ms for t in spans)
+    latencies = sorted(durable_ms(t) - t.produced_ms for t in spans)
     elapsed_s = (
-        (max(_durable_ms(t) for t in spans) - min(t.produced_ms for t in spans)) / 1000
+        (max(durable_ms(t) for t in spans) - min(t.produced_ms for t in spans)) / 1000
         if spans
         else math.nan
     )
@@ -318,11 +326,6 @@ def _report(
         gif=gif,
         png=png,
     )
-
-
-def _durable_ms(timings: Timings) -> float:
-    """When the result was sent to Redis (durable one round trip later)."""
-    return timings.finished_ms if timings.published_ms is None else timings.published_ms
 
 
 def _print_summary(report: VideoReport, reader: str) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
@@ -13,6 +14,7 @@ from pydantic import SecretStr
 from producers import ClientError, ContractError
 from producers.settings import ClientSettings
 from producers.testing import WorkerConfig, WorkerExited, WorkerProcess
+from schemas import Result, Timings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,3 +77,22 @@ def launch(config: WorkerConfig, log_path: Path) -> WorkerProcess:
     ``unless_it_dies`` raises ``producers.testing.WorkerExited`` if it exits early."""
     log_path.unlink(missing_ok=True)
     return WorkerProcess(config, log_path, new_session=True)
+
+
+def durable_ms(timings: Timings) -> float:
+    """When a result was sent to Redis (durable one round trip later)."""
+    return timings.finished_ms if timings.published_ms is None else timings.published_ms
+
+
+def latency_ms(result: Result) -> float | None:
+    """From the request's production to its result's write to Redis."""
+    timings = result.timings
+    return None if timings is None else durable_ms(timings) - timings.produced_ms
+
+
+def percentile(sorted_values: list[float], percent: int) -> float:
+    """Nearest-rank percentile: the smallest value with ``percent``% of values at or below it."""
+    if not sorted_values:
+        return math.nan
+    rank = math.ceil(percent / 100 * len(sorted_values))
+    return sorted_values[max(rank, 1) - 1]

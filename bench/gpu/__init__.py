@@ -56,11 +56,30 @@ the ready and kill stages), ``load`` (the producer processes), ``cores``
 
 from __future__ import annotations
 
-from bench.gpu.cli import main, parse_args
-from bench.gpu.corpus import Corpus, build_corpora, make_corpus, synthetic_jpeg
-from bench.gpu.host import expected_processes, parse_layout
-from bench.gpu.load import paced_processes
-from bench.gpu.report import summarize
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.gpu.cli import main, parse_args
+    from bench.gpu.corpus import Corpus, build_corpora, make_corpus, synthetic_jpeg
+    from bench.gpu.host import expected_processes, parse_layout
+    from bench.gpu.load import paced_processes
+    from bench.gpu.report import summarize
+
+# Imported when first asked for: a producer process (``python -m bench.gpu.load``) runs
+# inside this package and must not import torch and every stage to send its records.
+_HOMES = {
+    "Corpus": "corpus",
+    "build_corpora": "corpus",
+    "expected_processes": "host",
+    "main": "cli",
+    "make_corpus": "corpus",
+    "paced_processes": "load",
+    "parse_args": "cli",
+    "parse_layout": "host",
+    "summarize": "report",
+    "synthetic_jpeg": "corpus",
+}
 
 __all__ = [
     "Corpus",
@@ -74,3 +93,10 @@ __all__ = [
     "summarize",
     "synthetic_jpeg",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

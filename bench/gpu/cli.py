@@ -2,8 +2,8 @@
 
 The stages chosen (with their letters a-d) run in turn, the results written to
 ``gpu-bench.json`` after every stage and layout (merged with ``--previous`` files),
-then the plot and the table; with ``--produce`` or ``--produce-paced`` the process is
-one of the load's producers instead (``bench.gpu.load``).
+then the plot and the table. The load's producer processes run ``python -m
+bench.gpu.load`` (no torch, so they start in a second).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from bench.gpu.config import Config, _card, load_model, make_config
 from bench.gpu.corpus import Corpus, build_corpora
 from bench.gpu.e2e import stage_e2e
 from bench.gpu.host import stage_kill, stage_ready
-from bench.gpu.load import produce_paced_share, produce_share
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
 from bench.gpu.together import TOGETHER, stage_together
@@ -211,8 +210,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a JSON object every produced request carries as its parameters (e2e, zoo, "
         'acceptance), e.g. \'{"dtype": "float16"}\': an embedding\'s results at half size',
     )
-    parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
-    parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
     parser.add_argument(
         "--detectors",
@@ -298,10 +295,6 @@ def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.produce:
-        return produce_share(args.produce, args)
-    if args.produce_paced:
-        return produce_paced_share(args.produce_paced, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
         for key, value in json.loads(previous.read_text()).items():

@@ -1,7 +1,7 @@
 """The end-to-end stages' load, sent from producer processes of their own.
 
 One Python producer cannot keep a GPU fed with 150 KB images, so the load comes from
-``python -m bench.gpu --produce`` / ``--produce-paced`` processes: backlogs written in
+``python -m bench.gpu.load --produce`` / ``--produce-paced`` processes: backlogs written in
 Kafka transactions committed together, and paced loads sent open loop from as many
 processes as their bytes and records a second need. Both sides are here: the one that
 starts and steps the processes, and each process's share.
@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from bench.gpu.config import _rate
 from bench.gpu.cores import _pin_all_threads, _producer_cores
 from bench.gpu.corpus import Corpus, _records, make_corpus
 from bench.stats import (
@@ -71,7 +70,8 @@ async def produce_at_once(
     started = time.perf_counter()
     await _tell_all(procs, b"go")
     await _all_say(procs, b"sent")  # each once its share is written, not yet committed
-    rate = _rate(sum(count for _, _, count in backlogs), time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    rate = sum(count for _, _, count in backlogs) / seconds if seconds > 0 else math.nan
     if on_visible is not None:  # the workers are about to see the backlog
         on_visible()
     await _tell_all(procs, b"commit")
@@ -171,15 +171,15 @@ async def _producers(
     processes: int,
     more: str = "",
 ) -> list[asyncio.subprocess.Process]:
-    """``processes`` producer processes (``python -m bench.gpu MODE SPEC``), each with its
-    share of requests ``<prefix>-0`` to ``<prefix>-<count - 1>``, pinned with ``--pin``."""
+    """``processes`` producer processes (``python -m bench.gpu.load MODE SPEC``), each with
+    its share of requests ``<prefix>-0`` to ``<prefix>-<count - 1>``, pinned with ``--pin``."""
     share = [count // processes + (k < count % processes) for k in range(processes)]
     first, procs = 0, []
     for n in share:
         spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
         command = [
-            sys.executable, "-m", "bench.gpu", mode, spec + more,
-            "--kafka-bootstrap", args.kafka_bootstrap, "--partitions", str(partitions),
+            sys.executable, "-m", "bench.gpu.load", mode, spec + more,
+            "--kafka-bootstrap", args.kafka_bootstrap,
             "--request-params", json.dumps(args.request_params),
         ]  # fmt: skip
         first += n
@@ -235,3 +235,23 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One producer process of the load (``_producers`` starts them): ``--produce SPEC``
+    (``produce_share``) or ``--produce-paced SPEC`` (``produce_paced_share``). Torch and
+    the stages stay unimported, so a load of several processes starts in a second."""
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu.load")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--produce", help="TOPIC,W,H,PREFIX,FIRST,COUNT: a backlog's share")
+    mode.add_argument("--produce-paced", help="the same, then ,RATE: a paced load's share")
+    parser.add_argument("--kafka-bootstrap", required=True)
+    parser.add_argument("--request-params", type=json.loads, default=None)
+    args = parser.parse_args(argv)
+    if args.produce:
+        return produce_share(args.produce, args)
+    return produce_paced_share(args.produce_paced, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,11 @@ time after a stabilization window), with its minutes made seconds. Load steps
 from a third of one worker's capacity to twice it and back: the rule must go
 1 → 3 → 1 workers, the backlog must fall back under the rule's target while the
 load is still high, and every request must be answered once.
+
+The high load lasts until 15 s after the workers caught up with its backlog, at
+most 150 s: how soon they do depends on how fast the machine starts a worker
+(Python, torch, joining the group), what is checked is that they do while the
+load is on, and that the rule adds workers for the backlog and removes them after.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from tests.cluster.conftest import KafkaCluster
 from tests.harness import NOTES, check, tally_scenario
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 async def test_load_step_scales_one_to_three_to_one(
     healthy_kafka: KafkaCluster, redis_url: str, tmp_path: Path
 ) -> None:
@@ -34,8 +39,8 @@ async def test_load_step_scales_one_to_three_to_one(
     report = await run(config)
     logs = _logs(tmp_path)
     samples = report.samples
-    high_from = LOAD_STEP[0].seconds
-    high_until = high_from + LOAD_STEP[1].seconds
+    high_from, high_until = report.step_ends_s[0], report.step_ends_s[1]
+    cap = high_from + LOAD_STEP[1].seconds
 
     summary = report.summary(high_until)
     path = summary["workers_path"]  # the worker counts, in the order they were held
@@ -52,6 +57,9 @@ async def test_load_step_scales_one_to_three_to_one(
     back = summary["back_under_target_at_s"]
     assert back is not None, f"the backlog never fell back under target: {summary}\n{logs[-3000:]}"
     assert back < high_until, f"back under target only after the load dropped: {summary}"
+    # The load ended because the workers caught up, not at its cap.
+    assert report.caught_up_at_s is not None, f"not caught up within {cap:g} s: {summary}"
+    assert high_until < cap, f"the high load ran to its cap: {summary}"
     assert samples[-1].lag == 0
 
     row = await tally_scenario(

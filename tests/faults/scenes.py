@@ -16,6 +16,8 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from producers.admin import create_model_topics
+from producers.settings import ClientSettings
 from producers.testing import (
     Fleet,
     Tally,
@@ -26,7 +28,7 @@ from producers.testing import (
     until,
     until_answered,
 )
-from schemas import ModelTopics, OutgoingRecord, topics_for
+from schemas import ContentType, ModelTopics, OutgoingRecord, encode_request, topics_for
 from tests.harness import LocalService, check, check_exactly_once, setup_model, tally_scenario
 
 EXACTLY_ONCE = ("--delivery", "exactly-once")
@@ -142,6 +144,27 @@ def backlog(count: int, partitions: int = 3, produced: int | None = None) -> Ste
             scene.bootstrap, scene.model, scene.digits, count, partitions
         )
         await scene.produce_until(produced)
+
+    return run
+
+
+def payload_backlog(
+    payloads: Sequence[bytes], content_type: ContentType, partitions: int = 3
+) -> Step:
+    """The model's topics and one request a payload of ``payloads`` (ids
+    ``<model>-<n>``), all produced now: a backlog of a model that takes no digits."""
+
+    async def run(scene: Scene) -> None:
+        settings = ClientSettings(kafka_bootstrap=scene.bootstrap)
+        await create_model_topics(settings, scene.model, partitions)
+        scene.ids = [f"{scene.model}-{n}" for n in range(len(payloads))]
+        scene.records = [
+            encode_request(
+                payload, request_id=request_id, content_type=content_type, source="tests"
+            )
+            for payload, request_id in zip(payloads, scene.ids, strict=True)
+        ]
+        await scene.produce_until()
 
     return run
 

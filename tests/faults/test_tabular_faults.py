@@ -13,17 +13,15 @@ import orjson
 import pytest
 
 from demo.models.fraud import build, record, transactions
-from producers.admin import create_model_topics
-from producers.settings import ClientSettings
 from producers.testing import Fleet, WorkerConfig
-from schemas import ContentType, encode_request
+from schemas import ContentType
 from tests.faults.scenes import (
     Scenario,
     Scene,
-    Step,
     answered,
     kill,
     mid_stream,
+    payload_backlog,
     play,
     start,
     steps,
@@ -36,26 +34,9 @@ REQUESTS = 3000
 BATCH_8 = ("--max-batch-size", "8")
 
 
-def record_backlog(count: int, partitions: int = 3) -> Step:
-    """The model's topics and ``count`` feature records (one a request), all produced now."""
-
-    async def run(scene: Scene) -> None:
-        settings = ClientSettings(kafka_bootstrap=scene.bootstrap)
-        await create_model_topics(settings, scene.model, partitions)
-        data = transactions(count, seed=11)
-        scene.ids = [f"{scene.model}-{n}" for n in range(count)]
-        scene.records = [
-            encode_request(
-                orjson.dumps({"features": record(data, n)}),
-                request_id=request_id,
-                content_type=ContentType.JSON,
-                source="tests",
-            )
-            for n, request_id in enumerate(scene.ids)
-        ]
-        await scene.produce_until()
-
-    return run
+def _records(count: int) -> list[bytes]:
+    data = transactions(count, seed=11)
+    return [orjson.dumps({"features": record(data, n)}) for n in range(count)]
 
 
 @pytest.mark.timeout(300)
@@ -69,7 +50,11 @@ async def test_a_tabular_worker_sigkilled_mid_stream_loses_nothing(
     spec = f"tabular:{mlp}"
     scenario = Scenario(
         "tabular worker SIGKILL mid-stream, restart",
-        setup=steps(record_backlog(REQUESTS), start(*BATCH_8, model=spec), answered(100)),
+        setup=steps(
+            payload_backlog(_records(REQUESTS), ContentType.JSON),
+            start(*BATCH_8, model=spec),
+            answered(100),
+        ),
         fault=steps(kill(0), mid_stream),
         recovery=start(*BATCH_8, model=spec),
     )

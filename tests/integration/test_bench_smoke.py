@@ -1,6 +1,6 @@
-"""``bench/cpu.py --quick``, ``bench/fetch.py``, ``bench/sdk_send.py``, ``bench/gil_wait.py``,
-``bench/gateway.py`` and ``bench/gpu/``'s e2e and acceptance stages (on the CPU) run end to
-end, so the benchmarks cannot rot. Never checks speed."""
+"""``bench/cpu.py --quick`` (and ``--only tabular``), ``bench/fetch.py``, ``bench/sdk_send.py``,
+``bench/gil_wait.py``, ``bench/gateway.py`` and ``bench/gpu/``'s e2e and acceptance stages
+(on the CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ def test_quick_cpu_bench_writes_every_section(
     assert report["batching"]["batch_1"]["mean_batch_size"] == 1.0
     assert (tmp_path / "cpu-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "scenario" in done.stdout.splitlines()[-7]  # the table comes last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_tabular_bench_measures_each_level(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """``bench.cpu --only tabular`` (a scenario only run when named) with tiny counts."""
+    argv = [sys.executable, "-m", "bench.cpu", "--quick", "--only", "tabular"]
+    argv += ["--out", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "cpu-bench.json").read_text())
+    assert tuple(report) == ("meta", "tabular")
+    tabular = report["tabular"]
+    assert tabular["peak"]["requests"] == 300
+    assert tabular["peak"]["rate"] > 0
+    for name in ("idle", "half"):
+        level = tabular[name]
+        assert 0 <= level["p50_ms"] <= level["p99_ms"] <= level["max_ms"]
+        for part in LATENCY_PARTS:
+            assert 0 <= level[f"{part}_p50_ms"] <= level[f"{part}_p99_ms"]
+    assert set(tabular["met"]) == {"idle", "half", "peak"}
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from bench.autoscale import SCALED_OBJECT, ScalePolicy, ScaleRule
+from bench.autoscale import SCALED_OBJECT, ScalePolicy, ScaleRule, caught_up
 
 POLICY = ScalePolicy(
     lag_threshold=100,
@@ -98,3 +98,15 @@ def test_faster_divides_every_period_and_keeps_the_counts() -> None:
     assert (fast.up_period_s, fast.down_period_s, fast.down_window_s) == (6, 12, 30)
     assert (fast.lag_threshold, fast.up_pods, fast.down_pods) == (100, 2, 1)
     assert (fast.min_workers, fast.max_workers) == (1, 6)
+
+
+def test_a_backlog_is_caught_up_once_it_falls_back_under_target() -> None:
+    threshold = 300
+    assert not caught_up(500, 1, 500, threshold)  # no backlog beyond twice one worker's share
+    # Growing: under the target of 3 workers just asked for, but at its peak.
+    assert not caught_up(700, 3, 700, threshold)
+    assert not caught_up(1000, 3, 4000, threshold)  # falling, still over 3 x 300
+    assert caught_up(880, 3, 4000, threshold)
+    assert not caught_up(880, 2, 4000, threshold)  # over the target of 2 workers
+    assert caught_up(500, 3, 1000, threshold)  # a small peak: down to half of it
+    assert not caught_up(600, 3, 1000, threshold)
