@@ -98,7 +98,9 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="auto: float16 for torchvision models on CUDA, else float32"
+        default="auto",
+        description="auto: on CUDA, float16 for torchvision models and timm's ViTs, "
+        "ConvNeXts, EfficientNets and ResNets (docs/models.md, Precision); else float32",
     )
     quantize: Literal["none", "int8"] = Field(
         default="none",
