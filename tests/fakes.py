@@ -100,6 +100,9 @@ class FakeSource:
     revoke_handler: Revoked | None = None
     rebalancing: bool = False
     restarted: list[TopicPartition] = field(default_factory=list)
+    # Whether caught_up reports it (every partition handed out to its end, none paused);
+    # off: never caught up, so batches wait for the timer as they did before the rule.
+    reports_caught_up: bool = False
 
     async def fetch(
         self, timeout_ms: int, max_records: int
@@ -140,6 +143,11 @@ class FakeSource:
 
     def lag(self) -> Mapping[TopicPartition, int]:
         return {}
+
+    def caught_up(self) -> bool:
+        if not self.reports_caught_up or self.paused or self.rebalancing:
+            return False
+        return all(self.position.get(key, 0) >= len(rs) for key, rs in self.partitions.items())
 
     async def revoke(self, partition: Key) -> None:
         """As a rebalance does: the pipeline drains, then the partition is gone."""

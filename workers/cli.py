@@ -80,6 +80,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
         "max_batch_size",
         "max_batch_tokens",
         "max_delay_ms",
+        "close_idle_batches",
         "stage_batches",
         "stage_partial_batches",
         "max_in_flight",
@@ -155,6 +156,7 @@ EXPERT = frozenset(
         "max_batch_tokens",
         "channels_last",
         "compile_form",
+        "close_idle_batches",  # on: only a benchmark of the timer wants it off
         "compile_cache",
         "cuda_graphs",
         "cuda_sync",

@@ -20,6 +20,11 @@ The pipeline depends on ports, not on aiokafka and redis-py: ``RecordSource``
 (``workers.kafka.consumer.Consumer`` in production) and ``ResultSink``
 (``workers.publish.publisher.Publisher``), so tests drive it in-process with fakes.
 
+A batch closes when it is full, when its oldest item waited ``max_delay``, at once when
+more records wait to be preprocessed (``backlog``), and at once when nothing else is on
+its way (``idle``: the source caught up with every partition, nothing fetched waits), so
+a lone request on an idle worker never waits for the timer.
+
 Backpressure: fetching pauses while the records in flight exceed what the model
 gets through in ``in_flight_target_ms`` (measured), capped by ``max_in_flight``,
 never below two batches; so a revoked partition drains in about that long,
@@ -166,6 +171,7 @@ class Pipeline:
         self._ready: list[tuple[int, list[Item]]] = []  # preprocessed chunks by lane
         self._arrived = asyncio.Event()  # items arrived, or a batch left the stage
         self._input_done = False
+        self._collecting = False  # a chunk taken off _decoding is still being preprocessed
         self._fetch: asyncio.Future[Mapping[TopicPartition, Sequence[Record]]] | None = None
         self._ingested = asyncio.Event()  # set each time the fetch loop took a fetch's records
         self._publishing = Publishing(self._delivery, metrics, self._lanes, tracing)
@@ -228,6 +234,8 @@ class Pipeline:
                 finally:
                     self._fetch = None
                     self._ingested.set()
+                if self._s.close_idle_batches and len(self._batcher):
+                    self._arrived.set()  # the source may have caught up: a waiting batch may close
                 self._metrics.set_in_flight(in_flight)
                 self._metrics.set_lag(self._lag())
                 if not chunks:
@@ -304,7 +312,11 @@ class Pipeline:
     async def _collect_loop(self) -> None:
         """Take preprocessed chunks in fetch order: items to the batcher, refusals out."""
         while (chunk := await self._decoding.get()) is not None:
-            items, refused = await chunk.decoded
+            self._collecting = True
+            try:
+                items, refused = await chunk.decoded
+            finally:
+                self._collecting = False
             if refused:
                 self._outcomes.put_nowait(Outcome(refused=refused))
                 if len(self._frames):  # frames that failed to decode wait no more
@@ -358,7 +370,8 @@ class Pipeline:
             # until it is full or a batch leaves the stage (``_finished`` wakes this).
             partial = self._inference.takes_partial()
             backlog = not self._decoding.empty()
-            batch = self._batcher.poll(now, backlog=backlog, full_only=not partial)
+            idle = not backlog and self._idle()
+            batch = self._batcher.poll(now, backlog=backlog, full_only=not partial, idle=idle)
             if batch is not None:
                 return batch
             if self._input_done:
@@ -371,6 +384,19 @@ class Pipeline:
                 await asyncio.wait_for(self._arrived.wait(), timeout)
             except TimeoutError:
                 pass
+
+    def _idle(self) -> bool:
+        """Whether nothing else is on its way to the batcher (``close_idle_batches``): no
+        chunk in preprocessing, no fetch's records waiting for the fetch loop, and the
+        source caught up. Then a batch closes at once: waiting ``max_delay`` would delay a
+        lone request for company that is not coming. Under a backlog the source is behind
+        and batches form as before."""
+        if not self._s.close_idle_batches or self._collecting:
+            return False
+        fetch = self._fetch
+        if fetch is not None and fetch.done():
+            return False
+        return self._source.caught_up()
 
     def _finished(self, outcome: Outcome) -> None:
         """On the loop, when the model thread is done with a batch."""

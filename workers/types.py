@@ -334,6 +334,10 @@ class RecordSource(Protocol):
     def lag(self) -> Mapping[TopicPartition, int]:
         """Per partition, records not fetched yet."""
 
+    def caught_up(self) -> bool:
+        """Whether nothing else is on its way: every assigned partition, none paused, was
+        fetched to its end as last known, and nothing fetched waits to be handed out."""
+
 
 class PositionNotes(Protocol):
     """What a commit records besides a position: the canary share in effect there

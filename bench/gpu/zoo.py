@@ -41,6 +41,7 @@ from schemas import DEFAULT_LIMITS
 from workers.config.worker import WorkerSettings
 from workers.handlers.base import ImageModel
 from workers.model.loader import DTYPES, auto_dtype, load_handler
+from workers.model.precision import auto_family, ceiling_dtype
 from workers.model.quantize import QUANTIZE_MODES, quantize_handler
 
 ZOO = (
@@ -117,12 +118,14 @@ class Variant:
 
 def ceiling_variant(variant: Variant, device: torch.device) -> Variant:
     """The variant a row's ceiling runs: its own dtype when it names one, else the
-    fastest precision whose agreement with float32 meets the bar (docs/models.md's
-    precision table): float16 on a GPU, whatever the default runs, so that a float32
-    default cannot make its own ceiling look met."""
+    fastest precision whose agreement with float32 meets the bar for the model's family
+    (``workers.model.precision.ceiling_dtype``: its half precision where ``--dtype auto``
+    runs one, float16 where the family is unmeasured), whatever the default runs, so that
+    a float32 default cannot make its own ceiling look met."""
     if variant.dtype != "auto" or device.type != "cuda":
         return variant
-    return dataclasses.replace(variant, dtype="float16")
+    dtype = ceiling_dtype(auto_family(variant.model, device))
+    return dataclasses.replace(variant, dtype=str(dtype).removeprefix("torch."))
 
 
 def worker_dtype(variant: Variant, device: torch.device) -> str:

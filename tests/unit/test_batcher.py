@@ -84,6 +84,23 @@ def test_backlog_skips_the_timer() -> None:
     assert batcher.poll(0.0, backlog=True) is None  # nothing queued: no empty batch
 
 
+def test_an_idle_source_skips_the_timer_unless_only_full_batches_may_go() -> None:
+    batcher = make(max_batch_size=3, max_delay=60.0)
+    batcher.add(Job(1), now=0.0)
+    assert batcher.poll(0.0) is None  # something may be on its way: wait for the timer
+    assert batcher.poll(0.0, idle=True, full_only=True) is None  # the model stage is full
+    assert batcher.due(0.0, idle=True) is CloseReason.IDLE
+    batch = batcher.poll(0.0, idle=True)
+    assert batch is not None
+    assert (batch.items, batch.reason) == (jobs(1), CloseReason.IDLE)
+    assert batcher.poll(0.0, idle=True) is None  # nothing queued: no empty batch
+    # A backlog or a full batch is named as before, idle or not.
+    batcher.add(Job(2), now=1.0)
+    assert batcher.due(1.0, backlog=True, idle=True) is CloseReason.BACKLOG
+    batcher.add_many(jobs(3, 4), now=1.0)
+    assert batcher.due(1.0, idle=True) is CloseReason.FULL
+
+
 def test_full_wins_over_timeout_and_backlog() -> None:
     batcher = make(max_batch_size=2, max_delay=1.0)
     batcher.add_many(jobs(1, 2), now=0.0)

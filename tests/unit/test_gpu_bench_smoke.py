@@ -276,9 +276,14 @@ def test_a_zoo_ceiling_runs_the_fastest_precision_that_meets_the_bar() -> None:
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     vit = Variant.parse("timm:vit_base_patch16_224")
-    assert ceiling_variant(vit, cuda).dtype == "float16"  # not the default's float32
-    assert worker_dtype(vit, cuda) == "float32"
+    assert ceiling_variant(vit, cuda).dtype == "float16"
+    assert worker_dtype(vit, cuda) == "float16"  # --dtype auto's, for ViTs
     assert ceiling_variant(vit, cpu) == vit
+    # A family auto leaves in float32 (unmeasured): its ceiling is still the card's float16,
+    # so a float32 default cannot meet its own ceiling.
+    swin = Variant.parse("timm:swin_tiny_patch4_window7_224")
+    assert worker_dtype(swin, cuda) == "float32"
+    assert ceiling_variant(swin, cuda).dtype == "float16"
     named = Variant.parse("timm:vit_base_patch16_224@bfloat16")
     assert ceiling_variant(named, cuda) == named
     assert worker_dtype(named, cuda) == "bfloat16"

@@ -1,6 +1,7 @@
 """bench.precision runs on the CPU end to end (a small torchvision model, its own weights
-saved and loaded, two generated photographs), so the script cannot rot between GPU runs;
-and it refuses a comparison that would mean nothing."""
+saved and loaded, two generated photographs; random weights on the photographs bundled
+with scikit-learn and scikit-image), so the script cannot rot between GPU runs; and it
+refuses a comparison that would mean nothing."""
 
 from __future__ import annotations
 
@@ -45,9 +46,32 @@ def test_cpu_run_compares_each_precision_with_float32(tmp_path: Path) -> None:
     assert 0.0 <= row["bfloat16"]["max_score_difference"] <= 1.0
 
 
+@pytest.mark.timeout(180)
+def test_random_weights_are_compared_on_the_bundled_photographs_and_say_how_weak(
+    tmp_path: Path,
+) -> None:
+    from bench.precision import bundled_photos
+
+    photos = bundled_photos()  # scikit-learn's two at least: the demo extra installs it
+    assert {"china.jpg", "flower.jpg"} <= {p.name for p in photos}
+    out = tmp_path / "precision.json"
+    assert main(["--random-weights", "torchvision:mobilenet_v3_small", "--images", "bundled",
+                 "--crops", "1", "--precisions", "float32,bfloat16", "--batch", "16",
+                 "--iterations", "1", "--device", "cpu", "--no-compile",
+                 "--out", str(out)]) == 0  # fmt: skip
+
+    (row,) = json.loads(out.read_text())["models"]
+    assert (row["weights"], row["crops"]) == ("random", len(photos))
+    assert 1 <= row["float32"]["top1_classes_seen"] <= len(photos)
+    assert row["float32"]["margin_p50"] >= 0.0
+    assert 0.0 <= row["bfloat16"]["top1_agreement"] <= 1.0
+
+
 def test_agreement_on_random_weights_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--model", "torchvision:resnet18", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):  # asked for by name only, and with photographs
+        main(["--random-weights", "torchvision:resnet18", "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit):  # float32 is the reference: it comes first
         main(["--speed-only", "torchvision:resnet18", "--speed-precisions", "float16",
               "--out", str(tmp_path / "x.json")])  # fmt: skip

@@ -3,7 +3,9 @@
 Items wait in one FIFO queue. `Batcher.poll` closes a batch from the front of the
 queue when it is full, when its oldest item has waited ``max_delay`` seconds, or
 at once when the caller reports a backlog (more records already fetched or being
-decoded: waiting on the timer would only add latency). Items whose deadline has
+decoded: waiting on the timer would only add latency) or that the source is idle
+(nothing else is on its way: every partition fetched to its end, so the timer would
+only delay a lone request by ``max_delay`` for company that is not coming). Items whose deadline has
 passed are taken out of the queue and handed back separately, so they are
 answered ``expired`` without ever reaching the model.
 
@@ -53,6 +55,7 @@ class CloseReason(StrEnum):
     DRAIN = "drain"  # shutdown or partition revocation: everything left goes out
     DEADLINE = "deadline"  # only expired items to hand back; no batch was due
     BUDGET = "budget"  # one more row would have passed max_cost (rows × the widest item)
+    IDLE = "idle"  # nothing else was on its way (the source caught up): no timer to wait for
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,27 +139,32 @@ class Batcher(Generic[T]):
         for item in items:
             self.add(item, now)
 
-    def poll(self, now: float, backlog: bool = False, full_only: bool = False) -> Batch[T] | None:
+    def poll(
+        self, now: float, backlog: bool = False, full_only: bool = False, idle: bool = False
+    ) -> Batch[T] | None:
         """Close a batch if one is due at ``now``, else return None.
 
         A batch is due when the queue holds ``max_batch_size`` items (``full``), when
-        its oldest item arrived ``max_delay`` or more seconds ago (``timeout``), or
-        when ``backlog`` is true and anything is queued (``backlog``); with
+        its oldest item arrived ``max_delay`` or more seconds ago (``timeout``), when
+        ``backlog`` is true and anything is queued (``backlog``), or when ``idle`` is
+        true (nothing else is on its way) and anything is queued (``idle``); with
         ``full_only``, only when it is full. Expired items are removed first; if some
         expired but no batch is due, the result is a Batch with no items, only
         ``expired``, and reason ``deadline``.
         """
         expired = self._take_expired(now)
-        reason = self._due(now, backlog, full_only)
+        reason = self._due(now, backlog, full_only, idle)
         if reason is None:
             if not expired:
                 return None
             return _batch([], expired, CloseReason.DEADLINE)
         return _batch(self._take(), expired, reason)
 
-    def due(self, now: float, backlog: bool = False, full_only: bool = False) -> CloseReason | None:
+    def due(
+        self, now: float, backlog: bool = False, full_only: bool = False, idle: bool = False
+    ) -> CloseReason | None:
         """Why `poll` would close a batch of items at ``now``, or None (expired items aside)."""
-        return self._due(now, backlog, full_only)
+        return self._due(now, backlog, full_only, idle)
 
     def take_expired(self, now: float) -> Batch[T] | None:
         """Remove the expired items alone: a Batch with no items, reason ``deadline``, or None."""
@@ -253,7 +261,7 @@ class Batcher(Generic[T]):
             return chosen, CloseReason.BUDGET
         return chosen, None
 
-    def _due(self, now: float, backlog: bool, full_only: bool) -> CloseReason | None:
+    def _due(self, now: float, backlog: bool, full_only: bool, idle: bool) -> CloseReason | None:
         if not self._queue:
             return None
         if self._cost_of is not None:
@@ -270,6 +278,8 @@ class Batcher(Generic[T]):
             return CloseReason.TIMEOUT
         if backlog:
             return CloseReason.BACKLOG
+        if idle:
+            return CloseReason.IDLE
         return None
 
     def _take_expired(self, now: float) -> list[_Entry[T]]:

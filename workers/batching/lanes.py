@@ -101,20 +101,23 @@ class LaneBatcher(Generic[T]):
         """Queue ``items`` of ``lane`` in order, all arrived at ``now``."""
         self._lanes[lane].add_many(items, now)
 
-    def poll(self, now: float, backlog: bool = False, full_only: bool = False) -> Batch[T] | None:
+    def poll(
+        self, now: float, backlog: bool = False, full_only: bool = False, idle: bool = False
+    ) -> Batch[T] | None:
         """A batch of one lane if one is due (`LaneScheduler` chooses), else the expired
         items alone (reason ``deadline``), else None. Expired items of every lane go in
-        the batch's ``expired``. ``full_only``: only a full batch is due."""
+        the batch's ``expired``. ``full_only``: only a full batch is due; ``idle``: nothing
+        else is on its way (``Batcher.poll``)."""
         lanes = self._lanes
         if len(lanes) == 1:
-            return lanes[0].poll(now, backlog, full_only)
+            return lanes[0].poll(now, backlog, full_only, idle)
         expired = [batch for lane in lanes if (batch := lane.take_expired(now)) is not None]
         # While other lanes have work, a lane's batch closes at once: waiting for it to
         # fill would hold the model for one lane while another is ready.
         contended = backlog or sum(1 for lane in lanes if len(lane)) > 1
-        due = [lane.due(now, contended, full_only) is not None for lane in lanes]
+        due = [lane.due(now, contended, full_only, idle) is not None for lane in lanes]
         chosen = self._scheduler.pick(due)
-        batch = None if chosen is None else lanes[chosen].poll(now, contended, full_only)
+        batch = None if chosen is None else lanes[chosen].poll(now, contended, full_only, idle)
         if not expired:
             return batch
         gone = [item for part in expired for item in part.expired]

@@ -98,7 +98,9 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     )
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="auto: float16 for torchvision models on CUDA, else float32"
+        default="auto",
+        description="auto: on CUDA, float16 for torchvision models and timm's ViTs, "
+        "ConvNeXts, EfficientNets and ResNets (docs/models.md, Precision); else float32",
     )
     quantize: Literal["none", "int8"] = Field(
         default="none",
@@ -253,6 +255,10 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="longest the oldest request of a batch waits for the batch to fill "
         "(the latency profile: 2)",
     )
+    close_idle_batches: bool = True
+    """close a batch at once when nothing else is on its way (every partition fetched to its
+    end, nothing fetched waiting): a lone request does not wait max_delay; under a backlog
+    batches form as before"""
     stage_batches: int | None = Field(default=None, ge=1)
     """batches in the model stage at once, running ones included (default: 4 on a GPU, 2 on CPU)"""
     stage_partial_batches: int | None = Field(default=None, ge=1)

@@ -231,6 +231,32 @@ class Consumer:
                 lag[tp] = max(0, end - fetched)
         return lag
 
+    def caught_up(self) -> bool:
+        """Whether nothing else is on its way: every assigned partition, none paused or
+        held, has a position at its highwater mark as the last fetch response told it.
+
+        aiokafka sets the highwater mark as a response arrives, before its records wait
+        in the fetcher's buffer, and moves the position as ``getmany`` hands them out; so a
+        position at the mark means nothing fetched is waiting either. A partition not
+        fetched yet (no mark) is not caught up. Records appended since the last response
+        are not known here: the next fetch brings them.
+        """
+        assigned = self._kafka.assignment()
+        if not assigned or self._paused_topics or self._held:
+            return False
+        # The subscription state is where aiokafka keeps both numbers (its position() is
+        # a coroutine that may ask the broker); read once per batch, not per record.
+        subscription = self._kafka._subscription.subscription
+        if subscription is None:
+            return False
+        for tp in assigned:
+            state = subscription.assignment.state_value(tp)
+            if state is None or state.highwater is None or not state.has_valid_position:
+                return False
+            if state.position < state.highwater:
+                return False
+        return True
+
     def set_paused(self, topics: Set[str]) -> None:
         """Fetch from every assigned partition except those of ``topics`` (backpressure)."""
         if topics == self._paused_topics and not self._pauses_stale:

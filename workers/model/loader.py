@@ -36,16 +36,17 @@ TorchScript and export models are served as image classifiers taking a float
 from a JSON list in ``PATH.labels.json`` next to the file, else they are ``"0"``,
 ``"1"``, ....
 
-``dtype="auto"`` and ``channels_last=None`` choose per model and device: torchvision
-models on CUDA run in float16 (about twice the throughput of float32 on tensor-core
-GPUs, the same top-1 on all but borderline inputs; ``bench.gpu`` measures the
-agreement), classifiers and embedding models channels-last too, detectors and
-segmenters under autocast; everything else, and everything on the CPU, in float32
-as loaded. ``decode="auto"`` decodes JPEGs on the GPU when the model is on CUDA.
+``dtype="auto"`` and ``channels_last=None`` choose per model and device: on CUDA,
+the dtype of the model's family in ``workers.model.precision``'s table (float16 for
+torchvision models and for timm's ViTs, ConvNeXts, EfficientNets and ResNets: about
+twice the throughput of float32 on tensor-core GPUs, the same top-1 on all but
+borderline inputs; ``bench.precision`` measures the agreement), torchvision's
+classifiers and embedding models channels-last too, detectors and segmenters under
+autocast; everything else, and everything on the CPU, in float32 as loaded.
+``decode="auto"`` decodes JPEGs on the GPU when the model is on CUDA.
 ``preprocess="auto"`` fits images as the reference transform does for
 ``torchvision:``, ``embedding:`` and ``timm:`` classifiers (torchvision's, timm's), and
-the ``fast`` way for TorchScript and export files (``workers.decode.images``). timm
-models run in float32 unless ``dtype`` says otherwise.
+the ``fast`` way for TorchScript and export files (``workers.decode.images``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from workers.handlers.weights import (
     sha256,
     sidecar_labels,
 )
+from workers.model.precision import auto_family
 from workers.model.runner import resolve_device
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ def load_handler(
     dev = resolve_device(device)
     spec = SHORT_SPECS.get(spec, spec)
     kind, _, rest = spec.partition(":")
-    torch_dtype = DTYPES[dtype] if dtype != AUTO else auto_dtype(spec, dev)
+    torch_dtype = _chosen_dtype(spec, dtype, dev)
     serving = Serving(
         dev, torch_dtype, channels_last, limits, decode, decode_budget, preprocess, options
     )
@@ -208,12 +210,20 @@ def load_handler(
 
 
 def auto_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """What ``dtype="auto"`` runs ``spec`` in on ``device``. Reduced precision and
-    channels-last pay off for convolution-heavy models on tensor cores; other models may
-    not tolerate them, so auto leaves them in float32."""
-    kind = SHORT_SPECS.get(spec, spec).partition(":")[0]
-    fast = kind in ("torchvision", "embedding") and device.type == "cuda"
-    return torch.float16 if fast else torch.float32
+    """What ``dtype="auto"`` runs ``spec`` in on ``device``: its family's dtype in the
+    table of ``workers.model.precision`` (half precision on CUDA for the families whose
+    agreement with float32 holds, float32 elsewhere and on the CPU)."""
+    return auto_family(SHORT_SPECS.get(spec, spec), device).dtype
+
+
+def _chosen_dtype(spec: str, dtype: str, device: torch.device) -> torch.dtype:
+    """``dtype`` by name, or for ``auto`` its family's, said in the log with the family."""
+    if dtype != AUTO:
+        return DTYPES[dtype]
+    family = auto_family(spec, device)
+    name = str(family.dtype).removeprefix("torch.")
+    log.info("%s runs in %s (--dtype auto: %s)", spec, name, family.label)
+    return family.dtype
 
 
 def _check_pickle_allowed(spec: str, allow_pickle: bool) -> None:
