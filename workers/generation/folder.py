@@ -48,7 +48,7 @@ def transformers_problem(installed: str | None = None) -> str | None:
         try:
             installed = version("transformers")
         except PackageNotFoundError:
-            return "text generation needs transformers: pip install 'conveyor[hf]'"
+            return "text generation needs transformers: pip install 'conveyor-serve[hf]'"
     parts = tuple(int(p) for p in re.findall(r"\d+", installed)[:2])
     if parts >= MIN_TRANSFORMERS:
         return None
