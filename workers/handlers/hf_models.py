@@ -1,4 +1,5 @@
-"""``hf:PATH_OR_ID``: a transformers text model with its fast tokenizer (the ``hf`` extra).
+"""``hf:PATH_OR_ID``: a transformers text model with its fast tokenizer (the ``hf`` extra),
+or an object detector of a fixed input size (``workers.handlers.hf_detection``).
 
 PATH is a local folder as ``save_pretrained`` (or a sentence-transformers ``save``)
 writes it: it always loads, with no network. Anything else is a Hugging Face Hub
@@ -13,7 +14,8 @@ The task (``--task``, ``auto`` by default) is read from the folder: a
 sentence-transformers folder (``modules.json``) is ``sentence-embedding``; otherwise
 the config's ``architectures`` (``...ForSequenceClassification`` is
 ``text-classification``, ``...ForTokenClassification`` is ``token-classification``,
-a bare encoder such as ``BertModel`` is ``sentence-embedding`` with mean pooling).
+``...ForObjectDetection`` is ``object-detection``, a bare encoder such as ``BertModel``
+is ``sentence-embedding`` with mean pooling).
 Result shapes: ``workers.handlers.tasks.text_tasks``.
 
 ``max_length`` (``--max-length``) defaults to the model's: a sentence-transformers
