@@ -71,21 +71,30 @@ class DetrServing(torch.nn.Module):
         mean: Sequence[float],
         std: Sequence[float],
         *,
+        input_size: tuple[int, int],
         autocast: torch.dtype | None,
     ) -> None:
         super().__init__()
         self.training = False
         self.normalized = Normalized(_Logits(module), mean, std)
         self.autocast = autocast
+        # A buffer, not a tensor made in forward: no host-to-device copy while a CUDA
+        # graph records it.
+        self.input_size: torch.Tensor
+        self.register_buffer("input_size", torch.tensor(input_size), persistent=False)
+        self.place_values: torch.Tensor
+        self.register_buffer("place_values", 256 ** torch.arange(4), persistent=False)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         height = batch.shape[2] - 1
         pixels, header = batch[:, :, :height], batch[:, 0, height, :SIZE_BYTES]
-        # The size header as two int32 (little-endian, as every CUDA and x86 host is).
-        sizes = header.contiguous().view(torch.int32).float()  # (N, 2): width, height
+        # The size header's two little-endian uint32, by arithmetic (no dtype view: plain
+        # ops for every compiler): (N, 2) width, height.
+        digits = header.reshape(-1, 2, 4).to(torch.int64)
+        sizes = (digits * self.place_values).sum(dim=2).float()
         with self._precision(batch.device):
             logits, boxes = self.normalized(pixels)
-        return detections(logits.float(), boxes.float(), sizes, (batch.shape[3], height))
+        return detections(logits.float(), boxes.float(), sizes, self.input_size.float())
 
     def _precision(self, device: torch.device) -> AbstractContextManager[Any]:
         if self.autocast is None:
@@ -106,10 +115,10 @@ class _Logits(torch.nn.Module):
 
 
 def detections(
-    logits: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor, input_size: tuple[int, int]
+    logits: torch.Tensor, boxes: torch.Tensor, sizes: torch.Tensor, input_size: torch.Tensor
 ) -> torch.Tensor:
     """The batched post-processing: (N, queries, classes) logits and (N, queries, 4)
-    centre-size boxes (fractions of the ``input_size`` (width, height) the model saw) of
+    centre-size boxes (fractions of the ``input_size`` (2: width, height) the model saw) of
     images of ``sizes`` (N, 2: width, height) to (N, 1 + queries, 6) rows (module doc).
 
     Each image was fitted to the input by a scale per axis and an offset (zero for a
@@ -120,7 +129,7 @@ def detections(
     labels = index % classes
     chosen = boxes.gather(1, (index // classes).unsqueeze(-1).expand(-1, -1, 4))
     centre, extent = chosen[..., :2], chosen[..., 2:] / 2
-    fitted = torch.tensor(input_size, dtype=sizes.dtype, device=sizes.device)
+    fitted = input_size.to(sizes.dtype)
     scale = fitted / sizes.clamp(min=1)  # padding rows carry size 0
     offset = torch.zeros_like(scale)
     corners = torch.cat([centre - extent, centre + extent], dim=-1) * fitted.repeat(2)
@@ -181,7 +190,8 @@ class DetrDetector(ImageModel):
         self.max_detections = int(getattr(getattr(module, "config", None), "num_queries", 100))
         """Detections per image at most: the model's queries."""
         autocast = None if dtype == torch.float32 else dtype
-        serving = DetrServing(self.module, mean, std, autocast=autocast)
+        size = (image.width, image.height)
+        serving = DetrServing(self.module, mean, std, input_size=size, autocast=autocast)
         self.serving = serving.to(self.device, torch.float32)  # the float64 buffers too
 
     def parse_params(self, params: Mapping[str, Any]) -> DetectionParams:
@@ -235,9 +245,9 @@ class DetrDetector(ImageModel):
         if self.batch_decoder is not None:
             pixels = self.batch_decoder.collate(images, device)
         if pixels is None:
-            pixels = torch.stack(images).to(device, non_blocking=True)
+            pixels = _upload(torch.stack(images), device)
         size_rows = pixels.new_zeros((len(items), pixels.shape[1], 1, pixels.shape[3]))
-        size_rows[:, 0, 0, :SIZE_BYTES] = headers.to(device, non_blocking=True)
+        size_rows[:, 0, 0, :SIZE_BYTES] = _upload(headers, device)
         return torch.cat([pixels, size_rows], dim=2)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
@@ -257,9 +267,9 @@ class DetrDetector(ImageModel):
     ) -> tuple[torch.Tensor, ...]:
         """Each request's ``score_threshold`` as a mask over the batch's detections: the
         score of one below it becomes -1. One tensor, so one copy to the host."""
-        thresholds = torch.tensor(
-            [self.parse_params(p).score_threshold for p in params], dtype=outputs.dtype
-        ).to(outputs.device, non_blocking=True)
+        thresholds = _upload(
+            torch.tensor([self.parse_params(p).score_threshold for p in params]), outputs.device
+        )
         found = outputs[:, 1:]
         scores = found[..., 4]
         kept = torch.where(scores >= thresholds[:, None], scores, _DROPPED)
@@ -293,6 +303,13 @@ class DetrDetector(ImageModel):
                 }
             )
         return documents
+
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; to CUDA through pinned memory, without blocking the host."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _headed(encoded: torch.Tensor, width: int, height: int) -> torch.Tensor:
