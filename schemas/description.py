@@ -35,6 +35,9 @@ class Task(StrEnum):
     detection = "detection"
     segmentation = "segmentation"
     embedding = "embedding"
+    text_generation = "text_generation"
+    """A causal language model: prompts or chat messages in, generated text out
+    (``{text, finish_reason, prompt_tokens, completion_tokens, ...}``), streamed."""
     custom = "custom"
     """A handler of a user's whose outputs have no shape the contract names."""
 

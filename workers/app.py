@@ -35,6 +35,7 @@ from workers.delivery.transactions import Transactions
 from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
 from workers.handlers.tasks.detr import DetrDetector
+from workers.handlers.weights import ModelLoadError
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
 from workers.intake.references import Claims
@@ -376,12 +377,16 @@ def _generation(
     kind, _, path = settings.model.partition(":")
     if kind != "hf" or not path:
         return None
-    from workers.generation.loading import causal_lm_architecture, load_generator
-    from workers.generation.stage import GenerationRunner
+    from workers.generation.folder import auto_dtype, causal_lm_architecture, transformers_problem
 
     if causal_lm_architecture(path) is None:  # another task: the loader's
         return None
-    dtype = DTYPES[settings.dtype] if settings.dtype != AUTO else torch.float32
+    if problem := transformers_problem():
+        raise ModelLoadError(f"{settings.model}: {problem}")
+    from workers.generation.loading import load_generator
+    from workers.generation.stage import GenerationRunner
+
+    dtype = DTYPES[settings.dtype] if settings.dtype != AUTO else auto_dtype(path, device)
     handler = load_generator(path, device=device, dtype=dtype, options=settings.model_options)
     # Each request joins the engine alone, at once: the engine does the batching.
     settings = settings.model_copy(update={"max_batch_size": 1, "max_delay_ms": 0.0})

@@ -43,7 +43,8 @@ def add_gateway_command(
     gateway = commands.add_parser(
         "gateway",
         parents=[connection],
-        help="serve models over HTTP: the Open Inference Protocol (KServe v2, Triton)",
+        help="serve models over HTTP: the Open Inference Protocol (KServe v2, Triton) "
+        "and OpenAI's API for generation models",
         description="A stateless HTTP server in front of the queue: each infer call is "
         "sent to the model's request topic and answered from its result in Redis "
         "(docs/http.md). Run as many as you like behind a load balancer. Every setting is "

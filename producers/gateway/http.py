@@ -7,8 +7,9 @@ is ``{"error": <sentence>, "code": <code>}`` with the protocol's status
 (docs/http.md has the table). Requests are counted by route and status and timed by
 route on ``/metrics``.
 
-The routes of OpenAI's API (``/v1/...``, for generation) are meant to be more routes
-beside these over the same ``Gateway``; they are not here yet.
+The routes of OpenAI's API (``/v1/...``, for generation models) are
+``producers.gateway.openai_routes``, over the same ``Gateway``, their errors in
+OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -35,14 +36,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.install import DISTRIBUTION
-from producers.errors import (
-    ClientError,
-    ConnectionsBusy,
-    InvalidInput,
-    RecordTooLarge,
-    ServiceUnavailable,
-    UnknownModel,
-)
 from producers.gateway.oip import (
     HEADER_LENGTH,
     InferCall,
@@ -53,44 +46,22 @@ from producers.gateway.oip import (
     result_outputs,
     wants_classes,
 )
-from producers.gateway.service import AnswerTimeout, Call, Gateway, Overloaded
+from producers.gateway.openai_routes import OpenAIRoutes, openai_refusal
+from producers.gateway.refusals import Refused, queue_refusal, result_refusal
+from producers.gateway.service import Call, Gateway
 from producers.gateway.settings import GatewaySettings
 from producers.payload import sniff_content_type
-from schemas import ContentType, ContractError, ErrorCode, Result, Status, is_valid_request_id
+from schemas import ContentType, ErrorCode, Status, is_valid_request_id
 from schemas.description import DESCRIPTION_TTL_S, ModelDescription
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Render = Callable[[Refused], Response]
 
 REQUEST_ID_HEADER = "x-request-id"
 """The idempotency key of a call, when the body has no ``id``."""
 TIMEOUT_HEADER = "x-request-timeout"
 """The caller's timeout in seconds, when the body has no ``parameters.timeout``."""
 _JSON = "application/json"
-_RESULT_STATUS: dict[str, int] = {
-    ErrorCode.expired: 504,
-    ErrorCode.superseded: 409,
-    ErrorCode.cancelled: 409,
-    ErrorCode.payload_too_large: 413,
-    ErrorCode.model_error: 500,
-    ErrorCode.out_of_memory: 500,
-    ErrorCode.internal: 500,
-    ErrorCode.result_too_large: 500,
-}
-"""The HTTP status of a result's error code; every other code is the caller's input: 400."""
-
-
-class _Refused(Exception):
-    """An HTTP error answered as ``{"error", "code"}``."""
-
-    def __init__(
-        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers or {}
-        self.extra: dict[str, Any] = {}
 
 
 class _Metrics:
@@ -114,37 +85,42 @@ class _Metrics:
 def build_app(settings: GatewaySettings) -> Starlette:
     """The gateway's ASGI application for ``settings``."""
     routes = _Routes(settings)
+    openai = OpenAIRoutes(settings)
 
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         async with Gateway(settings) as gateway:
-            routes.gateway = gateway
+            routes.gateway = openai.gateway = gateway
             yield
 
     infer_limit = settings.gateway_max_batch * (settings.limits.max_payload_bytes + 4) + 65_536
-    table: list[tuple[str, str, Endpoint, bool]] = [
-        # (path, method, endpoint, needs the token)
-        ("/v2/health/live", "GET", routes.live, False),
-        ("/v2/health/ready", "GET", routes.ready, False),
-        ("/v2", "GET", routes.server_metadata, True),
-        ("/v2/models/{name}", "GET", routes.metadata, True),
-        ("/v2/models/{name}/versions/{version}", "GET", routes.metadata, True),
-        ("/v2/models/{name}/ready", "GET", routes.model_ready, True),
-        ("/v2/models/{name}/versions/{version}/ready", "GET", routes.model_ready, True),
-        ("/v2/models/{name}/infer", "POST", routes.infer, True),
-        ("/v2/models/{name}/versions/{version}/infer", "POST", routes.infer, True),
-        ("/v2/results/{id}", "GET", routes.result, True),
-        ("/metrics", "GET", routes.metrics, True),
+    table: list[tuple[str, str, Endpoint, bool, Render]] = [
+        # (path, method, endpoint, needs the token, how its errors are answered)
+        ("/v2/health/live", "GET", routes.live, False, _refusal),
+        ("/v2/health/ready", "GET", routes.ready, False, _refusal),
+        ("/v2", "GET", routes.server_metadata, True, _refusal),
+        ("/v2/models/{name}", "GET", routes.metadata, True, _refusal),
+        ("/v2/models/{name}/versions/{version}", "GET", routes.metadata, True, _refusal),
+        ("/v2/models/{name}/ready", "GET", routes.model_ready, True, _refusal),
+        ("/v2/models/{name}/versions/{version}/ready", "GET", routes.model_ready, True, _refusal),
+        ("/v2/models/{name}/infer", "POST", routes.infer, True, _refusal),
+        ("/v2/models/{name}/versions/{version}/infer", "POST", routes.infer, True, _refusal),
+        ("/v2/results/{id}", "GET", routes.result, True, _refusal),
+        ("/metrics", "GET", routes.metrics, True, _refusal),
+        *(
+            (path, method, endpoint, True, openai_refusal)
+            for path, method, endpoint in openai.table()
+        ),
     ]
     return Starlette(
         routes=[
             Route(
                 path,
-                routes.observed(path, endpoint, guarded),
+                routes.observed(path, endpoint, guarded, render),
                 methods=[method],
                 max_body_size=infer_limit if method == "POST" else None,
             )
-            for path, method, endpoint, guarded in table
+            for path, method, endpoint, guarded, render in table
         ],
         lifespan=lifespan,
     )
@@ -160,8 +136,9 @@ class _Routes:
         token = settings.gateway_token
         self._expected = None if token is None else f"Bearer {token.get_secret_value()}".encode()
 
-    def observed(self, route: str, endpoint: Endpoint, guarded: bool) -> Endpoint:
-        """``endpoint`` behind the token check, its errors answered, counted and timed."""
+    def observed(self, route: str, endpoint: Endpoint, guarded: bool, render: Render) -> Endpoint:
+        """``endpoint`` behind the token check, its errors answered (``render``), counted
+        and timed."""
         metrics = self._metrics
 
         async def run(request: Request) -> Response:
@@ -170,8 +147,8 @@ class _Routes:
                 if guarded:
                     self._check_token(request)
                 response = await endpoint(request)
-            except _Refused as exc:
-                response = _refusal(exc)
+            except Refused as exc:
+                response = render(exc)
             metrics.requests.labels(route, str(response.status_code)).inc()
             metrics.latency.labels(route).observe(time.perf_counter() - started)
             return response
@@ -181,7 +158,7 @@ class _Routes:
     @property
     def _gateway(self) -> Gateway:
         if self.gateway is None:
-            raise _Refused(503, "unavailable", "the gateway is starting")
+            raise Refused(503, "unavailable", "the gateway is starting")
         return self.gateway
 
     def _check_token(self, request: Request) -> None:
@@ -189,7 +166,7 @@ class _Routes:
             return
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, self._expected):
-            raise _Refused(
+            raise Refused(
                 401,
                 "unauthorized",
                 "this gateway needs a bearer token: send Authorization: Bearer <token>",
@@ -230,7 +207,7 @@ class _Routes:
         name = request.path_params["name"]
         try:
             await self._described(name, request.path_params.get("version"))
-        except _Refused as exc:
+        except Refused as exc:
             if exc.status != 404:
                 raise
             return _json({"name": name, "ready": False}, 400)
@@ -239,14 +216,14 @@ class _Routes:
     async def _described(self, name: str, version: str | None) -> ModelDescription:
         described: ModelDescription | None = await self._queue(self._gateway.describe(name))
         if described is None:
-            raise _Refused(
+            raise Refused(
                 404,
                 "unknown_model",
                 f"no worker has served model {name} within the last {DESCRIPTION_TTL_S} s: "
                 f"start `conveyor worker --model-name {name} ...`",
             )
         if version is not None and version != described.version:
-            raise _Refused(
+            raise Refused(
                 404,
                 "unknown_model",
                 f"model {name} is served at version {described.version}, not {version}",
@@ -256,7 +233,7 @@ class _Routes:
     async def result(self, request: Request) -> Response:
         request_id = request.path_params["id"]
         if not is_valid_request_id(request_id):
-            raise _Refused(400, "bad_request", "a request id is 1–128 of [A-Za-z0-9._:-]")
+            raise Refused(400, "bad_request", "a request id is 1–128 of [A-Za-z0-9._:-]")
         status = await self._queue(self._gateway.status(request_id))
         return _json(status.document(), 200 if status.result is not None else 202)
 
@@ -292,12 +269,12 @@ class _Routes:
         )
         failed = next((r for r in results if r.status is not Status.ok), None)
         if failed is not None:
-            raise _failure(failed)
+            raise result_refusal(failed)
         version_served = results[0].model_version
         try:
             tensors = result_outputs(call.outputs, call.shape, [r.outputs for r in results])
         except ProtocolError as exc:
-            raise _Refused(400, "bad_request", str(exc)) from None
+            raise Refused(400, "bad_request", str(exc)) from None
         body, header_length = encode_infer(name, version_served, request_id, tensors)
         headers = {"X-Request-Id": request_id}
         if header_length is None:
@@ -309,25 +286,11 @@ class _Routes:
         """``work``'s answer, with the queue's errors as protocol errors."""
         try:
             return await work
-        except AnswerTimeout as exc:
-            refused = _Refused(504, "timeout", str(exc))
-            refused.extra = {"id": request_id, "pending": list(exc.request_ids)}
-            refused.extra["result"] = f"/v2/results/{exc.request_ids[0]}"
+        except Exception as exc:
+            refused = queue_refusal(exc, self.settings.gateway_retry_after_s, request_id)
+            if refused is None:
+                raise
             raise refused from None
-        except Overloaded as exc:
-            headers = {"Retry-After": str(exc.retry_after_s)}
-            raise _Refused(429, "overloaded", str(exc), headers) from None
-        except UnknownModel as exc:
-            raise _Refused(404, "unknown_model", str(exc)) from None
-        except RecordTooLarge as exc:
-            raise _Refused(413, ErrorCode.payload_too_large, str(exc)) from None
-        except (ServiceUnavailable, ConnectionsBusy) as exc:
-            retry = {"Retry-After": str(self.settings.gateway_retry_after_s)}
-            raise _Refused(503, "unavailable", str(exc), retry) from None
-        except ContractError as exc:
-            raise _Refused(400, exc.code, str(exc)) from None
-        except (InvalidInput, ClientError) as exc:
-            raise _Refused(400, ErrorCode.bad_request, str(exc)) from None
 
 
 def _parse(body: bytes, request: Request, max_requests: int) -> InferCall:
@@ -336,13 +299,13 @@ def _parse(body: bytes, request: Request, max_requests: int) -> InferCall:
         header_length = None if raw_length is None else int(raw_length)
         return parse_infer(body, header_length, max_requests)
     except ValueError as exc:  # ProtocolError, or a header that is not a number
-        raise _Refused(400, ErrorCode.bad_request, str(exc)) from None
+        raise Refused(400, ErrorCode.bad_request, str(exc)) from None
 
 
 def _request_id(call: InferCall, request: Request) -> str:
     request_id = call.id or request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     if not is_valid_request_id(request_id):
-        raise _Refused(
+        raise Refused(
             400,
             ErrorCode.bad_request,
             "the request id (the body's id, or X-Request-Id) must be 1–128 characters of "
@@ -357,7 +320,7 @@ def _ids(request_id: str, count: int) -> list[str]:
         return [request_id]
     ids = [f"{request_id}.{n}" for n in range(count)]
     if not is_valid_request_id(ids[-1]):
-        raise _Refused(
+        raise Refused(
             400,
             ErrorCode.bad_request,
             f"request id {request_id} is too long for {count} requests: each is <id>.<n>, "
@@ -398,19 +361,11 @@ def _timeout_s(call: InferCall, request: Request) -> float | None:
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise _Refused(400, ErrorCode.bad_request, f"{TIMEOUT_HEADER} must be seconds > 0")
+        raise Refused(400, ErrorCode.bad_request, f"{TIMEOUT_HEADER} must be seconds > 0")
     return value
 
 
-def _failure(result: Result) -> _Refused:
-    assert result.error is not None  # a result that is not ok has one
-    code = str(result.error.code)
-    refused = _Refused(_RESULT_STATUS.get(code, 400), code, result.error.message)
-    refused.extra = {"id": result.id}
-    return refused
-
-
-def _refusal(exc: _Refused) -> Response:
+def _refusal(exc: Refused) -> Response:
     body = {"error": exc.message, "code": str(exc.code), **exc.extra}
     return _json(body, exc.status, exc.headers)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -36,9 +36,10 @@ from producers.errors import ClientError, ResultTimeout, ServiceUnavailable
 from producers.gateway.backlog import Backlog
 from producers.gateway.settings import GatewaySettings
 from producers.results import RequestStatus
+from producers.token_stream import StreamEvent
 from producers.tracing import continuing
-from schemas import ContentType, Result, decode_result, result_key
-from schemas.description import ModelDescription, decode_description, description_key
+from schemas import ContentType, ContractError, Result, decode_result, result_key
+from schemas.description import ModelDescription, Task, decode_description, description_key
 
 CLAIM_PREFIX = "conveyor:gateway:claim:"
 """``conveyor:gateway:claim:<request id>``: set by the gateway call that sends the id."""
@@ -127,36 +128,70 @@ class Gateway:
         Raises ``Overloaded``, ``AnswerTimeout``, and the SDK's errors (``UnknownModel``,
         ``InvalidInput``, ``ServiceUnavailable``...).
         """
-        settings = self.settings
-        wait_s = min(call.timeout_s or settings.gateway_wait_s, settings.gateway_max_wait_s)
-        found, claimed = await self._read_and_claim(call.ids)
+        wait_s = self.wait_s(call.timeout_s)
+        found, mine = await self._claim(call)
         pending = [i for i in call.ids if i not in found]
         if not pending:
             return [found[i] for i in call.ids]
-        mine = [i for i in pending if i in claimed]
-        if mine:
-            try:
-                await self._refuse_if_behind(call.model)
-            except BaseException:
-                await self._unclaim(mine)
-                raise
         # The wait subscribes while the requests are being sent: its subscription is
         # confirmed before it reads the keys, so no answer is missed either way.
         waiting = asyncio.ensure_future(self._wait(pending, wait_s))
         try:
             if mine:
                 await self._send(call, mine)
-        except BaseException as exc:
+        except BaseException:
             waiting.cancel()
             # Its outcome no longer matters, but it is collected (no "never retrieved").
             await asyncio.gather(waiting, return_exceptions=True)
-            # A send that failed gives its claims back, so that a retry sends them; one
-            # cancelled midway keeps them: its records may be on their way already.
-            if mine and not isinstance(exc, asyncio.CancelledError):
-                await self._unclaim(mine)
             raise
         found.update(await waiting)
         return [found[i] for i in call.ids]
+
+    async def send(self, call: Call) -> dict[str, Result]:
+        """Steps 1 to 3 of ``answer`` without the wait: the results already there, by id;
+        the requests with none are sent unless another call sent them (a generation's
+        caller then reads its stream). Raises as ``answer`` does."""
+        found, mine = await self._claim(call)
+        if mine:
+            await self._send(call, mine)
+        return found
+
+    def wait_s(self, timeout_s: float | None) -> float:
+        """How long a call waits: the caller's timeout, else the default, at most the most."""
+        settings = self.settings
+        return min(timeout_s or settings.gateway_wait_s, settings.gateway_max_wait_s)
+
+    def stream(self, request_id: str, timeout_s: float) -> AsyncGenerator[StreamEvent, None]:
+        """The events of a generation's stream (``AsyncClient.stream``)."""
+        return self._client.stream(request_id, timeout_s)
+
+    async def result(self, request_id: str, timeout_s: float) -> Result:
+        """The result of ``request_id``, waited for up to ``timeout_s``; raises
+        ``AnswerTimeout``."""
+        found = await self._wait([request_id], timeout_s)
+        return found[request_id]
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel ``request_id`` (``AsyncClient.cancel``): a worker with
+        ``--cancellation`` stops its generation within a step."""
+        await self._client.cancel(request_id)
+
+    async def generation_models(self) -> list[ModelDescription]:
+        """The descriptions of every model a worker serves now whose task is text
+        generation, by name."""
+        keys = await self._redis_call(self._description_keys())
+        if not keys:
+            return []
+        values = await self._redis_call(self._redis.mget(keys))
+        described = []
+        for raw in values:
+            if raw is None:  # expired between the scan and the read
+                continue
+            with contextlib.suppress(ContractError):  # a key that is no description
+                description = decode_description(raw)
+                if description.task == Task.text_generation:
+                    described.append(description)
+        return sorted(described, key=lambda d: d.name)
 
     async def describe(self, model: str) -> ModelDescription | None:
         """The model's description as its workers last wrote it; None when no worker
@@ -190,6 +225,22 @@ class Gateway:
         found = {i: decode_result(v) for i, v in zip(ids, values, strict=True) if v is not None}
         return found, {i for i, won in zip(ids, claims, strict=True) if won}
 
+    async def _description_keys(self) -> list[bytes]:
+        return [k async for k in self._redis.scan_iter(match=description_key("*"), count=500)]
+
+    async def _claim(self, call: Call) -> tuple[dict[str, Result], list[str]]:
+        """The results already there, and the ids without one that this call claimed
+        (given back when the model is over its lag limit)."""
+        found, claimed = await self._read_and_claim(call.ids)
+        mine = [i for i in call.ids if i not in found and i in claimed]
+        if mine:
+            try:
+                await self._refuse_if_behind(call.model)
+            except BaseException:
+                await self._unclaim(mine)
+                raise
+        return found, mine
+
     async def _unclaim(self, ids: list[str]) -> None:
         """Give back claims of requests that were not sent, so a retry sends them."""
         # Claims that stay expire; until then a retry waits for an answer that never comes.
@@ -207,15 +258,22 @@ class Gateway:
     async def _send(self, call: Call, ids: list[str]) -> None:
         by_id = dict(zip(call.ids, call.payloads, strict=True))
         deadline = None if call.timeout_s is None else timedelta(seconds=call.timeout_s)
-        with continuing(call.traceparent):
-            await self._client.submit_many(
-                [by_id[i] for i in ids],
-                model=call.model,
-                params=call.params or None,
-                deadline=deadline,
-                request_ids=ids,
-                content_type=call.content_type,
-            )
+        try:
+            with continuing(call.traceparent):
+                await self._client.submit_many(
+                    [by_id[i] for i in ids],
+                    model=call.model,
+                    params=call.params or None,
+                    deadline=deadline,
+                    request_ids=ids,
+                    content_type=call.content_type,
+                )
+        except BaseException as exc:
+            # A send that failed gives its claims back, so that a retry sends them; one
+            # cancelled midway keeps them: its records may be on their way already.
+            if not isinstance(exc, asyncio.CancelledError):
+                await self._unclaim(ids)
+            raise
 
     async def _wait(self, ids: list[str], wait_s: float) -> dict[str, Result]:
         found: dict[str, Result] = {}

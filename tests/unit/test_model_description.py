@@ -5,7 +5,8 @@ through its wire form (``schemas.description``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from schemas.description import (
     encode_description,
 )
 from tests.unit.test_handlers import Identity, classifier
+from workers.generation.loading import Generator, StreamOptions
+from workers.generation.requests import Limits
 from workers.handlers import ImageEmbedder, ImageSpec
 from workers.model.description import describe
 
@@ -80,3 +83,19 @@ def test_garbage_is_a_contract_error() -> None:
     assert description_key("digits") == "conveyor:model:digits"
     with pytest.raises(ContractError, match="description"):
         decode_description(b'{"name": "x"}')
+
+
+def test_a_generation_model_is_described_as_text_generation() -> None:
+    """A causal LM's handler (``Generator``): task ``text_generation``, text and JSON
+    (the gateway's ``/v1/models`` lists the models so described)."""
+    model = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    limits = Limits(
+        max_prompt_tokens=8, max_new_tokens=4, default_new_tokens=2, max_total_tokens=12
+    )
+    generator = Generator(
+        "tiny", model, SimpleNamespace(), cast(Any, None), limits, StreamOptions()
+    )
+    described = describe(generator, "tiny", "w")
+    assert (described.task, described.labels) == (Task.text_generation, None)
+    assert set(described.content_types) == {ContentType.TEXT, ContentType.JSON}
+    assert decode_description(encode_description(described)).task == Task.text_generation

@@ -15,7 +15,6 @@ less one new token), ``max_sequences``, ``max_batch_tokens``, ``page_size``,
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -25,7 +24,9 @@ from typing import Any
 import torch
 
 from schemas import ContentType
+from schemas.description import Task
 from workers.generation.engine import Engine, EngineOptions
+from workers.generation.folder import causal_lm_architecture
 from workers.generation.requests import Limits, Prompt, parse_prompt, token_list
 from workers.handlers.weights import ModelLoadError
 
@@ -43,17 +44,6 @@ class StreamOptions:
     cancel_poll_ms: int = 20
 
 
-def causal_lm_architecture(path: str) -> str | None:
-    """The ``*ForCausalLM`` architecture the folder's config names, else None (so an
-    ``hf:`` folder of another task goes to its own loader)."""
-    config = Path(path) / "config.json"
-    try:
-        names = json.loads(config.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None
-    return next((n for n in names if isinstance(n, str) and n.endswith("ForCausalLM")), None)
-
-
 class Generator:
     """A causal LM, its tokenizer and its engine: the handler of a generation model.
 
@@ -61,6 +51,11 @@ class Generator:
     a payload into a ``Prompt``); the batch methods are never called: the pipeline
     hands its requests to ``workers.generation.stage.Generating``, which feeds the
     engine."""
+
+    task = Task.text_generation
+    """What the worker's description of the model says (``workers.model.description``)."""
+    content_types = (ContentType.TEXT, ContentType.JSON)
+    """The media types ``preprocess`` takes: a prompt, or ``{"prompt"}``/``{"messages"}``."""
 
     def __init__(
         self,

@@ -62,11 +62,16 @@ _TEXT = (ContentType.TEXT, ContentType.JSON)  # what TextModel reads (text, or t
 def describe(handler: Handler, served_name: str, worker: str) -> ModelDescription:
     """The description of ``handler`` served as ``served_name`` by ``worker``.
 
-    A handler may say what it takes with a ``content_types`` attribute (media type
-    strings); built-in image handlers take images and npy arrays, and a handler of
-    another kind is described as taking any of the contract's media types.
+    A handler may say its task with a ``task`` attribute (a ``Task``), and what it
+    takes with a ``content_types`` attribute (media type strings); built-in image
+    handlers take images and npy arrays, and a handler of another kind is described as
+    taking any of the contract's media types.
     """
-    task = next((t for kind, t in _TASKS if isinstance(handler, kind)), Task.custom)
+    declared_task = getattr(handler, "task", None)
+    if isinstance(declared_task, Task):  # e.g. a generation model's (workers.generation)
+        task = declared_task
+    else:
+        task = next((t for kind, t in _TASKS if isinstance(handler, kind)), Task.custom)
     declared: Iterable[str] | None = getattr(handler, "content_types", None)
     if declared is not None:
         content_types: tuple[str, ...] = tuple(declared)
