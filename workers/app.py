@@ -27,13 +27,14 @@ from common.security import (
 from schemas import ModelTopics
 from schemas.fastpath import ResultEncoder
 from workers.chain.joins import Chained, Joins
-from workers.config.profiles import tuned
+from workers.config.profiles import GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.decode.budget import DecodeBudget
 from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
 from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
+from workers.handlers.tasks.detr import DetrDetector
 from workers.handlers.weights import ModelLoadError
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
@@ -444,7 +445,12 @@ def _load_and_warm_up(
     )
     quantize_handler(handler, settings.quantize)
     cuda = device.type == "cuda"
-    settings = tuned(settings, cuda=cuda, fixed_size_images=isinstance(handler, ImageModel))
+    settings = tuned(
+        settings,
+        cuda=cuda,
+        fixed_size_images=isinstance(handler, ImageModel),
+        image_batch=handler.gpu_batch if isinstance(handler, DetrDetector) else GPU_IMAGE_BATCH,
+    )
     cache = use_compile_cache(settings, device) if settings.compile else None
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms

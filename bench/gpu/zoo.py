@@ -8,6 +8,14 @@ detectors and segmenters, whose images keep their sizes), then ``conveyor worker
 backlog's steady-state rate. Fixed-size models get the 224x224 corpus, the others
 640x480. A row is written as each model finishes, so a run cut short keeps them.
 
+A real-time detector runs as the others do: ``hf:PATH`` where PATH's last part names a
+config of ``BUILT`` (``hf:.run/rtdetr-r50vd``: RT-DETR R50-vd, the transformers
+default config with COCO's 80 classes, at 640x640) writes that config folder first
+if PATH does not exist (no weights: the row runs ``--weights random``). Its ceiling
+is the compiled forward with its batched post-processing at the worker's batch (the
+detector's own, 64, unless ``--max-batch-size`` is lower) and its backlog is 640x480
+JPEGs.
+
 A spec may end in ``@`` and a dtype and/or a quantization, joined by ``+``:
 ``timm:vit_base_patch16_224@float16+int8`` is that model with ``--dtype float16
 --quantize int8``, in its ceiling (quantized, then compiled) and in its worker alike.
@@ -24,6 +32,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +49,7 @@ from producers.testing import until_all_ready
 from schemas import DEFAULT_LIMITS
 from workers.config.worker import WorkerSettings
 from workers.handlers.base import ImageModel
+from workers.handlers.tasks.detr import DetrDetector
 from workers.model.loader import DTYPES, auto_dtype, load_handler
 from workers.model.precision import auto_family, ceiling_dtype
 from workers.model.quantize import QUANTIZE_MODES, quantize_handler
@@ -142,12 +152,65 @@ def variant_args(args: argparse.Namespace, variant: Variant) -> argparse.Namespa
     return argparse.Namespace(**{**vars(args), "worker_options": options})
 
 
+def built_config(spec: str) -> Path | None:
+    """The folder of an ``hf:`` spec whose name is one of ``BUILT``, written when missing
+    (a config and an image processor config: no weights); ``None`` for other specs."""
+    kind, _, rest = spec.partition(":")
+    folder = Path(rest)
+    if kind != "hf" or folder.name not in BUILT:
+        return None
+    if not folder.exists():
+        BUILT[folder.name](folder)
+    return folder
+
+
+def _rtdetr(folder: Path, **sizes: Any) -> None:
+    from transformers import RTDetrConfig, RTDetrImageProcessor
+
+    labels = dict(enumerate(f"class{n}" for n in range(80)))
+    config = RTDetrConfig(num_labels=80, id2label=labels, **sizes)
+    config.architectures = ["RTDetrForObjectDetection"]
+    config.save_pretrained(folder)
+    RTDetrImageProcessor().save_pretrained(folder)
+
+
+def _rtdetr_tiny(folder: Path) -> None:
+    """A small RT-DETR of the same shape of input, for --quick runs on the CPU."""
+    from transformers import RTDetrResNetConfig
+
+    backbone = RTDetrResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"],
+    )
+    _rtdetr(
+        folder,
+        backbone_config=backbone,
+        encoder_in_channels=[32, 64, 128],
+        encoder_hidden_dim=32,
+        encoder_ffn_dim=64,
+        encoder_attention_heads=2,
+        d_model=32,
+        decoder_in_channels=[32, 32, 32],
+        decoder_ffn_dim=64,
+        decoder_attention_heads=2,
+        decoder_layers=1,
+        num_queries=20,
+    )
+
+
+BUILT: dict[str, Callable[[Path], None]] = {"rtdetr-r50vd": _rtdetr, "rtdetr-tiny": _rtdetr_tiny}
+"""Configs an ``hf:`` zoo spec may name by its folder's last part (module doc)."""
+
+
 def _one(cfg: Config, corpora: dict[str, Corpus], args: argparse.Namespace) -> dict[str, Any]:
     variant = Variant.parse(cfg.model)
+    built_config(variant.model)
     cfg = dataclasses.replace(cfg, model=variant.model)
     row = _ceiling(cfg, ceiling_variant(variant, cfg.device))
     row["worker_dtype"] = worker_dtype(variant, cfg.device)
-    corpus = corpora["224x224" if row["fixed_size"] else "640x480"]
+    corpus = corpora["224x224" if row["fixed_size"] and not row["detector"] else "640x480"]
     row["corpus"] = corpus.name
     count = max(_MIN_BACKLOG, math.ceil(row["forward_ceiling_img_s"] * _BACKLOG_S))
     row |= asyncio.run(_served(cfg, corpus, args, count, variant))
@@ -172,14 +235,27 @@ def _ceiling(cfg: Config, variant: Variant | None = None) -> dict[str, Any]:
     )
     quantize_handler(handler, variant.quantize)
     fixed = isinstance(handler, ImageModel)
+    detector = isinstance(handler, DetrDetector)
     started = time.monotonic()
     rates: dict[int, float] = {}
-    if fixed:
+    batch: Any
+    compiled = False
+    if isinstance(handler, DetrDetector):
+        # The worker's batch (its own unless --max-batch-size is lower), and the batch as
+        # its collate builds it: the fitted images with their size rows.
+        size = min(cfg.max_batch, handler.gpu_batch)
+        batch = handler.collate([handler.example_item()] * size, cfg.device)
+        # Compiled on a GPU, as its worker is; eager on the CPU (a --quick smoke run),
+        # where Inductor takes minutes for it.
+        compiled = cfg.device.type == "cuda"
+        forward = torch.compile(handler.forward) if compiled else handler.forward
+        rates[size] = size / _median_forward_s(forward, batch, cfg.iterations, cfg.device)
+    elif fixed:
         assert isinstance(handler, ImageModel)
         image = handler.image
         size = cfg.max_batch  # the worker's own on a GPU (GPU_IMAGE_BATCH): --max-batch-size
         shape = (size, image.channels, image.height, image.width)
-        batch: Any = torch.randint(0, 256, shape, dtype=torch.uint8, device=cfg.device)
+        batch = torch.randint(0, 256, shape, dtype=torch.uint8, device=cfg.device)
         forward = torch.compile(handler.forward)
         rates[size] = size / _median_forward_s(forward, batch, cfg.iterations, cfg.device)
     else:
@@ -195,8 +271,9 @@ def _ceiling(cfg: Config, variant: Variant | None = None) -> dict[str, Any]:
     best = max(rates, key=rates.__getitem__)
     return {
         "fixed_size": fixed,
+        "detector": detector,
         "forward_ceiling_img_s": rates[best],
-        "forward_ceiling": "compiled" if fixed else "eager",
+        "forward_ceiling": "compiled" if fixed and (compiled or not detector) else "eager",
         "ceiling_dtype": variant.dtype,
         "ceiling_batch": best,
         "ceiling_img_s_by_batch": rates,

@@ -305,3 +305,22 @@ def test_request_params_go_on_every_produced_request(capsys: pytest.CaptureFixtu
         with pytest.raises(SystemExit):
             parse_args(["--request-params", bad])
     assert "--request-params" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_zoo_builds_an_rtdetr_folder_and_times_its_forward_at_its_batch(tmp_path: Path) -> None:
+    """``hf:.../rtdetr-tiny`` is written as a config folder and served as a real-time
+    detector: its ceiling runs the batch its collate builds (eager on the CPU)."""
+    import bench.gpu.zoo as zoo
+    from bench.gpu import parse_args
+    from bench.gpu.config import make_config
+
+    spec = f"hf:{tmp_path / 'rtdetr-tiny'}"
+    assert zoo.built_config(spec) == tmp_path / "rtdetr-tiny"
+    assert (tmp_path / "rtdetr-tiny" / "preprocessor_config.json").is_file()
+    assert zoo.built_config("torchvision:resnet50") is None
+    args = parse_args(["--device", "cpu", "--quick", "--model", spec, "--iterations", "1"])
+    row = zoo._ceiling(make_config(args))
+
+    assert (row["fixed_size"], row["detector"], row["forward_ceiling"]) == (True, True, "eager")
+    assert row["forward_ceiling_img_s"] > 0

@@ -12,7 +12,8 @@ always wins; a profile only fills in what the user did not say. What each sets:
 
 and, for both, on a CUDA device: ``compile`` on (cached per host, so a restart
 does not compile again), and ``max_batch_size`` 256 for fixed-size image models
-(classification and embeddings; other models keep 32). docs/operations.md
+(classification and embeddings; a fixed-size detector, RT-DETR, 64; other models
+keep 32). docs/operations.md
 "Sizing" has the measurements these follow.
 """
 
@@ -40,7 +41,13 @@ GPU_IMAGE_BATCH = 256
 """``max_batch_size`` of a fixed-size image model on a GPU, unless set."""
 
 
-def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> WorkerSettings:
+def tuned(
+    settings: WorkerSettings,
+    *,
+    cuda: bool,
+    fixed_size_images: bool,
+    image_batch: int = GPU_IMAGE_BATCH,
+) -> WorkerSettings:
     """``settings`` with the profile's values, and the device's, for every setting left unset.
 
     ``cuda``: the model runs on a CUDA device; ``fixed_size_images``: its handler takes
@@ -51,6 +58,8 @@ def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> W
     graph for nearly every batch (Faster R-CNN on one H200: 258 s to its first ready
     process, then Dynamo's recompile limit in every process; docs/bench-log,
     2026-11-29). A quantized model (``--quantize``) compiles with ``torch.compile``.
+    ``image_batch`` is the ``max_batch_size`` a fixed-size image model takes on a GPU
+    (a real-time detector's is smaller: it bounds the process's memory).
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
@@ -61,5 +70,5 @@ def tuned(settings: WorkerSettings, *, cuda: bool, fixed_size_images: bool) -> W
         # hash in torchao 0.18): the package would fail to build at every start.
         update["compile_form"] = "static"
     if cuda and fixed_size_images and "max_batch_size" not in given:
-        update["max_batch_size"] = GPU_IMAGE_BATCH
+        update["max_batch_size"] = image_batch
     return settings.model_copy(update=update)

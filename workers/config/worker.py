@@ -127,12 +127,17 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         description="JSON object saying which boxes go to the next model: min_score, "
         "classes, max_children, margin, params (docs/models.md, Pipelines)",
     )
-    task: Literal["auto", "text-classification", "token-classification", "sentence-embedding"] = (
-        Field(
-            default="auto",
-            description="hf: models: what the model answers; auto = from the folder (a "
-            "sentence-transformers folder embeds) or the config's architectures",
-        )
+    task: Literal[
+        "auto",
+        "text-classification",
+        "token-classification",
+        "sentence-embedding",
+        "object-detection",
+    ] = Field(
+        default="auto",
+        description="hf: models: what the model answers; auto = from the folder (a "
+        "sentence-transformers folder embeds) or the config's architectures "
+        "(...ForObjectDetection: object-detection)",
     )
     max_length: int | None = Field(
         default=None,

@@ -1,4 +1,5 @@
-"""``hf:PATH_OR_ID``: a transformers text model with its fast tokenizer (the ``hf`` extra).
+"""``hf:PATH_OR_ID``: a transformers text model with its fast tokenizer (the ``hf`` extra),
+or an object detector of a fixed input size (``workers.handlers.hf_detection``).
 
 PATH is a local folder as ``save_pretrained`` (or a sentence-transformers ``save``)
 writes it: it always loads, with no network. Anything else is a Hugging Face Hub
@@ -13,7 +14,8 @@ The task (``--task``, ``auto`` by default) is read from the folder: a
 sentence-transformers folder (``modules.json``) is ``sentence-embedding``; otherwise
 the config's ``architectures`` (``...ForSequenceClassification`` is
 ``text-classification``, ``...ForTokenClassification`` is ``token-classification``,
-a bare encoder such as ``BertModel`` is ``sentence-embedding`` with mean pooling).
+``...ForObjectDetection`` is ``object-detection``, a bare encoder such as ``BertModel``
+is ``sentence-embedding`` with mean pooling).
 Result shapes: ``workers.handlers.tasks.text_tasks``.
 
 ``max_length`` (``--max-length``) defaults to the model's: a sentence-transformers
@@ -30,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from common.install import install_hint
+from workers.handlers.base import Handler
 from workers.handlers.published import DEFAULT_WEIGHTS, check_blob
-from workers.handlers.tasks.text import TextModel
 from workers.handlers.tasks.text_tasks import (
     POOLINGS,
     Pooling,
@@ -43,17 +47,21 @@ from workers.handlers.tasks.text_tasks import (
 from workers.handlers.torchvision_models import Serving
 from workers.handlers.weights import RANDOM_WEIGHTS, ModelLoadError, sha256
 
-Task = Literal["auto", "text-classification", "token-classification", "sentence-embedding"]
+Task = Literal[
+    "auto", "text-classification", "token-classification", "sentence-embedding", "object-detection"
+]
 TASKS: tuple[Task, ...] = (
     "auto",
     "text-classification",
     "token-classification",
     "sentence-embedding",
+    "object-detection",
 )
 
 _HEADS = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
+    "ForObjectDetection": "object-detection",
 }
 # modules.json names a module by its class's import path, which moved between versions
 # of sentence-transformers (sentence_transformers.models.Pooling, then
@@ -92,8 +100,11 @@ class _SentenceFolder:
     max_length: int | None
 
 
-def load_hf(name: str, *, weights: str | None, serving: Serving, text: TextServing) -> TextModel:
-    """The handler for ``hf:NAME`` (see the module doc).
+def load_hf(
+    name: str, *, weights: str | None, serving: Serving, text: TextServing, auto_dtype: bool = False
+) -> Handler:
+    """The handler for ``hf:NAME`` (see the module doc). ``auto_dtype``: the dtype was
+    left to ``auto``, which runs a detector on CUDA under float16 autocast.
 
     Raises ``ModelLoadError`` naming the spec when transformers is not installed, for a
     folder or repository that is missing or not cached, a task that cannot be found or
@@ -110,15 +121,25 @@ def load_hf(name: str, *, weights: str | None, serving: Serving, text: TextServi
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{spec}: cannot read the model's config: {exc}") from exc
     task = _task(spec, text.task, config, sentence)
-    tokenizer = _tokenizer(spec, transformers, model_folder)
-    max_length = _max_length(spec, text.max_length, config, tokenizer, sentence)
-    module = _module(spec, transformers, task, config, model_folder, weights)
     shown = Path(name).name if source is None else name.partition("@")[0]
     if weights == RANDOM_WEIGHTS:
         source = "random-weights"
+    version = f"{shown}:{source or _weights_hash(model_folder)}"
+    if task == "object-detection":
+        from workers.handlers.hf_detection import load_detector
+
+        module = _module(spec, transformers, task, config, model_folder, weights)
+        half = auto_dtype and serving.device.type == "cuda"
+        dtype = torch.float16 if half else serving.dtype
+        return load_detector(
+            spec, module, model_folder, (shown, version), _labels(config), serving, dtype
+        )
+    tokenizer = _tokenizer(spec, transformers, model_folder)
+    max_length = _max_length(spec, text.max_length, config, tokenizer, sentence)
+    module = _module(spec, transformers, task, config, model_folder, weights)
     common: dict[str, Any] = {
         "name": shown,
-        "version": f"{shown}:{source or _weights_hash(model_folder)}",
+        "version": version,
         "max_length": max_length,
         "refuse_long": text.refuse_long,
         "device": serving.device,
@@ -317,6 +338,7 @@ def _module(
         "text-classification": transformers.AutoModelForSequenceClassification,
         "token-classification": transformers.AutoModelForTokenClassification,
         "sentence-embedding": transformers.AutoModel,
+        "object-detection": transformers.AutoModelForObjectDetection,
     }[task]
     try:
         if weights == RANDOM_WEIGHTS:

@@ -36,6 +36,7 @@ from workers.config.worker import WorkerSettings
 from workers.decode.images import IMAGE_TYPES
 from workers.handlers.base import Handler, ImageClassifier, ImageModel
 from workers.handlers.tasks.detection import Detector
+from workers.handlers.tasks.detr import DetrDetector
 from workers.handlers.tasks.embedding import ImageEmbedder
 from workers.handlers.tasks.full_size import FullSizeImageTask
 from workers.handlers.tasks.segmentation import SemanticSegmenter
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 _TASKS: tuple[tuple[type[Any], Task], ...] = (
     (ImageClassifier, Task.classification),
     (Detector, Task.detection),
+    (DetrDetector, Task.detection),
     (SemanticSegmenter, Task.segmentation),
     (ImageEmbedder, Task.embedding),
     (TextClassifier, Task.classification),

@@ -20,8 +20,10 @@ Spec forms (the worker's ``--model``):
   as for ``torchvision:ARCH``, ``DEFAULT`` being the tag's weights on the Hugging Face Hub.
 - ``hf:PATH_OR_ID``, e.g. ``hf:./my-classifier`` or ``hf:owner/name``: a transformers
   text model with its fast tokenizer (``workers.handlers.hf_models``, the ``hf`` extra):
-  text classification, token classification or sentence embeddings; a local folder
-  always, a hub id from the Hugging Face cache, downloaded only with ``weights="DEFAULT"``.
+  text classification, token classification or sentence embeddings; or an object
+  detector of a fixed input size (RT-DETR, ``workers.handlers.hf_detection``; float16
+  autocast on CUDA by default); a local folder always, a hub id from the Hugging Face
+  cache, downloaded only with ``weights="DEFAULT"``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``tabular:PATH``: a model over feature records (``workers.handlers.tabular``): a
@@ -167,7 +169,13 @@ def load_handler(
     if kind == "hf" and rest:
         if options:
             raise ModelLoadError(f"{spec}: model options {options} do not apply to hf: specs")
-        return load_hf(rest, weights=weights, serving=serving, text=text or TextServing())
+        return load_hf(
+            rest,
+            weights=weights,
+            serving=serving,
+            text=text or TextServing(),
+            auto_dtype=dtype == AUTO,
+        )
     if kind == "tabular" and rest:
         from workers.handlers.tabular import load_tabular
 
