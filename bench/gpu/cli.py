@@ -34,6 +34,7 @@ from bench.gpu.host import stage_kill, stage_ready
 from bench.gpu.load import produce_paced_share, produce_share
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
+from bench.gpu.streams import STREAM_P99_BOUND_MS, produce_streams_share
 from bench.gpu.together import TOGETHER, stage_together
 from bench.gpu.zoo import ZOO, stage_zoo
 from workers.decode.gpu import DecodeOption
@@ -203,6 +204,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=16384,
         help="chain: the classifier's backlog alone, the pipeline's crops sent again as often",
     )
+    parser.add_argument(
+        "--chain-detector",
+        help="chain: the detector spec, in place of --chain's first (e.g. an hf: detector)",
+    )
+    parser.add_argument(
+        "--chain-detector-options",
+        help="chain: the detector's model_options as an inline TOML table (default: a "
+        "torchvision detector keeps every box, others none)",
+    )
+    parser.add_argument(
+        "--chain-streams",
+        type=int,
+        default=64,
+        help="chain: camera streams sent through the pipeline's host, paced (0: none)",
+    )
+    parser.add_argument(
+        "--chain-fps", type=float, default=30.0, help="chain: frames a second of each stream"
+    )
+    parser.add_argument(
+        "--chain-streams-s", type=float, default=8.0, help="chain: seconds the streams run"
+    )
+    parser.add_argument(
+        "--stream-p99-bound-ms",
+        type=float,
+        default=STREAM_P99_BOUND_MS,
+        help="chain: the bound on every stream's p99 frame latency, written down before "
+        "the run (default three frame intervals at 30 frames/s: bench/gpu/streams.py)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument(
         "--request-params",
@@ -213,6 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--produce", help=argparse.SUPPRESS)  # a producer process's share
     parser.add_argument("--produce-paced", help=argparse.SUPPRESS)  # a paced producer's share
+    parser.add_argument("--produce-streams", help=argparse.SUPPRESS)  # a stream producer's share
     parser.add_argument("--e2e-timeout", type=float, default=240.0)
     parser.add_argument(
         "--detectors",
@@ -302,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return produce_share(args.produce, args)
     if args.produce_paced:
         return produce_paced_share(args.produce_paced, args)
+    if args.produce_streams:
+        return produce_streams_share(args.produce_streams, args)
     results: dict[str, Any] = {}
     for previous in args.previous:
         for key, value in json.loads(previous.read_text()).items():
