@@ -1,7 +1,7 @@
 """The ``chain`` stage: a detector, then a classifier on each of its boxes, through one
 host file on one card (docs/models.md, "Pipelines"), and each stage's share of the card.
 
-For the two specs of ``--chain`` (random weights for torchvision and timm models:
+For the two specs of ``--chain`` (random weights for torchvision, timm and hf: models:
 throughput only), in one call:
 
 1. the detector alone (a host file of it alone): frames a second, ``D``;
@@ -13,9 +13,18 @@ throughput only), in one call:
    ready, as many times over as make ``--chain-crops``): crops a second, ``C``.
 
 Each stage's share of the card is the time it would take alone for what the pipeline
-did: the detector ``P / D``, the classifier ``P * k / C``; their sum is 1 where the
-pipeline uses the card as well as time-sharing it between the two models allows.
-Each backlog is sized from the detector's rate alone to last ``--chain-s``.
+did: the detector ``P / D`` (the pipeline over the detector alone), the classifier
+``P * k / C``; their sum is 1 where the pipeline uses the card as well as time-sharing
+it between the two models allows. Each backlog is sized from the detector's rate alone
+to last ``--chain-s``.
+
+With ``--chain-streams N`` (64 by default), the pipeline's host then serves N camera
+streams at ``--chain-fps`` each for ``--chain-streams-s``, paced, each stream's frames in
+order (``bench.gpu.streams``): each stream's frame latency p50 and p99, the worst stream,
+and whether every stream's p99 is within ``--stream-p99-bound-ms``.
+
+``--chain-detector`` replaces the detector spec of ``--chain`` (``--chain-detector-options``
+its ``model_options``); torchvision, timm and hf: specs are served with random weights.
 """
 
 from __future__ import annotations
@@ -37,9 +46,20 @@ from bench.gpu.corpus import Corpus
 from bench.gpu.e2e import UtilizationSampler, _steady_state, sample_first
 from bench.gpu.host import _await_results, _start_host
 from bench.gpu.load import produce_at_once
+from bench.gpu.streams import paced_streams, per_stream
+from bench.gpu.zoo import built_config
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
-from producers.testing import Fleet, WorkerConfig, produce, read_topic, until_all_ready
+from producers.testing import (
+    Fleet,
+    WorkerConfig,
+    await_results,
+    produce,
+    read_results,
+    read_topic,
+    unless_one_exits,
+    until_all_ready,
+)
 from schemas import OutgoingRecord, topics_for
 from schemas.chain import COUNT_H, INDEX_H, PARENT_H
 
@@ -65,6 +85,9 @@ async def _chain(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[
     specs = [s.strip() for s in args.chain.split(",") if s.strip()]
     if len(specs) != 2:
         raise SystemExit(f"--chain: a detector spec and a classifier spec, not {specs}")
+    if args.chain_detector:
+        specs[0] = args.chain_detector
+    built_config(specs[0])  # an hf: config the zoo builds (RT-DETR R50-vd): its folder
     run = uuid.uuid4().hex[:6]
     detector, classifier, crops = (f"gpuchain{part}{run}" for part in ("d", "c", "k"))
     settings = ClientSettings(kafka_bootstrap=args.kafka_bootstrap)
@@ -89,6 +112,7 @@ async def _chain(cfg: Config, corpus: Corpus, args: argparse.Namespace) -> dict[
         out["classifier alone"] = row
         _say(out, "classifier alone")
         out |= _shares(rate, both, row["rate"])
+        _table(out)
     finally:
         for name in (detector, classifier, crops):
             await delete_model_topics(settings, name)
@@ -99,11 +123,42 @@ def _say(out: dict[str, Any], key: str) -> None:
     print(f"  chain {key}: {json.dumps(out[key], default=str)}", flush=True)
 
 
+def _table(out: dict[str, Any]) -> None:
+    """The stage's rows, last: each host's rate, the ratios, and the streams' latency."""
+    rows = [
+        ("detector alone", f"{out['detector alone']['rate']:,.1f} frames/s"),
+        ("pipeline (detector, then classifier)", f"{out['both']['rate']:,.1f} frames/s"),
+        (
+            "classifier alone on the chain's crops",
+            f"{out['classifier alone']['rate']:,.1f} crops/s",
+        ),
+        ("pipeline / detector alone", f"{out['pipeline_over_detector']:.3f}"),
+        ("sum of shares", f"{out['sum_of_shares']:.3f}"),
+    ]
+    streams = out["both"].get("streams")
+    if streams is not None:
+        rows.append(
+            (
+                f"{streams['streams']} streams at {streams['fps']:g} frames/s",
+                f"p50 {streams['p50_ms']} ms, p99 {streams['p99_ms']} ms; worst stream "
+                f"{streams['worst_stream']} p99 {streams['worst_p99_ms']} ms against "
+                f"{streams['bound_ms']:g} ms: {'within' if streams['within_bound'] else 'OVER'}; "
+                f"{streams['out_of_order']} frames out of order; {streams['missing']} of "
+                f"{streams['sent']} unanswered",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  chain | {name:<{width}} | {value}", flush=True)
+
+
 def _shares(detector_rate: float, both: dict[str, Any], classifier_rate: float) -> dict[str, Any]:
     frames, per_frame = both["rate"], both["crops_per_frame"]
     detector = frames / detector_rate
     classifier = frames * per_frame / classifier_rate
     return {
+        "pipeline_over_detector": round(detector, 3),
+        "classifier_crops_s": classifier_rate,
         "detector_share": round(detector, 3),
         "classifier_share": round(classifier, 3),
         "sum_of_shares": round(detector + classifier, 3),
@@ -116,6 +171,7 @@ def _host_file(
     models: Sequence[tuple[str, str, str | None]],
     boxes: int,
     detector: str | None,
+    options: str | None = None,
 ) -> Path:
     """A host file of ``models`` (topic name, spec, the model its boxes go to or None).
     A torchvision ``detector`` keeps every box, alone or not, so that it does the same
@@ -123,10 +179,10 @@ def _host_file(
     lines = []
     for name, spec, then in models:
         lines += ["[[models]]", f'model = "{spec}"', f'model_name = "{name}"']
-        if spec.startswith(("torchvision:", "timm:")):
+        if spec.startswith(("torchvision:", "timm:", "hf:")):
             lines.append('weights = "random"')
-        if name == detector and spec.startswith("torchvision:"):
-            lines.append(f"model_options = {_DETECTOR_OPTIONS}")
+        if name == detector and (options or spec.startswith("torchvision:")):
+            lines.append(f"model_options = {options or _DETECTOR_OPTIONS}")
         if then is not None:
             lines.append(f'then = "{then}"')
             lines.append(f"then_options = {{ min_score = 0.0, max_children = {boxes} }}")
@@ -152,7 +208,9 @@ async def _serve(
     ``_PROBE`` frames when None: a detector serves a few hundred frames a second, a
     classifier tens of thousands), or, without a corpus, the child records ``sized``
     sent again as plain requests. Its rate in steady state."""
-    path = _host_file(args.out / "hosts", label, models, args.chain_boxes, detector)
+    path = _host_file(
+        args.out / "hosts", label, models, args.chain_boxes, detector, args.chain_detector_options
+    )
     options = ("--config-file", str(path), "--metrics-host", "127.0.0.1")
     config = WorkerConfig(label, args.kafka_bootstrap, args.redis_url, model="", options=options)
     fleet = Fleet(config, args.out / "workers" / f"chain-{label}")
@@ -194,10 +252,33 @@ async def _serve(
         if any(then is not None for _, _, then in models):
             children = [len(_boxes_sent(r.outputs)) for r in results]
             row["crops_per_frame"] = sum(children) / len(children)
+            if corpus is not None and args.chain_streams > 0:
+                row["streams"] = await _streams(args, corpus, first, host)
         return row
     finally:
         (args.out / f"chain-{label}.log").write_text(fleet.logs())
         await fleet.aclose()
+
+
+async def _streams(
+    args: argparse.Namespace, corpus: Corpus, first: str, host: Any
+) -> dict[str, Any]:
+    """``--chain-streams`` camera streams through the host already serving, paced
+    (``bench.gpu.streams``): each stream's latency and order, and the worst stream."""
+    prefix = f"chain-streams-{first}"
+    frames = max(1, math.ceil(args.chain_fps * args.chain_streams_s))
+    sent = await paced_streams(args, first, corpus, prefix, frames)
+    ids = [f"{prefix}-{n}" for n in range(args.chain_streams * frames)]
+    # A pipeline slower than the streams' rate answers late, not never: what is answered
+    # within --e2e-timeout is reported, with the count missing, instead of no row at all.
+    missing = await unless_one_exits([host], await_results(args.redis_url, ids, args.e2e_timeout))
+    results = list((await read_results(args.redis_url, ids)).values())
+    ok = [r for r in results if r.status.value == "ok"]
+    summary = per_stream(ok, prefix, args.chain_streams, args.stream_p99_bound_ms)
+    counts = {"sent": len(ids), "missing": len(missing), "not_ok": len(results) - len(ok)}
+    # A frame never answered, or refused, is not within any bound.
+    summary["within_bound"] = summary["within_bound"] and len(ok) == len(ids)
+    return {"fps": args.chain_fps, "seconds": args.chain_streams_s} | sent | counts | summary
 
 
 def _boxes_sent(outputs: Any) -> list[Any]:

@@ -33,6 +33,7 @@ from bench.gpu.e2e import stage_e2e
 from bench.gpu.host import stage_kill, stage_ready
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
+from bench.gpu.streams import STREAM_P99_BOUND_MS
 from bench.gpu.together import TOGETHER, stage_together
 from bench.gpu.zoo import ZOO, stage_zoo
 from workers.decode.gpu import DecodeOption
@@ -201,6 +202,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=16384,
         help="chain: the classifier's backlog alone, the pipeline's crops sent again as often",
+    )
+    parser.add_argument(
+        "--chain-detector",
+        help="chain: the detector spec, in place of --chain's first (e.g. an hf: detector)",
+    )
+    parser.add_argument(
+        "--chain-detector-options",
+        help="chain: the detector's model_options as an inline TOML table (default: a "
+        "torchvision detector keeps every box, others none)",
+    )
+    parser.add_argument(
+        "--chain-streams",
+        type=int,
+        default=64,
+        help="chain: camera streams sent through the pipeline's host, paced (0: none)",
+    )
+    parser.add_argument(
+        "--chain-fps", type=float, default=30.0, help="chain: frames a second of each stream"
+    )
+    parser.add_argument(
+        "--chain-streams-s", type=float, default=8.0, help="chain: seconds the streams run"
+    )
+    parser.add_argument(
+        "--stream-p99-bound-ms",
+        type=float,
+        default=STREAM_P99_BOUND_MS,
+        help="chain: the bound on every stream's p99 frame latency, written down before "
+        "the run (default three frame intervals at 30 frames/s: bench/gpu/streams.py)",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument(

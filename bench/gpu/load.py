@@ -239,17 +239,25 @@ def produce_share(spec: str, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """One producer process of the load (``_producers`` starts them): ``--produce SPEC``
-    (``produce_share``) or ``--produce-paced SPEC`` (``produce_paced_share``). Torch and
+    (``produce_share``), ``--produce-paced SPEC`` (``produce_paced_share``) or
+    ``--produce-streams SPEC`` (``bench.gpu.streams.produce_streams_share``). Torch and
     the stages stay unimported, so a load of several processes starts in a second."""
     parser = argparse.ArgumentParser(prog="python -m bench.gpu.load")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--produce", help="TOPIC,W,H,PREFIX,FIRST,COUNT: a backlog's share")
     mode.add_argument("--produce-paced", help="the same, then ,RATE: a paced load's share")
+    mode.add_argument(
+        "--produce-streams", help="TOPIC,W,H,PREFIX,STREAMS,FRAMES,FPS,K1:K2:...: streams' share"
+    )
     parser.add_argument("--kafka-bootstrap", required=True)
     parser.add_argument("--request-params", type=json.loads, default=None)
     args = parser.parse_args(argv)
     if args.produce:
         return produce_share(args.produce, args)
+    if args.produce_streams:
+        from bench.gpu.streams import produce_streams_share
+
+        return produce_streams_share(args.produce_streams, args)
     return produce_paced_share(args.produce_paced, args)
 
 

@@ -76,10 +76,12 @@ def test_gpu_chain_stage_runs_on_the_cpu(
     kafka_bootstrap: str, redis_url: str, tmp_path: Path
 ) -> None:
     """bench.gpu's chain stage (a detector, then a classifier on its boxes, each stage's
-    share of the card) with the demo models on the CPU, so it works when a GPU call comes."""
+    share of the card, then a few paced camera streams through both) with the demo models
+    on the CPU, so it works when a GPU call comes."""
     argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "chain"]
     argv += ["--chain", "demo.models.detector:DigitsDetector,digits", "--corpora", "224x224"]
     argv += ["--producers", "2", "--e2e-count", "64", "--chain-s", "1", "--chain-crops", "100"]
+    argv += ["--chain-streams", "3", "--chain-fps", "4", "--chain-streams-s", "1"]
     argv += ["--out", str(tmp_path)]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--metrics-port", str(free_port())]
@@ -92,6 +94,13 @@ def test_gpu_chain_stage_runs_on_the_cpu(
     assert chain["both"]["crops_per_frame"] > 0  # the demo detector finds boxes in the photos
     assert chain["classifier alone"]["count"] > 0
     assert chain["sum_of_shares"] > 0
+    assert chain["pipeline_over_detector"] == chain["detector_share"] > 0
+    streams = chain["both"]["streams"]  # three streams of four frames, each in its order
+    assert streams["streams"] == 3
+    assert streams["frames"] == 12
+    assert set(streams["per_stream"]) == {"s0", "s1", "s2"}
+    assert streams["worst_p99_ms"] == max(s["p99_ms"] for s in streams["per_stream"].values())
+    assert "pipeline / detector alone" in done.stdout
 
 
 @pytest.mark.timeout(120)

@@ -171,7 +171,7 @@ def decode_full(
             _decode_pixels(img, fmt, max_pixels)
             return _to_tensor(np.asarray(img.convert(mode)))
     if content_type == ContentType.NPY:
-        pixels = _npy_pixels(payload, max_pixels)
+        pixels = npy_pixels(payload, max_pixels)
         if (pixels.ndim == 3) == (mode == "RGB"):
             return _to_tensor(pixels)
         return _to_tensor(np.asarray(Image.fromarray(np.ascontiguousarray(pixels)).convert(mode)))
@@ -264,17 +264,21 @@ def decode_npy(payload: bytes, spec: ImageSpec, *, max_pixels: int) -> torch.Ten
     The array must be (H, W) or (H, W, C) with C in {1, 3}, like an image read with
     Pillow or OpenCV (channels in RGB order). It is fitted to ``spec`` like an image.
     """
-    pixels = _npy_pixels(payload, max_pixels)
+    pixels = npy_pixels(payload, max_pixels)
     height, width = pixels.shape[:2]
     channels = 1 if pixels.ndim == 2 else 3
     if spec.fit == "fast" and (height, width, channels) == (spec.height, spec.width, spec.channels):
         return _to_tensor(pixels)
     img = Image.fromarray(np.ascontiguousarray(pixels))  # 2-D gives "L", 3 channels "RGB"
-    return _to_tensor(np.asarray(_fit(img.convert(spec.mode), spec)))
+    if img.mode != spec.mode:  # convert copies even to the same mode: a crop's worth of bytes
+        img = img.convert(spec.mode)
+    return _to_tensor(np.asarray(_fit(img, spec)))
 
 
-def _npy_pixels(payload: bytes, max_pixels: int) -> npt.NDArray[np.uint8]:
-    """The uint8 (H, W) or (H, W, 3) pixels of a ``.npy`` payload, size checked."""
+def npy_pixels(payload: bytes, max_pixels: int) -> npt.NDArray[np.uint8]:
+    """The uint8 (H, W) or (H, W, 3) pixels of a ``.npy`` payload, viewed in place (no
+    copy), its header, dtype, shape and size checked before any pixel is touched:
+    ``ContractError(decode_failed)`` or ``ContractError(image_too_large)`` otherwise."""
     pixels = _read_npy(payload)
     if pixels.dtype != np.uint8:
         raise ContractError(

@@ -249,10 +249,9 @@ class ImageModel:
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
         self.check_params(params)
-        if self.batch_decoder is not None and content_type == ContentType.JPEG:
-            encoded = self.batch_decoder.encoded(payload)
-            if encoded is not None:
-                return encoded
+        on_device = self._on_device(payload, content_type)
+        if on_device is not None:
+            return on_device
         return decode(
             payload,
             content_type,
@@ -260,6 +259,17 @@ class ImageModel:
             max_pixels=self._limits.max_pixels,
             budget=self.decode_budget,
         )
+
+    def _on_device(self, payload: bytes, content_type: ContentType) -> torch.Tensor | None:
+        """The payload for the batch decoder to decode or fit on the device (a JPEG still
+        encoded, a ``.npy`` array's raw pixels), or ``None`` for the CPU path."""
+        if self.batch_decoder is None:
+            return None
+        if content_type == ContentType.JPEG:
+            return self.batch_decoder.encoded(payload)
+        if content_type == ContentType.NPY:
+            return self.batch_decoder.raw(payload)
+        return None
 
     def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
         if self.batch_decoder is None:
