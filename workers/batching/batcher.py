@@ -19,11 +19,12 @@ length, and a batch costs its rows times its widest item, the tokens a forward
 computes, as Text Embeddings Inference's queue counts them). With ``max_cost`` a
 batch closes (``budget``) before one more row would pass it; an item that passes it
 alone runs alone. Items of similar cost go together: the oldest item always leads
-the next batch and sets its width, and items behind it that are no wider join it,
-within the first ``WINDOW_BATCHES`` batches' worth of the queue, the widest first (a
-batch of width 128 takes the 112s before the 16s, which would be mostly padding in
-it and lead a narrow batch of their own soon); a wider one waits to lead a batch of
-its own (it is the oldest soon enough, so it waits no longer than the timer).
+the next batch and sets its width, and items behind it that are no wider and at
+least half as wide join it, within the first ``WINDOW_BATCHES`` batches' worth of the
+queue, the widest first (a batch of width 128 takes the 112s first and never the 16s,
+which would be mostly padding in it: they lead a narrow batch of their own soon); a
+wider one waits to lead a batch of its own (it is the oldest soon enough, so it waits
+no longer than the timer), and so does a narrower one.
 ``group_of(item)`` (a video stream's id) keeps a group's order: once one of its items
 waits, the group's later items wait behind it.
 """
@@ -248,7 +249,8 @@ class Batcher(Generic[T]):
 
     def _joiners(self, width: int) -> list[int]:
         """Positions behind the oldest, within the window, that may join a batch of
-        ``width``, best first: a stream's items in order (a later one never before an
+        ``width`` (no wider, at least half as wide: a row at most half padding), best
+        first: a stream's items in order (a later one never before an
         earlier one that waits), then the others widest first, oldest first among
         equals, so that a wide batch takes the texts it pads least and short ones
         wait to lead a narrow batch of their own (they lead soon, as the oldest)."""
@@ -261,7 +263,7 @@ class Batcher(Generic[T]):
             group = group_of(entry.item) if group_of is not None else None
             if group is not None and group in waiting:
                 continue
-            if entry.cost <= width:
+            if width <= 2 * entry.cost and entry.cost <= width:
                 (others if group is None else streams).append(position)
             elif group is not None:
                 waiting.add(group)
