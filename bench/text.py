@@ -16,7 +16,9 @@ the longest text of a fixed count, and the forward alone over the same batches.
   ``count`` (batches of ``--max-batch-size`` in arrival order, each padded to its
   longest text); and ``forward`` (the token batches' forward alone, already collated:
   the ceiling of the ``tokens`` row). Texts/s, real tokens/s, and the share of the
-  computed tokens that are padding.
+  computed tokens that are padding; then milliseconds per token batch of ``collate``
+  (padding, the copy to the device), ``forward`` and ``postprocess`` (the copy back,
+  the result documents), each timed alone.
 
 Not end to end: Kafka and Redis are not in it (``bench.gpu`` measures those).
 """
@@ -134,6 +136,17 @@ def token_batches(
     return [batch.items for batch in batcher.drain(0.0)]
 
 
+def _one_per_shape(
+    handler: TextModel, batches: Sequence[Sequence[torch.Tensor]]
+) -> list[Sequence[torch.Tensor]]:
+    """The first batch of each (rows, padded length) among ``batches``."""
+    seen: dict[tuple[int, int], Sequence[torch.Tensor]] = {}
+    for batch in batches:
+        width = max(handler.cost(item) for item in batch)
+        seen.setdefault((len(batch), width), batch)
+    return list(seen.values())
+
+
 def run_batches(handler: TextModel, batches: Sequence[Sequence[torch.Tensor]]) -> tuple[float, int]:
     """Seconds for collate + forward + postprocess of every batch; tokens computed."""
     computed = 0
@@ -146,6 +159,29 @@ def run_batches(handler: TextModel, batches: Sequence[Sequence[torch.Tensor]]) -
             computed += int(collated.shape[0] * collated.shape[-1])
     _sync(device)
     return time.perf_counter() - start, computed
+
+
+def stages(handler: TextModel, batches: Sequence[Sequence[torch.Tensor]]) -> dict[str, float]:
+    """Milliseconds per batch of ``collate``, ``forward`` and ``postprocess`` apart: the
+    device synchronized after each, so the three add up to more than ``run_batches``'s
+    pipelined time, but each says what it costs alone."""
+    spent = {"collate": 0.0, "forward": 0.0, "postprocess": 0.0}
+    device = handler.device
+    with torch.inference_mode():
+        for batch in batches:
+            start = time.perf_counter()
+            collated = handler.collate(batch, device)
+            _sync(device)
+            collated_at = time.perf_counter()
+            outputs = handler.forward(collated)
+            _sync(device)
+            forward_at = time.perf_counter()
+            handler.postprocess(outputs, [{}] * len(batch))
+            _sync(device)
+            spent["collate"] += collated_at - start
+            spent["forward"] += forward_at - collated_at
+            spent["postprocess"] += time.perf_counter() - forward_at
+    return {stage: 1000 * seconds / len(batches) for stage, seconds in spent.items()}
 
 
 def forward_only(handler: TextModel, batches: Sequence[Sequence[torch.Tensor]]) -> float:
@@ -171,7 +207,10 @@ def measure(handler: TextModel, payloads: list[bytes], budget: int, count: int) 
     real = int(lengths.sum())
     by_tokens = token_batches(handler, items, budget, count)
     by_count = [items[i : i + count] for i in range(0, len(items), count)]
-    run_batches(handler, by_tokens[:2])  # warm-up: allocator, kernels
+    # Warm-up: one batch of every shape each row computes, so that no row pays the
+    # first call of a shape (the allocator's growth, CUDA's lazy kernel loading, the
+    # GEMM heuristics) that a later row then gets for free.
+    run_batches(handler, _one_per_shape(handler, by_tokens))
     report: dict[str, Any] = {
         "texts": len(items),
         "tokens_median": float(np.median(lengths)),
@@ -183,6 +222,8 @@ def measure(handler: TextModel, payloads: list[bytes], budget: int, count: int) 
     for name, batches, padded in (("tokens", by_tokens, buckets), ("count", by_count, None)):
         # Padding to the longest text: every length its own bucket.
         handler.buckets = buckets if padded else tuple(range(1, handler.max_length + 1))
+        if not padded:
+            run_batches(handler, _one_per_shape(handler, batches))
         seconds, computed = run_batches(handler, batches)
         report[name] = {
             "batches": len(batches),
@@ -193,6 +234,7 @@ def measure(handler: TextModel, payloads: list[bytes], budget: int, count: int) 
     handler.buckets = buckets
     seconds = forward_only(handler, by_tokens)
     report["forward"] = {"texts_per_s": len(items) / seconds, "tokens_per_s": real / seconds}
+    report["stages_ms"] = stages(handler, by_tokens)
     report["tokens_over_count"] = report["tokens"]["texts_per_s"] / report["count"]["texts_per_s"]
     return report
 
@@ -211,6 +253,11 @@ def _print(name: str, found: dict[str, Any]) -> None:
         padded = f", padding {values['padded_share']:.0%}" if "padded_share" in values else ""
         rate, tokens = values["texts_per_s"], values["tokens_per_s"]
         print(f"  {row:9} {rate:9.1f} texts/s {tokens:11.0f} tokens/s{padded}")
+    ms = found["stages_ms"]
+    print(
+        f"  per token batch ({found['tokens']['batches']}): collate {ms['collate']:.2f} ms, "
+        f"forward {ms['forward']:.2f} ms, postprocess {ms['postprocess']:.2f} ms"
+    )
     print(f"  tokens / count: {found['tokens_over_count']:.2f}x")
 
 

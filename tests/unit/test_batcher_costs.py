@@ -69,9 +69,23 @@ def test_shorter_texts_join_the_oldest_and_longer_ones_wait_to_lead() -> None:
     assert [t.n for t in second.items] == [1, 4]  # type: ignore[union-attr]
 
 
+def test_a_wide_batch_takes_the_texts_it_pads_least() -> None:
+    # Room for 4 rows of 128: the 112s join before the older 96s, and the 16s (a row
+    # mostly padding) not at all: they lead a narrow batch of their own.
+    batcher = make(max_cost=512)
+    widths = [128, 16, 96, 112, 112, 16, 112]
+    batcher.add_many([Text(n, width) for n, width in enumerate(widths)], now=1.0)
+    first = batcher.poll(1.0, backlog=True)
+    assert [t.n for t in first.items] == [0, 3, 4, 6]  # type: ignore[union-attr]
+    second = batcher.poll(1.0, backlog=True)
+    assert [t.n for t in second.items] == [1, 5]  # type: ignore[union-attr]
+    third = batcher.poll(1.0, backlog=True)
+    assert [t.n for t in third.items] == [2]  # type: ignore[union-attr]
+
+
 def test_a_stream_keeps_its_order_when_one_of_its_items_waits() -> None:
     batcher = make(max_cost=1024)
-    batcher.add_many([Text(0, 16), Text(1, 64, "s"), Text(2, 16, "s"), Text(3, 16)], now=1.0)
+    batcher.add_many([Text(0, 16), Text(1, 32, "s"), Text(2, 16, "s"), Text(3, 16)], now=1.0)
     first = batcher.poll(1.0, backlog=True)
     # Item 2 is short but may not overtake item 1 of its stream.
     assert [t.n for t in first.items] == [0, 3]  # type: ignore[union-attr]

@@ -202,7 +202,7 @@ def test_unknown_parameters_are_refused(text_models: dict[str, Path]) -> None:
 
 def test_a_batch_is_padded_to_its_length_bucket(text_models: dict[str, Path]) -> None:
     handler = load(text_models["text-classification"])
-    assert handler.buckets == (16, 32, 64)
+    assert handler.buckets == (16, 32, 48, 64)
     items = [handler.preprocess(t.encode(), ContentType.TEXT, {}) for t in TEXTS]
     batch = handler.collate(items, torch.device("cpu"))
     longest = max(item.shape[-1] for item in items)
@@ -213,8 +213,11 @@ def test_a_batch_is_padded_to_its_length_bucket(text_models: dict[str, Path]) ->
 
 
 def test_length_buckets() -> None:
-    assert length_buckets(512) == (16, 32, 64, 128, 256, 512)
-    assert length_buckets(100) == (16, 32, 64, 100)
+    assert length_buckets(512) == (
+        (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    )
+    assert length_buckets(100) == (16, 32, 48, 64, 80, 96, 100)
+    assert length_buckets(8192)[-3:] == (6144, 7168, 8192)
     assert length_buckets(8) == (8,)
     assert bucket_of(17, (16, 32)) == 32
     assert bucket_of(40, (16, 32)) == 32

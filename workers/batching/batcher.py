@@ -21,11 +21,14 @@ length, and a batch costs its rows times its widest item, the tokens a forward
 computes, as Text Embeddings Inference's queue counts them). With ``max_cost`` a
 batch closes (``budget``) before one more row would pass it; an item that passes it
 alone runs alone. Items of similar cost go together: the oldest item always leads
-the next batch and sets its width, and items behind it join in order while they are
-no wider, within the first ``WINDOW_BATCHES`` batches' worth of the queue; a wider
-one waits to lead a batch of its own (it is the oldest soon enough, so it waits no
-longer than the timer). ``group_of(item)`` (a video stream's id) keeps a group's
-order: once one of its items waits, the group's later items wait behind it.
+the next batch and sets its width, and items behind it that are no wider and at
+least half as wide join it, within the first ``WINDOW_BATCHES`` batches' worth of the
+queue, the widest first (a batch of width 128 takes the 112s first and never the 16s,
+which would be mostly padding in it: they lead a narrow batch of their own soon); a
+wider one waits to lead a batch of its own (it is the oldest soon enough, so it waits
+no longer than the timer), and so does a narrower one.
+``group_of(item)`` (a video stream's id) keeps a group's order: once one of its items
+waits, the group's later items wait behind it.
 """
 
 from __future__ import annotations
@@ -235,31 +238,45 @@ class Batcher(Generic[T]):
     def _select(self) -> tuple[set[int], CloseReason | None]:
         """Positions in the queue of the next costed batch (module doc), and ``FULL`` or
         ``BUDGET`` when it cannot grow, else None."""
-        queue, group_of = self._queue, self._group_of
+        queue = self._queue
         if not queue:
             return set(), None
         assert self.max_cost is not None
         width = queue[0].cost
+        rows = min(self.max_batch_size, max(1, self.max_cost // width))
         chosen = {0}
-        waiting: set[object] = set()  # groups with an item left behind
-        for position in range(1, min(len(queue), self._window())):
-            if len(chosen) >= self.max_batch_size:
-                return chosen, CloseReason.FULL
-            if (len(chosen) + 1) * width > self.max_cost:
-                return chosen, CloseReason.BUDGET
-            entry = queue[position]
-            group = group_of(entry.item) if group_of is not None else None
-            if group is not None and group in waiting:
-                continue
-            if entry.cost <= width:
-                chosen.add(position)
-            elif group is not None:
-                waiting.add(group)
+        for position in self._joiners(width):
+            if len(chosen) >= rows:
+                break
+            chosen.add(position)
         if len(chosen) >= self.max_batch_size:
             return chosen, CloseReason.FULL
         if (len(chosen) + 1) * width > self.max_cost:
             return chosen, CloseReason.BUDGET
         return chosen, None
+
+    def _joiners(self, width: int) -> list[int]:
+        """Positions behind the oldest, within the window, that may join a batch of
+        ``width`` (no wider, at least half as wide: a row at most half padding), best
+        first: a stream's items in order (a later one never before an
+        earlier one that waits), then the others widest first, oldest first among
+        equals, so that a wide batch takes the texts it pads least and short ones
+        wait to lead a narrow batch of their own (they lead soon, as the oldest)."""
+        queue, group_of = self._queue, self._group_of
+        streams: list[int] = []
+        others: list[int] = []
+        waiting: set[object] = set()  # groups with an item left behind
+        for position in range(1, min(len(queue), self._window())):
+            entry = queue[position]
+            group = group_of(entry.item) if group_of is not None else None
+            if group is not None and group in waiting:
+                continue
+            if width <= 2 * entry.cost and entry.cost <= width:
+                (others if group is None else streams).append(position)
+            elif group is not None:
+                waiting.add(group)
+        others.sort(key=lambda position: -queue[position].cost)
+        return streams + others
 
     def _due(self, now: float, backlog: bool, full_only: bool, idle: bool) -> CloseReason | None:
         if not self._queue:

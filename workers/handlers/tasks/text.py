@@ -29,6 +29,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 import torch
 
@@ -43,15 +44,22 @@ SMALLEST_BUCKET = 16
 
 
 def length_buckets(max_length: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
-    """Padded lengths: powers of two from ``smallest`` below ``max_length``, then
-    ``max_length`` (16, 32, 64, 128, 256, 512 for 512)."""
+    """Padded lengths: from ``smallest``, steps of a quarter of the current power of two
+    (at least ``smallest``) below ``max_length``, then ``max_length``: 16, 32, 48, 64,
+    80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512 for 512.
+
+    Powers of two alone padded a long-tailed mix by about half (a 65-token text
+    computed 128); quarter steps pad at most a fifth of a bucket past 64, keep every
+    length a multiple of 16 (tensor-core friendly) and stay 16 shapes for 512.
+    """
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")
     sizes = {max_length}
     size = smallest
     while size < max_length:
         sizes.add(size)
-        size *= 2
+        octave = 1 << (size.bit_length() - 1)  # the power of two at or below size
+        size += max(octave // 4, smallest)
     return tuple(sorted(sizes))
 
 
@@ -233,13 +241,27 @@ class TextModel:
         return bucket_of(int(item.shape[-1]), self.buckets)
 
     def collate(self, items: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The items padded to the batch's length bucket: (N, ROWS, bucket) on ``device``."""
-        length = bucket_of(max(int(item.shape[-1]) for item in items), self.buckets)
-        batch = torch.zeros((len(items), ROWS, length), dtype=torch.int64)
-        batch[:, IDS] = self.pad_id
+        """The items padded to the batch's length bucket: (N, ROWS, bucket) on ``device``.
+
+        One host array per batch, filled through numpy (a slice copy per item, no torch
+        op per item), pinned on CUDA and copied with one non-blocking upload: the copy
+        runs on the caller's stream while the host goes on.
+        """
+        length = bucket_of(max(item.shape[-1] for item in items), self.buckets)
+        shape = (len(items), ROWS, length)
+        pinned = device.type == "cuda"
+        if pinned:
+            batch = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+            array = batch.numpy()
+            array.fill(0)
+        else:
+            # numpy's zeros, not torch's: no intra-op threads woken for a small fill.
+            array = np.zeros(shape, dtype=np.int64)
+            batch = torch.from_numpy(array)
+        array[:, IDS] = self.pad_id
         for row, item in enumerate(items):
-            batch[row, :, : item.shape[-1]] = item
-        return batch.to(device)
+            array[row, :, : item.shape[-1]] = item.numpy()
+        return batch.to(device, non_blocking=pinned)
 
     def forward(self, batch: torch.Tensor) -> TextOutputs:
         batch = batch.to(self.device)
@@ -289,4 +311,20 @@ class TextOutputs:
 
     def truncated(self) -> list[bool]:
         """Per item: whether its text was cut to ``max_length``."""
-        return [bool(flag) for flag in self.rows[:, FLAGS, 0].tolist()]
+        return [bool(flag) for flag in self.flags().tolist()]
+
+    def flags(self) -> torch.Tensor:
+        """Per item, 1 where its text was cut to ``max_length`` (on the device)."""
+        return self.rows[:, FLAGS, 0]
+
+
+def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the host: from a GPU, each copied into pinned memory without
+    waiting, then one wait for all of them (not a synchronizing copy per tensor)."""
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return tensors
+    host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors)
+    for to, source in zip(host, tensors, strict=True):
+        to.copy_(source, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host

@@ -36,7 +36,17 @@ from schemas.outputs import ENTITIES_V1, TEXT_CLASSIFICATION_V1
 from workers.handlers.base import DEFAULT_TOP_K, top_k_param
 from workers.handlers.tasks.embedding import embedding_document
 from workers.handlers.tasks.params import EmbeddingParams, check_names
-from workers.handlers.tasks.text import END, IDS, MASK, SPECIAL, START, TextModel, TextOutputs
+from workers.handlers.tasks.text import (
+    END,
+    FLAGS,
+    IDS,
+    MASK,
+    SPECIAL,
+    START,
+    TextModel,
+    TextOutputs,
+    to_host,
+)
 
 Pooling = Literal["mean", "cls", "max", "lasttoken"]
 POOLINGS: tuple[Pooling, ...] = ("mean", "cls", "max", "lasttoken")
@@ -63,25 +73,42 @@ class TextClassifier(TextModel):
         return logits
 
     def postprocess(self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        if not params:
-            return []
+        return self.postprocess_host(to_host(self.postprocess_device(outputs, params)), params)
+
+    def postprocess_device(
+        self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]:
+        """Scores and top-k for the whole batch on the device: (scores, indices, flags)."""
         logits = outputs.values.float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        k = max(min(top_k_param(p, DEFAULT_TOP_K), len(self.labels)) for p in params)
+        k = max((self._top_k(p) for p in params), default=1)
         best, indices = scores.topk(k, dim=-1)
+        return best, indices, outputs.flags()
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        """The result documents from ``postprocess_device``'s host copies."""
+        if not params:
+            return []
+        best, indices, flags = tensors
+        labels = self.labels
         results: list[Any] = []
         for p, item_scores, item_indices, truncated in zip(
-            params, best.tolist(), indices.tolist(), outputs.truncated(), strict=True
+            params, best.tolist(), indices.tolist(), flags.tolist(), strict=True
         ):
-            top = min(top_k_param(p, DEFAULT_TOP_K), len(self.labels))
-            labels = [
-                {"label": self.labels[i], "index": i, "score": s}
+            top = self._top_k(p)
+            found = [
+                {"label": labels[i], "index": i, "score": s}
                 for s, i in zip(item_scores[:top], item_indices[:top], strict=True)
             ]
             results.append(
-                {"type": TEXT_CLASSIFICATION_V1, "labels": labels, "truncated": truncated}
+                {"type": TEXT_CLASSIFICATION_V1, "labels": found, "truncated": bool(truncated)}
             )
         return results
+
+    def _top_k(self, params: Mapping[str, Any]) -> int:
+        return min(top_k_param(params, DEFAULT_TOP_K), len(self.labels))
 
 
 class TokenClassifier(TextModel):
@@ -101,13 +128,26 @@ class TokenClassifier(TextModel):
         return logits
 
     def postprocess(self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return self.postprocess_host(to_host(self.postprocess_device(outputs, params)), params)
+
+    def postprocess_device(
+        self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]:
+        """Each token's best label and its score, and the batch's rows: (labels,
+        scores, rows), for one copy back per batch."""
+        best, labels = outputs.values.float().softmax(dim=-1).max(dim=-1)
+        return labels, best, outputs.rows
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        """The entities per text from ``postprocess_device``'s host copies (numpy per
+        text, no torch op)."""
         if not params:
             return []
-        scores = outputs.values.float().softmax(dim=-1)
-        best, labels = scores.max(dim=-1)  # per token, one copy per batch below
-        rows = outputs.rows.cpu()
+        labels, best, rows = (tensor.numpy() for tensor in tensors)
         results: list[Any] = []
-        for n, truncated in enumerate(outputs.truncated()):
+        for n in range(len(params)):
             keep = (rows[n, MASK] == 1) & (rows[n, SPECIAL] == 0)
             tokens = _Tokens(
                 ids=rows[n, IDS][keep].tolist(),
@@ -117,6 +157,7 @@ class TokenClassifier(TextModel):
                 ends=rows[n, END][keep].tolist(),
             )
             entities = self._entities(tokens)
+            truncated = bool(rows[n, FLAGS, 0])
             results.append({"type": ENTITIES_V1, "entities": entities, "truncated": truncated})
         return results
 
@@ -203,16 +244,28 @@ class SentenceEmbedder(TextModel):
         return pool(hidden, mask, self.pooling)
 
     def postprocess(self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return self.postprocess_host(to_host(self.postprocess_device(outputs, params)), params)
+
+    def postprocess_device(
+        self, outputs: TextOutputs, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]:
+        """The pooled vectors as float32 and the truncation flags: (vectors, flags)."""
+        return outputs.values.float(), outputs.flags()
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        """The embedding documents from ``postprocess_device``'s host copies."""
         if not params:
             return []
-        vectors = outputs.values.float().cpu().numpy()
+        vectors, flags = (tensor.numpy() for tensor in tensors)
         shape = [int(vectors.shape[1])]
         results = []
-        for vector, p, truncated in zip(vectors, params, outputs.truncated(), strict=True):
+        for vector, p, truncated in zip(vectors, params, flags.tolist(), strict=True):
             document = embedding_document(
                 vector, shape, EmbeddingParams.parse(p, normalize=self.normalize)
             )
-            document["truncated"] = truncated
+            document["truncated"] = bool(truncated)
             results.append(document)
         return results
 
