@@ -450,6 +450,7 @@ def _load_and_warm_up(
         cuda=cuda,
         fixed_size_images=isinstance(handler, ImageModel),
         image_batch=handler.gpu_batch if isinstance(handler, DetrDetector) else GPU_IMAGE_BATCH,
+        compiles=not isinstance(handler, DetrDetector),
     )
     cache = use_compile_cache(settings, device) if settings.compile else None
     # On by default, compiled or not: a compiled forward launched kernel by kernel from

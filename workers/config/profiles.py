@@ -47,6 +47,7 @@ def tuned(
     cuda: bool,
     fixed_size_images: bool,
     image_batch: int = GPU_IMAGE_BATCH,
+    compiles: bool = True,
 ) -> WorkerSettings:
     """``settings`` with the profile's values, and the device's, for every setting left unset.
 
@@ -59,12 +60,16 @@ def tuned(
     process, then Dynamo's recompile limit in every process; docs/bench-log,
     2026-11-29). A quantized model (``--quantize``) compiles with ``torch.compile``.
     ``image_batch`` is the ``max_batch_size`` a fixed-size image model takes on a GPU
-    (a real-time detector's is smaller: it bounds the process's memory).
+    (a real-time detector's is smaller: it bounds the process's memory). ``compiles``
+    False keeps a fixed-size model eager unless ``compile`` is given (RT-DETR on one
+    H200: its package export failed and ``torch.compile`` of four batch sizes had not
+    made the first process ready after 150 s cold or 240 s warm; docs/bench-log,
+    2026-12-02).
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
     if "compile" not in given:
-        update["compile"] = cuda and fixed_size_images
+        update["compile"] = cuda and fixed_size_images and compiles
     if settings.quantize != "none" and "compile_form" not in given:
         # Packages need AOTAutograd's cache, which refuses torchao's weights (no stable
         # hash in torchao 0.18): the package would fail to build at every start.
