@@ -73,6 +73,7 @@ _LEAST = 1024
 _CHILD_HEADERS = frozenset({PARENT_H, INDEX_H, COUNT_H})
 # Random weights score every box about alike and below torchvision's defaults: keep them.
 _DETECTOR_OPTIONS = "{ box_score_thresh = 0.0, score_threshold = 0.0 }"
+_HF_OPTIONS = "{ score_threshold = 0.0 }"  # RT-DETR: its best queries, every score
 
 
 def stage_chain(cfg: Config, corpora: Sequence[Corpus], args: argparse.Namespace) -> dict[str, Any]:
@@ -174,15 +175,16 @@ def _host_file(
     options: str | None = None,
 ) -> Path:
     """A host file of ``models`` (topic name, spec, the model its boxes go to or None).
-    A torchvision ``detector`` keeps every box, alone or not, so that it does the same
-    work in both hosts it is measured in."""
+    A torchvision or ``hf:`` ``detector`` keeps every box, alone or not, so that it does
+    the same work in both hosts it is measured in."""
     lines = []
     for name, spec, then in models:
         lines += ["[[models]]", f'model = "{spec}"', f'model_name = "{name}"']
         if spec.startswith(("torchvision:", "timm:", "hf:")):
             lines.append('weights = "random"')
-        if name == detector and (options or spec.startswith("torchvision:")):
-            lines.append(f"model_options = {options or _DETECTOR_OPTIONS}")
+        if name == detector and (options or spec.startswith(("torchvision:", "hf:"))):
+            every_box = _DETECTOR_OPTIONS if spec.startswith("torchvision:") else _HF_OPTIONS
+            lines.append(f"model_options = {options or every_box}")
         if then is not None:
             lines.append(f'then = "{then}"')
             lines.append(f"then_options = {{ min_score = 0.0, max_children = {boxes} }}")

@@ -32,6 +32,7 @@ from tests.detr_models import INPUT, LABELS, QUERIES, save_tiny_rtdetr
 from tests.unit.test_preprocess import png_header_only
 from workers.config.profiles import tuned
 from workers.config.worker import WorkerSettings
+from workers.handlers.tasks.detection import DEFAULT_SCORE_THRESHOLD
 from workers.handlers.tasks.detr import DEFAULT_GPU_BATCH, DetrDetector
 from workers.handlers.weights import ModelLoadError
 from workers.model.description import describe
@@ -228,3 +229,18 @@ def test_a_processor_of_no_fixed_size_is_refused(tmp_path: Path) -> None:
     config.write_text(config.read_text().replace('"height": 96', '"shortest_edge": 96'))
     with pytest.raises(ModelLoadError, match="one input size"):
         load(tmp_path)
+
+
+def test_the_model_option_score_threshold_sets_the_requests_default(
+    folder: tuple[Path, Any],
+) -> None:
+    """As torchvision's detectors take it: a pipeline keeps every box with 0; a request's
+    own ``score_threshold`` still wins; a value outside 0..1 is refused at load."""
+    path, _ = folder
+    assert load(path).score_threshold == DEFAULT_SCORE_THRESHOLD
+    assert load(path, options={"score_threshold": 0.0}).score_threshold == 0.0
+    for bad in (1.5, -0.1, "0.3", True):
+        with pytest.raises(ModelLoadError, match="score_threshold must be from 0 to 1"):
+            load(path, options={"score_threshold": bad})
+    with pytest.raises(ModelLoadError, match=r"\['resize_size'\] do not apply"):
+        load(path, options={"resize_size": 512})

@@ -11,13 +11,15 @@ where there is one: ``size`` (a fixed ``height`` and ``width``), ``resample``,
 ``do_rescale`` with ``rescale_factor`` 1/255, ``do_normalize`` with ``image_mean`` and
 ``image_std``. Without one, RT-DETR's own: 640x640, bilinear, rescaled, not normalized.
 A processor that keeps images at their own sizes (``shortest_edge``), or pads them to
-another size, is refused: the model's input would not be one size.
+another size, is refused: the model's input would not be one size. The model option
+``score_threshold`` sets the requests' default, as torchvision's detectors take it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 from PIL import Image
 
 from workers.decode.images import ImageSpec
+from workers.handlers.tasks.detection import DEFAULT_SCORE_THRESHOLD
 from workers.handlers.tasks.detr import DetrDetector
 from workers.handlers.torchvision_models import Serving
 from workers.handlers.weights import ModelLoadError
@@ -66,6 +69,7 @@ def load_detector(
     name, version = names
     return DetrDetector(
         module,
+        score_threshold=score_threshold(spec, serving.options),
         name=name,
         version=version,
         labels=labels,
@@ -78,6 +82,23 @@ def load_detector(
         decode=serving.decode,
         decode_budget=serving.decode_budget,
     )
+
+
+def score_threshold(spec: str, options: Mapping[str, Any]) -> float:
+    """The model option ``score_threshold`` (the requests' default, from 0 to 1), as
+    torchvision's detectors take it; a request's own ``score_threshold`` wins."""
+    unknown = set(options) - {"score_threshold"}
+    if unknown:
+        raise ModelLoadError(
+            f"{spec}: model options {sorted(unknown)} do not apply "
+            "(a detector takes score_threshold)"
+        )
+    value = options.get("score_threshold", DEFAULT_SCORE_THRESHOLD)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ModelLoadError(
+            f"{spec}: model option score_threshold must be from 0 to 1, not {value!r}"
+        )
+    return float(value)
 
 
 def read_processor(spec: str, folder: Path) -> dict[str, Any]:

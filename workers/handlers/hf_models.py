@@ -125,6 +125,11 @@ def load_hf(
     if weights == RANDOM_WEIGHTS:
         source = "random-weights"
     version = f"{shown}:{source or _weights_hash(model_folder)}"
+    if task != "object-detection" and serving.options:
+        raise ModelLoadError(
+            f"{spec}: model options {dict(serving.options)} do not apply to hf: text models "
+            "(an object detector takes score_threshold)"
+        )
     if task == "object-detection":
         from workers.handlers.hf_detection import load_detector
 

@@ -167,8 +167,6 @@ def load_handler(
     if kind == "timm" and rest:
         return load_timm(rest, weights=weights, serving=serving)
     if kind == "hf" and rest:
-        if options:
-            raise ModelLoadError(f"{spec}: model options {options} do not apply to hf: specs")
         return load_hf(
             rest,
             weights=weights,
