@@ -47,7 +47,7 @@ from producers.gateway.oip import (
     wants_classes,
 )
 from producers.gateway.openai_routes import OpenAIRoutes, openai_refusal
-from producers.gateway.refusals import Refused, queue_refusal, result_refusal
+from producers.gateway.refusals import Refused, T, queued, result_refusal
 from producers.gateway.service import Call, Gateway
 from producers.gateway.settings import GatewaySettings
 from producers.payload import sniff_content_type
@@ -282,15 +282,9 @@ class _Routes:
         headers["Inference-Header-Content-Length"] = str(header_length)
         return Response(body, media_type="application/octet-stream", headers=headers)
 
-    async def _queue(self, work: Awaitable[Any], request_id: str | None = None) -> Any:
+    async def _queue(self, work: Awaitable[T], request_id: str | None = None) -> T:
         """``work``'s answer, with the queue's errors as protocol errors."""
-        try:
-            return await work
-        except Exception as exc:
-            refused = queue_refusal(exc, self.settings.gateway_retry_after_s, request_id)
-            if refused is None:
-                raise
-            raise refused from None
+        return await queued(work, self.settings.gateway_retry_after_s, request_id)
 
 
 def _parse(body: bytes, request: Request, max_requests: int) -> InferCall:

@@ -46,7 +46,7 @@ from producers.gateway.openai_requests import (
     parse_chat,
     parse_completion,
 )
-from producers.gateway.refusals import Refused, queue_refusal, result_refusal
+from producers.gateway.refusals import Refused, T, queue_refusal, queued, result_refusal
 from producers.gateway.service import AnswerTimeout, Call, Gateway
 from producers.gateway.settings import GatewaySettings
 from producers.token_stream import StreamEvent
@@ -164,15 +164,9 @@ class OpenAIRoutes:
         relay = _Relay(gateway, request_id, wait_s, chunks)
         return _event_stream(relay.events(events), request_id)
 
-    async def _queue(self, work: Awaitable[Any], request_id: str | None = None) -> Any:
+    async def _queue(self, work: Awaitable[T], request_id: str | None = None) -> T:
         """``work``'s answer, with the queue's errors as refusals."""
-        try:
-            return await work
-        except Exception as exc:
-            refused = queue_refusal(exc, self.settings.gateway_retry_after_s, request_id)
-            if refused is None:
-                raise
-            raise refused from None
+        return await queued(work, self.settings.gateway_retry_after_s, request_id)
 
 
 class _Relay:

@@ -8,7 +8,8 @@ Inference Protocol's ``{"error", "code"}``, OpenAI's ``{"error": {...}}``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from producers.errors import (
     ClientError,
@@ -20,6 +21,8 @@ from producers.errors import (
 )
 from producers.gateway.service import AnswerTimeout, Overloaded
 from schemas import ContractError, ErrorCode, Result
+
+T = TypeVar("T")
 
 RESULT_STATUS: dict[str, int] = {
     ErrorCode.expired: 504,
@@ -69,6 +72,17 @@ def queue_refusal(exc: Exception, retry_after_s: int, request_id: str | None) ->
     if isinstance(exc, InvalidInput | ClientError):
         return Refused(400, ErrorCode.bad_request, str(exc))
     return None
+
+
+async def queued(work: Awaitable[T], retry_after_s: int, request_id: str | None = None) -> T:
+    """``work``'s answer, with the queue's errors raised as their refusals (``queue_refusal``)."""
+    try:
+        return await work
+    except Exception as exc:
+        refused = queue_refusal(exc, retry_after_s, request_id)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 def result_refusal(result: Result) -> Refused:
