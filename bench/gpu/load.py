@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from bench.gpu.cores import _pin_all_threads, _producer_cores
 from bench.gpu.corpus import Corpus, _records, make_corpus
@@ -118,13 +119,7 @@ async def _paced_parallel(
     await _all_say(procs, b"ready")
     on_go()
     await _tell_all(procs, b"go")
-    shares = []
-    for proc in procs:
-        assert proc.stdout is not None
-        shares.append(json.loads(await proc.stdout.readline()))
-    codes = [await proc.wait() for proc in procs]
-    if any(codes):
-        raise RuntimeError(f"a paced producer failed: exit statuses {codes}")
+    shares = await shares_of(procs, "a paced producer")
     return {
         "rate": min(share["rate"] for share in shares) * processes,
         # The worst process's: percentiles of separate processes do not merge.
@@ -198,6 +193,18 @@ async def _all_say(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> 
         line = await proc.stdout.readline()
         if line.strip() != word:
             raise RuntimeError(f"a producer did not say {word!r}: {line!r}")
+
+
+async def shares_of(procs: Sequence[asyncio.subprocess.Process], what: str) -> list[dict[str, Any]]:
+    """Each process's last line (JSON: what its share measured), once all have exited 0."""
+    shares = []
+    for proc in procs:
+        assert proc.stdout is not None
+        shares.append(json.loads(await proc.stdout.readline()))
+    codes = [await proc.wait() for proc in procs]
+    if any(codes):
+        raise RuntimeError(f"{what} failed: exit statuses {codes}")
+    return shares
 
 
 async def _tell_all(procs: Sequence[asyncio.subprocess.Process], word: bytes) -> None:

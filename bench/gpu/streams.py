@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.gpu.cores import _pin_all_threads, _producer_cores
 from bench.gpu.corpus import Corpus, make_corpus
-from bench.gpu.load import _all_say, _tell_all, paced_processes
+from bench.gpu.load import _all_say, _tell_all, paced_processes, shares_of
 from bench.stats import acked_summary, percentile
 from producers.testing import produce_at_rate
 from schemas import ContentType, OutgoingRecord, Result, encode_request, topics_for
@@ -103,13 +103,7 @@ async def paced_streams(
             _pin_all_threads(proc.pid, _producer_cores(args))
     await _all_say(procs, b"ready")
     await _tell_all(procs, b"go")
-    shares = []
-    for proc in procs:
-        assert proc.stdout is not None
-        shares.append(json.loads(await proc.stdout.readline()))
-    codes = [await proc.wait() for proc in procs]
-    if any(codes):
-        raise RuntimeError(f"a stream producer failed: exit statuses {codes}")
+    shares = await shares_of(procs, "a stream producer")
     return {
         "processes": processes,
         "offered_fps": streams * args.chain_fps,
