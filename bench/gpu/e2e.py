@@ -179,7 +179,7 @@ async def _e2e_one(
                 "ready_s": ready_s if n == 0 else math.nan,  # the host's start, once
                 "command": " ".join(host.config.argv()[len(WORKER_COMMAND) :]),
             }
-            load = _Load(model, f"{run}{n}", partitions, host, per_card, gpus)
+            load = Load(model, f"{run}{n}", partitions, host, per_card, gpus)
             row.update(await _backlogs(cfg, corpus, args, load))
             row.update(await _paced(corpus, args, load, row["img_s"]))
             done(corpus, row)
@@ -189,7 +189,7 @@ async def _e2e_one(
 
 
 async def _backlogs(
-    cfg: Config, corpus: Corpus, args: argparse.Namespace, load: _Load
+    cfg: Config, corpus: Corpus, args: argparse.Namespace, load: Load
 ) -> dict[str, Any]:
     """``--repeats`` backlogs, each produced at once: the steady state's median and spread."""
     runs = []
@@ -201,14 +201,9 @@ async def _backlogs(
             if args.profile_s and args.profile_phase == "backlog" and repeat == 1:
                 samplers.append(_profile(args, load.host, load.per_card, load.gpus, corpus))
 
-        with UtilizationSampler(load.gpus) as gpu:
-            produced = await _produce_parallel(
-                args, load.model, corpus, prefix, cfg.e2e_count, load.partitions, on_visible=sample
-            )
-            results = await _await_results(prefix, cfg.e2e_count, args, [load.host])
+        runs.append(await timed_backlog(args, load, corpus, prefix, cfg.e2e_count, sample))
         for sampler in samplers:
             sampler.wait(timeout=args.profile_s + 30)
-        runs.append(_steady_state(results, gpu) | {"producer_img_s": produced})
         print(f"    repeat {repeat}: {json.dumps(_rounded(runs[-1]))}", flush=True)
     rates = sorted(r["img_s"] for r in runs)
     return {
@@ -221,8 +216,26 @@ async def _backlogs(
     } | {key: statistics.median(r[key] for r in runs) for key in MODEL_STAGE_KEYS}
 
 
+async def timed_backlog(
+    args: argparse.Namespace,
+    load: Load,
+    corpus: Corpus,
+    prefix: str,
+    count: int,
+    on_visible: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """One backlog of ``count`` produced at once (``_produce_parallel``) and every result of
+    it awaited: its steady state (``_steady_state``) and the producers' rate."""
+    with UtilizationSampler(load.gpus) as gpu:
+        produced = await _produce_parallel(
+            args, load.model, corpus, prefix, count, load.partitions, on_visible=on_visible
+        )
+        results = await _await_results(prefix, count, args, [load.host])
+    return _steady_state(results, gpu) | {"producer_img_s": produced}
+
+
 @dataclass(frozen=True)
-class _Load:
+class Load:
     """Where a layout's load goes: its model's topics, its run id, the host serving it."""
 
     model: str
@@ -234,7 +247,7 @@ class _Load:
 
 
 async def _paced(
-    corpus: Corpus, args: argparse.Namespace, load: _Load, peak: float
+    corpus: Corpus, args: argparse.Namespace, load: Load, peak: float
 ) -> dict[str, Any]:
     """Latency at about half the peak, open loop (each record stamped when due)."""
     model, run, partitions, host = load.model, load.run, load.partitions, load.host

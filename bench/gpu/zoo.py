@@ -40,9 +40,8 @@ import torch
 from bench.gpu.config import Config, _median_forward_s
 from bench.gpu.cores import _pin_services
 from bench.gpu.corpus import Corpus
-from bench.gpu.e2e import UtilizationSampler, _steady_state, sample_first
-from bench.gpu.host import _await_results, _fleet, _start_host
-from bench.gpu.load import _produce_parallel
+from bench.gpu.e2e import Load, sample_first, timed_backlog
+from bench.gpu.host import _fleet, _start_host
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import until_all_ready
@@ -148,7 +147,12 @@ def worker_dtype(variant: Variant, device: torch.device) -> str:
 def variant_args(args: argparse.Namespace, variant: Variant) -> argparse.Namespace:
     """``args`` with ``variant``'s flags after the user's ``--worker-options``: what the
     zoo row's worker is started with."""
-    options = f"{args.worker_options} {variant.flags()}".strip()
+    return with_worker_options(args, variant.flags())
+
+
+def with_worker_options(args: argparse.Namespace, flags: str) -> argparse.Namespace:
+    """``args`` with ``flags`` after the user's ``--worker-options``."""
+    options = f"{args.worker_options} {flags}".strip()
     return argparse.Namespace(**{**vars(args), "worker_options": options})
 
 
@@ -303,14 +307,10 @@ async def _served(
                 name = f"pyspy-zoo-{variant.name()}"
                 samplers.append(sample_first(args, host, name))
 
-        with UtilizationSampler(1) as gpu:
-            await _produce_parallel(
-                args, model, corpus, f"{run}-z", count, partitions, on_visible=sample
-            )
-            results = await _await_results(f"{run}-z", count, args, [host])
+        load = Load(model, run, partitions, host, None, 1)
+        steady = await timed_backlog(args, load, corpus, f"{run}-z", count, sample)
         for sampler in samplers:
             sampler.wait(timeout=args.profile_s + 30)
-        steady = _steady_state(results, gpu)
         return {
             "ready_s": round(ready_s, 1),
             "processes": len(host.children()) or 1,
