@@ -3,6 +3,8 @@
     python -m bench.gpu --stages forward,decode,naive,checks,pipeline --out OUT [--compile]
     python -m bench.gpu --stages e2e,kill --kafka-bootstrap HOST:PORT --redis-url URL \
         --e2e-configs 1x1,2x1 --pin --out OUT
+    python -m bench.gpu --stages lone --kafka-bootstrap HOST:PORT --redis-url URL --pin \
+        --corpora 224x224 --out OUT
     python -m bench.gpu --report --previous OUT1/gpu-bench.json OUT2/gpu-bench.json --out OUT
 
 Stages (each a few minutes at most on an H100 or H200):
@@ -39,6 +41,13 @@ Stages (each a few minutes at most on an H100 or H200):
 - ``kill``: a worker SIGKILLed a third of the way through a backlog and replaced:
   lost and duplicate-visible counted from Redis and the reply topic. With ``--mps``
   a second worker shares the card, under the run's own MPS server, and goes on.
+- ``lone`` (goal 3b): for each model of ``--lone-models`` and each variant (the
+  defaults, ``--profile latency``, ``--no-close-idle-batches``), the one command on one
+  card, ready and warmed, then ``--lone-requests`` 224x224 JPEGs one at a time through
+  the SDK (``submit`` then ``wait``): the round trip's p50 and p99 against ``max_delay``
+  + the worker's own batch-1 compute + 5 ms, each part of the hop (the ack, the broker,
+  the fetch, the wait, the model, the publish, the read), then a backlog's img/s on the
+  same host.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
   naive against the worker's model stage (``bench.detect``).
 
@@ -48,7 +57,7 @@ downloaded: the model has random weights (its outputs mean nothing; its cost is
 the real one) and the JPEG corpus is synthesised in memory.
 
 Where each stage lives: ``ceilings`` (forward, overlap, decode, naive, checks),
-``model_stage`` (pipeline), ``e2e``, ``host`` (the one command a host runs, and
+``model_stage`` (pipeline), ``e2e``, ``lone``, ``host`` (the one command a host runs, and
 the ready and kill stages), ``load`` (the producer processes), ``cores``
 (``--pin``), ``corpus``, ``config`` (the run's settings, timers and model),
 ``report`` (summary, table, plot) and ``cli``; ``bench.detect`` holds detect's.

@@ -31,6 +31,7 @@ from bench.gpu.config import Config, _card, load_model, make_config
 from bench.gpu.corpus import Corpus, build_corpora
 from bench.gpu.e2e import stage_e2e
 from bench.gpu.host import stage_kill, stage_ready
+from bench.gpu.lone import LONE_MODELS, VARIANTS, stage_lone
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
 from bench.gpu.streams import STREAM_P99_BOUND_MS
@@ -54,6 +55,7 @@ STAGES = (
     "zoo",
     "together",
     "chain",
+    "lone",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -175,6 +177,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the powers of two below the host's count, and all of them)",
     )
     parser.add_argument("--zoo", default=",".join(ZOO), help="zoo: model specs, comma-separated")
+    parser.add_argument(
+        "--lone-models", default=",".join(LONE_MODELS), help="lone: model specs, comma-separated"
+    )
+    parser.add_argument(
+        "--lone-variants",
+        default=",".join(VARIANTS),
+        help=f"lone: the command's variants, comma-separated, of {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
+        "--lone-requests", type=int, default=200, help="lone: requests sent one at a time"
+    )
     parser.add_argument("--together", default=TOGETHER, help="together: two model specs")
     parser.add_argument(
         "--together-s", type=float, default=6.0, help="together: seconds each backlog lasts alone"
@@ -315,7 +328,7 @@ def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    for stage in ("e2e", "ready", "kill"):
+    for stage in ("e2e", "ready", "kill", "lone"):
         if stage in stages and not (args.kafka_bootstrap and args.redis_url):
             print(f"{stage} skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
             stages.remove(stage)
@@ -404,6 +417,7 @@ def _run_stage(
         "zoo": lambda: stage_zoo(cfg, corpora, args, save),
         "together": lambda: stage_together(cfg, corpora, args),
         "chain": lambda: stage_chain(cfg, corpora, args),
+        "lone": lambda: stage_lone(cfg, corpora, args, save),
     }
     if stage in simple:
         return simple[stage]()

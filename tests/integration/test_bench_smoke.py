@@ -1,6 +1,6 @@
 """``bench/cpu.py --quick`` (and ``--only tabular``), ``bench/fetch.py``, ``bench/sdk_send.py``,
-``bench/gil_wait.py``, ``bench/gateway.py`` and ``bench/gpu/``'s e2e and acceptance stages
-(on the CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
+``bench/gil_wait.py``, ``bench/gateway.py`` and ``bench/gpu/``'s e2e, acceptance, chain and
+lone stages (on the CPU) run end to end, so the benchmarks cannot rot. Never checks speed."""
 
 from __future__ import annotations
 
@@ -101,6 +101,40 @@ def test_gpu_chain_stage_runs_on_the_cpu(
     assert set(streams["per_stream"]) == {"s0", "s1", "s2"}
     assert streams["worst_p99_ms"] == max(s["p99_ms"] for s in streams["per_stream"].values())
     assert "pipeline / detector alone" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_lone_stage_runs_on_the_cpu(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """bench.gpu's lone stage (requests one at a time through the SDK on a ready host, then
+    a backlog) with a tiny model on the CPU, each variant a row: every request answered."""
+    model = "tests.fakes:TinyClassifier"
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "lone"]
+    argv += ["--model", model, "--lone-models", model, "--corpora", "224x224"]
+    argv += ["--producers", "2", "--out", str(tmp_path)]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--metrics-port", str(free_port())]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "gpu-bench.json").read_text())["lone"]
+    assert list(rows) == [f"{model} {v}" for v in ("defaults", "latency", "no_idle_rule")]
+    for row in rows.values():
+        assert row["requests"] == row["answered"] == row["ok"] == 5  # --quick's count
+        assert row["lone_mean_batch"] == 1.0  # each alone in its batch
+        assert 0 < row["round_trip_p50_ms"] <= row["round_trip_p99_ms"]
+        for part in ("acked", "to_append", *LATENCY_PARTS, "read"):
+            assert 0 <= row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"]
+        assert row["bound_ms"] == row["max_delay_ms"] + row["batch1_compute_ms"] + 5
+        assert isinstance(row["p50_met"], bool)
+        assert isinstance(row["p99_within_20ms"], bool)
+        assert row["backlog_count"] == 16
+    assert [r["max_delay_ms"] for r in rows.values()] == [5.0, 2.0, 5.0]
+    assert "--profile latency" in rows[f"{model} latency"]["command"]
+    assert "--no-close-idle-batches" in rows[f"{model} no_idle_rule"]["command"]
+    assert done.stdout.count("  lone ") == 3  # a line per row
 
 
 @pytest.mark.timeout(120)

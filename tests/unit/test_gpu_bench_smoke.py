@@ -324,3 +324,18 @@ def test_zoo_builds_an_rtdetr_folder_and_times_its_forward_at_its_batch(tmp_path
 
     assert (row["fixed_size"], row["detector"], row["forward_ceiling"]) == (True, True, "eager")
     assert row["forward_ceiling_img_s"] > 0
+
+
+def test_the_lone_bound_takes_the_max_delay_the_command_runs_with() -> None:
+    """Goal 3b's bound counts the host's own max_delay: a --max-delay-ms of
+    --worker-options, else its profile's, else the declared default."""
+    from bench.gpu import parse_args
+    from bench.gpu.lone import VARIANTS, _max_delay_ms
+    from bench.gpu.zoo import with_worker_options
+
+    plain = parse_args(["--device", "cpu"])
+    delays = {name: _max_delay_ms(with_worker_options(plain, f)) for name, f in VARIANTS.items()}
+    assert delays == {"defaults": 5.0, "latency": 2.0, "no_idle_rule": 5.0}
+    given = parse_args(["--device", "cpu", "--worker-options=--max-delay-ms 1"])
+    assert _max_delay_ms(with_worker_options(given, VARIANTS["latency"])) == 1.0
+    assert _max_delay_ms(parse_args(["--device", "cpu", "--profile", "latency"])) == 2.0
