@@ -53,7 +53,7 @@ from schemas import Result, Status
 from workers.config.profiles import PROFILES
 from workers.config.worker import WorkerSettings
 
-LONE_MODELS = ("resnet50", "timm:vit_base_patch16_224")
+LONE_MODELS = ("torchvision:resnet50", "timm:vit_base_patch16_224")
 VARIANTS = {
     "defaults": "",
     "latency": "--profile latency",
