@@ -20,7 +20,13 @@ def _pin_services(args: argparse.Namespace) -> None:
     cores = _service_cores(args)
     for pidfile in (Path(".run").glob("kafka-*/kafka.pid"), Path(".run").glob("redis-*/redis.pid")):
         for path in pidfile:
-            _pin_all_threads(int(path.read_text()), cores)
+            pid = int(path.read_text())
+            if not Path(f"/proc/{pid}").exists():
+                raise SystemExit(
+                    f"--pin: {path} names pid {pid}, which is not running (a service stopped "
+                    "under the run?): compose/local/down.sh, then run again"
+                )
+            _pin_all_threads(pid, cores)
     print(f"  broker and Redis pinned to cores {sorted(cores)}", flush=True)
 
 
