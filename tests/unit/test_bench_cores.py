@@ -25,5 +25,5 @@ def test_a_stale_broker_pid_file_stops_the_run_with_its_path(
     pidfile.parent.mkdir(parents=True)
     pidfile.write_text(str(_dead_pid()))
     args = argparse.Namespace(pin=True, service_cores=1, producer_cores=1, producers=1)
-    with pytest.raises(SystemExit, match=r"kafka-9092/kafka.pid names pid \d+, which is not running"):
+    with pytest.raises(SystemExit, match=r"kafka.pid names pid \d+, which is not running"):
         _pin_services(args)
