@@ -34,6 +34,7 @@ from workers.decode.cuda_sync import set_cuda_sync
 from workers.delivery.transactions import Transactions
 from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
+from workers.handlers.tabular import TabularModel
 from workers.handlers.tasks.detr import DetrDetector
 from workers.handlers.weights import ModelLoadError
 from workers.intake.admission import Admission
@@ -451,6 +452,7 @@ def _load_and_warm_up(
         fixed_size_images=isinstance(handler, ImageModel),
         image_batch=handler.gpu_batch if isinstance(handler, DetrDetector) else GPU_IMAGE_BATCH,
         compiles=not isinstance(handler, DetrDetector),
+        feature_rows=isinstance(handler, TabularModel),
     )
     cache = use_compile_cache(settings, device) if settings.compile else None
     # On by default, compiled or not: a compiled forward launched kernel by kernel from

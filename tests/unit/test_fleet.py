@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.config.profiles import GPU_IMAGE_BATCH, tuned
+from workers.config.profiles import FEATURE_ROW_BATCH, GPU_IMAGE_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.fleet import gpus as fleet_gpus
 from workers.fleet import host as fleet_host
@@ -399,6 +399,17 @@ def test_profiles_fill_in_only_what_was_not_given() -> None:
     )
     assert cpu.compile is False
     assert cpu.max_batch_size == 64
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_feature_record_models_batch_256_rows_unless_told(cuda: bool) -> None:
+    rows = tuned(
+        WorkerSettings(model="digits"), cuda=cuda, fixed_size_images=False, feature_rows=True
+    )
+    assert rows.max_batch_size == FEATURE_ROW_BATCH == 256
+    assert rows.compile is False
+    told = WorkerSettings(model="digits", max_batch_size=16)
+    assert tuned(told, cuda=cuda, fixed_size_images=False, feature_rows=True).max_batch_size == 16
 
 
 # -- what the fork server imports ------------------------------------------------------------

@@ -13,7 +13,8 @@ always wins; a profile only fills in what the user did not say. What each sets:
 and, for both, on a CUDA device: ``compile`` on (cached per host, so a restart
 does not compile again), and ``max_batch_size`` 256 for fixed-size image models
 (classification and embeddings; a fixed-size detector, RT-DETR, 64; other models
-keep 32). docs/operations.md
+keep 32); on any device, ``max_batch_size`` 256 for feature-record models (``tabular:``).
+docs/operations.md
 "Sizing" has the measurements these follow.
 """
 
@@ -40,6 +41,14 @@ PROFILES: dict[str, dict[str, Any]] = {
 GPU_IMAGE_BATCH = 256
 """``max_batch_size`` of a fixed-size image model on a GPU, unless set."""
 
+FEATURE_ROW_BATCH = 256
+"""``max_batch_size`` of a feature-record model on any device, unless set: a row is a few
+floats, so a batch's cost is mostly per request, and a batch of 32 paid the per-batch
+part eight times as often (the fraud demo's MLP from a backlog, ``--profile latency``, on
+a shared 2-core VM: 3,103-3,415 records/s at 32 against 3,990-6,363 at 256, taking
+turns; docs/bench-log, 2026-12-02). A lone record still closes its batch at once (the
+idle rule)."""
+
 
 def tuned(
     settings: WorkerSettings,
@@ -48,6 +57,7 @@ def tuned(
     fixed_size_images: bool,
     image_batch: int = GPU_IMAGE_BATCH,
     compiles: bool = True,
+    feature_rows: bool = False,
 ) -> WorkerSettings:
     """``settings`` with the profile's values, and the device's, for every setting left unset.
 
@@ -64,7 +74,8 @@ def tuned(
     False keeps a fixed-size model eager unless ``compile`` is given (RT-DETR on one
     H200: its package export failed and ``torch.compile`` of four batch sizes had not
     made the first process ready after 150 s cold or 240 s warm; docs/bench-log,
-    2026-12-02).
+    2026-12-02). ``feature_rows``: the handler scores feature records (``tabular:``),
+    batched by ``FEATURE_ROW_BATCH`` on any device.
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
@@ -76,4 +87,6 @@ def tuned(
         update["compile_form"] = "static"
     if cuda and fixed_size_images and "max_batch_size" not in given:
         update["max_batch_size"] = image_batch
+    if feature_rows and "max_batch_size" not in given:
+        update["max_batch_size"] = FEATURE_ROW_BATCH
     return settings.model_copy(update=update)
