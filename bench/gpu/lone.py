@@ -61,7 +61,7 @@ VARIANTS = {
 }
 """The variants' flags, after the user's ``--worker-options``."""
 P99_GOAL_MS = 20.0
-"""Issue #61's bound on a lone request's p99, end to end as the SDK's caller sees it."""
+"""The bound on a lone request's p99 as the SDK's caller sees it (docs/benchmarks.md)."""
 _SLACK_MS = 5.0  # goal 3b: max_delay + a batch-1 compute + 5 ms
 _QUICK_REQUESTS = 5
 _WAIT_S = 30.0
