@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
@@ -263,12 +264,35 @@ async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Create
         await kafka_admin.delete_topics(created)
 
 
+def _built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once for the whole run. Under
+    ``pytest -n`` each test process's base temporary folder lies in the run's own: there
+    the first process to come builds while the others wait on a lock, then find it done
+    (the seeded builds would have made the same files in each)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f".{name}.built"
+    with (root / f".{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a process killed mid-build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``)."""
+    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``),
+    by task name."""
     from tests.text_models import save_all
 
-    return save_all(tmp_path_factory.mktemp("text-models"))
+    folder = _built_once(tmp_path_factory, "text-models", save_all)
+    return {path.name: path for path in folder.iterdir() if path.is_dir()}
 
 
 @pytest.fixture(scope="session")
@@ -277,4 +301,4 @@ def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     trained here, saved with ``save_pretrained``; ``hf:FOLDER`` serves it."""
     from tests.generation_model import build_tiny_llm
 
-    return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"))
+    return _built_once(tmp_path_factory, "tiny-llm", build_tiny_llm)
