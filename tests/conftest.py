@@ -63,15 +63,37 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, share))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which should have set the suffix
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Everything under tests/integration, tests/faults or tests/cluster needs real services;
-    tests/cluster needs the clusters of `make up-cluster` too."""
+    tests/cluster needs the clusters of `make up-cluster` too. Under ``--dist loadgroup``,
+    each test of an ``xdist_group`` carries its group in its node id (below)."""
     for item in items:
         parts = item.path.parts
         if "integration" in parts or "faults" in parts or "cluster" in parts:
             item.add_marker(pytest.mark.integration)
         if "cluster" in parts:
             item.add_marker(pytest.mark.cluster)
+    if getattr(config.option, "loadgroup", False):  # set in pytest -n's test processes only
+        _suffix_groups(items)
+
+
+def _suffix_groups(items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` reads a test's group from an ``@<group>`` suffix of the node id
+    that a test process reports; pytest-xdist 3.8 writes it to ``Item._nodeid``, which
+    pytest 9.2's structured node ids no longer read, so every group was spread over the
+    processes as if unmarked (pytest-dev/pytest-xdist#1386). The suffix xdist means is
+    set where it is missing (a no-op where xdist's own took effect)."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        suffix = f"@{'_'.join(sorted(names))}"
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 _FAULT_RECORDS = "fault scenarios"  # the name of the user property that carries them
