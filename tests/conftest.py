@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
@@ -62,15 +63,37 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, share))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which should have set the suffix
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Everything under tests/integration, tests/faults or tests/cluster needs real services;
-    tests/cluster needs the clusters of `make up-cluster` too."""
+    tests/cluster needs the clusters of `make up-cluster` too. Under ``--dist loadgroup``,
+    each test of an ``xdist_group`` carries its group in its node id (below)."""
     for item in items:
         parts = item.path.parts
         if "integration" in parts or "faults" in parts or "cluster" in parts:
             item.add_marker(pytest.mark.integration)
         if "cluster" in parts:
             item.add_marker(pytest.mark.cluster)
+    if getattr(config.option, "loadgroup", False):  # set in pytest -n's test processes only
+        _suffix_groups(items)
+
+
+def _suffix_groups(items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` reads a test's group from an ``@<group>`` suffix of the node id
+    that a test process reports; pytest-xdist 3.8 writes it to ``Item._nodeid``, which
+    pytest 9.2's structured node ids no longer read, so every group was spread over the
+    processes as if unmarked (pytest-dev/pytest-xdist#1386). The suffix xdist means is
+    set where it is missing (a no-op where xdist's own took effect)."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        suffix = f"@{'_'.join(sorted(names))}"
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 _FAULT_RECORDS = "fault scenarios"  # the name of the user property that carries them
@@ -263,12 +286,35 @@ async def create_topic(kafka_admin: AIOKafkaAdminClient) -> AsyncIterator[Create
         await kafka_admin.delete_topics(created)
 
 
+def _built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once for the whole run. Under
+    ``pytest -n`` each test process's base temporary folder lies in the run's own: there
+    the first process to come builds while the others wait on a lock, then find it done
+    (the seeded builds would have made the same files in each)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f".{name}.built"
+    with (root / f".{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a process killed mid-build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def text_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``)."""
+    """Folders of tiny text models with a tokenizer trained here (``tests.text_models``),
+    by task name."""
     from tests.text_models import save_all
 
-    return save_all(tmp_path_factory.mktemp("text-models"))
+    folder = _built_once(tmp_path_factory, "text-models", save_all)
+    return {path.name: path for path in folder.iterdir() if path.is_dir()}
 
 
 @pytest.fixture(scope="session")
@@ -277,4 +323,4 @@ def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     trained here, saved with ``save_pretrained``; ``hf:FOLDER`` serves it."""
     from tests.generation_model import build_tiny_llm
 
-    return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"))
+    return _built_once(tmp_path_factory, "tiny-llm", build_tiny_llm)

@@ -73,7 +73,11 @@ def test_quick_tabular_bench_measures_each_level(
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # three hosts, then the streams: minutes on a busy 2-core machine
 def test_gpu_chain_stage_runs_on_the_cpu(
-    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+    kafka_bootstrap: str,
+    redis_url: str,
+    detector: Path,  # trained once under the fixture's lock, not in the bench's worker
+    digits: list[tuple[bytes, int]],  # the classifier, built the same way
+    tmp_path: Path,
 ) -> None:
     """bench.gpu's chain stage (a detector, then a classifier on its boxes, each stage's
     share of the card, then a few paced camera streams through both) with the demo models

@@ -28,6 +28,9 @@ from producers.testing import Fleet, read_topic, until
 from producers.testing.gateway import GatewayProcess
 from schemas import topics_for
 
+# One test process runs the module: its worker and gateway start once under pytest -n.
+pytestmark = pytest.mark.xdist_group("gateway")
+
 TOKEN = "gateway-test-token"  # a test credential, not a secret
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_LAG = 3

@@ -30,7 +30,8 @@ from producers.testing.gateway import GatewayProcess
 from schemas import ContentType, ErrorCode, Result, Status
 from tests.harness import TEST_WORKER_OPTIONS
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One test process runs the module: its LLM worker and gateway start once under pytest -n.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("gateway-openai")]
 
 TOKEN = "openai-test-token"  # a test credential, not a secret
 MAX_LAG = 3

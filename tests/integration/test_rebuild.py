@@ -33,6 +33,9 @@ from schemas import (
 )
 from tests.harness import LocalService
 
+# One test process runs the module: its Redis starts once under pytest -n.
+pytestmark = pytest.mark.xdist_group("rebuild")
+
 DAY_MS = 86_400_000
 
 

@@ -54,6 +54,9 @@ from tests.harness import (
 )
 from workers.app import CLOSE_S
 
+# One test process runs the module: its Redis starts once under pytest -n.
+pytestmark = pytest.mark.xdist_group("redis-acl")
+
 SECURITY_DOC = REPO / "docs" / "security.md"
 # A script of the kind a worker runs per batch: first result wins, read back, announce.
 BATCH_SCRIPT = """

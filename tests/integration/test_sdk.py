@@ -35,6 +35,9 @@ from producers.subscriber import Listener, SharedSubscriber
 from producers.testing import until
 from schemas import cancel_key, encode_result, ok_result, result_key, topics_for
 
+# One test process runs the module: its served_model worker starts once under pytest -n.
+pytestmark = pytest.mark.xdist_group("sdk")
+
 
 @pytest.fixture
 def client_name(uid: str) -> str:

@@ -34,6 +34,9 @@ from schemas import Status, encode_result, ok_result, result_headers, topics_for
 from tests.conftest import CreateTopic
 from tests.videos import collect, every_40_ms, stream_parser, write_video
 
+# One test process runs the module: its served_model worker starts once under pytest -n.
+pytestmark = pytest.mark.xdist_group("video")
+
 FRAMES = 200  # 20 s sampled at 10 fps
 
 

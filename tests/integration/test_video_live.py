@@ -34,6 +34,9 @@ from tests.conftest import CreateTopic
 from tests.live_video import LiveVideoServer
 from tests.videos import collect, every_40_ms, stream_parser, write_video
 
+# One test process runs the module: its served_model worker starts once under pytest -n.
+pytestmark = pytest.mark.xdist_group("video-live")
+
 OUTAGE_S = 1.5  # how long the source is down
 
 

@@ -53,6 +53,10 @@ from workers.handlers.tasks.detection import Detector
 from workers.model.loader import load_handler
 from workers.model.runner import ModelRunner
 
+# One test process runs the module under pytest -n, early (--dist loadgroup hands out the
+# largest groups first): its minute and a half of torch work does not come at the run's end.
+pytestmark = pytest.mark.xdist_group("served-direct")
+
 IMAGES = 200
 BATCH = 32
 MASK_MIN_IOU = 0.99
