@@ -61,20 +61,28 @@ def pytest_configure(config: pytest.Config) -> None:
     if workerinput is not None:
         share = (os.cpu_count() or 1) // int(workerinput["workercount"])
         torch.set_num_threads(max(1, share))
+    if getattr(config.option, "loadgroup", False):  # set in pytest -n's test processes only
+        config.pluginmanager.register(_GroupSuffixes(), "conveyor-group-suffixes")
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which should have set the suffix
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration, tests/faults or tests/cluster needs real services;
-    tests/cluster needs the clusters of `make up-cluster` too. Under ``--dist loadgroup``,
-    each test of an ``xdist_group`` carries its group in its node id (below)."""
+    tests/cluster needs the clusters of `make up-cluster` too. Marked before ``-m`` selects
+    (pytest's own hook runs after a conftest's), so ``-m cluster`` finds them."""
     for item in items:
         parts = item.path.parts
         if "integration" in parts or "faults" in parts or "cluster" in parts:
             item.add_marker(pytest.mark.integration)
         if "cluster" in parts:
             item.add_marker(pytest.mark.cluster)
-    if getattr(config.option, "loadgroup", False):  # set in pytest -n's test processes only
+
+
+class _GroupSuffixes:
+    """Under ``--dist loadgroup``, each test of an ``xdist_group`` carries its group in its
+    node id, set after pytest-xdist's own hook (which should have set it)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         _suffix_groups(items)
 
 
