@@ -18,6 +18,9 @@ of Llama-3.2-1B, bfloat16 on a GPU), nothing is downloaded, and end-of-sequence 
 so that every output has the length asked for. ``--device cpu --quick`` runs a tiny
 model through every step in seconds (the unit tests run it, so this file cannot rot).
 
+``--variants`` names engine variants (``VARIANTS``) measured one after another in the
+same run against one static baseline per level: each builds its own ``Engine``.
+
     python -m bench.generate --out bench/gpu-runs/generate.json        # on an H200
     python -m bench.generate --device cpu --quick --out /tmp/gen.json
 """
@@ -66,6 +69,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
     },
+}
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},  # the engine's defaults: CUDA graphs and async batching on CUDA
+    "heuristic": {"cuda_graphs": None, "async_batching": None},  # the manager's own choice
+    "graphs-sync": {"async_batching": False},
+    "eager-attn": {"attention": "paged|eager"},
 }
 
 
@@ -216,37 +227,59 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             in_flight * args.rounds, vocab, args.prompt_tokens, args.output_tokens, in_flight
         )
         useful = sum(w.new_tokens for w in works)
-        options = EngineOptions(max_sequences=in_flight, kv_cache_mb=args.kv_cache_mb)
-        engine = Engine(model, [], options)
-        engine.start()
-        try:
-            asyncio.run(
-                run_engine(engine, works[: min(len(works), in_flight)], in_flight, None)
-            )  # warm
-            seconds, _ = asyncio.run(run_engine(engine, works, in_flight, None))
-            engine_tps = useful / seconds
-            request_rate = len(works) / seconds
-            half, timed = asyncio.run(run_engine(engine, works, in_flight, request_rate / 2))
-        finally:
-            engine.stop()
         static_s = run_static(model, works, in_flight, device)
         roof = roofline(model, works, in_flight, args.hbm_gbps)
-        level = {
-            "in_flight": in_flight,
-            "requests": len(works),
-            "output_tokens": useful,
-            "engine_tokens_per_s": engine_tps,
-            "static_tokens_per_s": useful / static_s,
-            "engine_over_static": engine_tps / (useful / static_s),
-            "roofline_tokens_per_s": roof["tokens_per_s"],
-            "roofline_fraction": engine_tps / roof["tokens_per_s"],
-            "roofline": roof,
-            "kv_plan": engine.plan.describe(),
-            "half_peak": {"requests_per_s": request_rate / 2, "seconds": half, **latencies(timed)},
-        }
-        log.info("%s", json.dumps({k: v for k, v in level.items() if k != "roofline"}))
-        report["levels"].append(level)
+        for variant in args.variants:
+            level = measure_variant(model, works, in_flight, variant, args)
+            engine_tps = level["engine_tokens_per_s"]
+            level.update(
+                static_tokens_per_s=useful / static_s,
+                engine_over_static=engine_tps / (useful / static_s),
+                roofline_tokens_per_s=roof["tokens_per_s"],
+                roofline_fraction=engine_tps / roof["tokens_per_s"],
+                roofline=roof,
+            )
+            log.info(
+                "%s in_flight=%d engine %.0f tok/s static %.0f (%.2fx) tbt p50 %.1f ms",
+                variant,
+                in_flight,
+                engine_tps,
+                useful / static_s,
+                level["engine_over_static"],
+                level["half_peak"]["tbt_p50_ms"],
+            )
+            report["levels"].append(level)
     return report
+
+
+def measure_variant(
+    model: Any, works: Sequence[Work], in_flight: int, variant: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine variant over ``works``: peak tokens/s, then latencies at half its rate."""
+    useful = sum(w.new_tokens for w in works)
+    attention = model.config._attn_implementation
+    options = EngineOptions(
+        max_sequences=in_flight, kv_cache_mb=args.kv_cache_mb, **VARIANTS[variant]
+    )
+    engine = Engine(model, [], options)
+    engine.start()
+    try:
+        asyncio.run(run_engine(engine, works[: min(len(works), in_flight)], in_flight, None))
+        seconds, _ = asyncio.run(run_engine(engine, works, in_flight, None))
+        request_rate = len(works) / seconds
+        half, timed = asyncio.run(run_engine(engine, works, in_flight, request_rate / 2))
+    finally:
+        engine.stop()
+        model.set_attn_implementation(attention)  # the next variant starts from the same
+    return {
+        "variant": variant,
+        "in_flight": in_flight,
+        "requests": len(works),
+        "output_tokens": useful,
+        "engine_tokens_per_s": useful / seconds,
+        "kv_plan": engine.plan.describe(),
+        "half_peak": {"requests_per_s": request_rate / 2, "seconds": half, **latencies(timed)},
+    }
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -261,9 +294,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--kv-cache-mb", type=int, default=64, help="the cache's size on the CPU")
     parser.add_argument("--hbm-gbps", type=float, default=H200_HBM_GBPS)
+    parser.add_argument(
+        "--variants",
+        type=lambda v: v.split(","),
+        default=["default"],
+        help=f"engine variants, comma-separated, of {sorted(VARIANTS)}",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few requests")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}: choose from {sorted(VARIANTS)}")
     if args.quick:
         args.config, args.in_flight, args.rounds = "tiny", [4], 2
         args.prompt_tokens, args.output_tokens = (4, 24), (4, 12)
