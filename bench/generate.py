@@ -73,9 +73,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},  # the engine's defaults: CUDA graphs and async batching on CUDA
-    "heuristic": {"cuda_graphs": None, "async_batching": None},  # the manager's own choice
-    "graphs-sync": {"async_batching": False},
+    "default": {},  # the engine's defaults: the manager decides graphs and async batching
+    "graphs": {"cuda_graphs": True, "async_batching": True},
+    "graphs-sync": {"cuda_graphs": True, "async_batching": False},
     "eager-attn": {"attention": "paged|eager"},
 }
 

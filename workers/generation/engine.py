@@ -19,12 +19,12 @@ once the weights are loaded (the manager sizes it); on the CPU ``kv_cache_mb``
 bounds it. ``plan`` says what was chosen, at start.
 
 Speed on CUDA: without flash attention the manager's attention is sdpa with a dense
-mask, and its own heuristic then turns CUDA graphs and async batching off, leaving
-every step bound by kernel launches and the host (an H200 15% busy at 64 in flight).
-The engine asks for both explicitly on CUDA (``cuda_graphs``, ``async_batching``):
-graphs replay a step's launches at once and async batching prepares the next batch
-while the card runs this one; the mask's padding to the graph's bucket costs less
-than the launches it saves. Both are ignored on the CPU.
+mask, and its own rule then turns CUDA graphs and async batching off. On one H200 at 64
+in flight the step was bound by the host (the card 12-15% busy), and 65% of the engine
+thread's samples were inside ``scaled_dot_product_attention`` itself (docs/bench-log,
+2026-12-02). ``cuda_graphs`` and ``async_batching`` can ask for both; they stay the
+manager's choice until a card measures them (``bench.generate --variants``). Both are
+off on the CPU.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ class EngineOptions:
     """On a GPU: the share of the memory free beside the weights the cache takes."""
     kv_cache_mb: int = 64
     """On the CPU: the KV cache's size."""
-    cuda_graphs: bool | None = True
+    cuda_graphs: bool | None = None
     """On CUDA: capture each step's launches in CUDA graphs; None: the manager decides."""
-    async_batching: bool | None = True
+    async_batching: bool | None = None
     """On CUDA: prepare the next batch while this one runs; None: the manager decides."""
     attention: str | None = None
     """The attention implementation to switch the model to (``sdpa``, ``paged|eager``);
