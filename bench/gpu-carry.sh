@@ -6,16 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
-rm -rf "$out" && mkdir -p "$out/wheels" "$out/debs"
+extra=.gpu-extra
+rm -rf "$out" "$extra" && mkdir -p "$out/wheels" "$out/debs" "$extra"
 python3 -m pip download -q -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
   "setuptools>=77" wheel
-# torchao for --quantize int8 (the quant extra): 0.18.0 is the release built for torch 2.11,
-# the card's (0.18 dropped the code paths of older torch). One abi3 wheel, 3.4 MB; no
-# dependencies of its own (it uses the machine's torch), hence --no-deps.
-python3 -m pip download -q --no-deps -d "$out/wheels" --python-version 3.12 --only-binary=:all: \
-  --platform manylinux_2_28_x86_64 torchao==0.18.0
 # nvImageCodec (the hardware JPEG engine) for Python 3.12 only: its wheel carries builds for
 # every Python and codecs Conveyor does not use, 70 MB unpacked; the part used is ~14 MB.
 # No nvidia/__init__.py: "nvidia" stays a namespace package shared with torch's CUDA libraries.
@@ -47,4 +43,28 @@ tar -C "$work" -cf - kafka0 | xz -9 -T2 >"$out/kafka0.tar.xz"
 jlink --add-modules java.base,java.desktop,java.management,java.naming,java.security.jgss,java.security.sasl,java.sql,java.xml,jdk.unsupported,jdk.management,java.instrument,java.scripting,jdk.crypto.ec,java.logging,jdk.zipfs \
   --strip-debug --no-header-files --no-man-pages --compress=0 --output "$work/jre0"
 tar -C "$work" -cf - jre0 | xz -9 -T2 >"$out/jre0.tar.xz"
-du -sh "$out"
+
+# .gpu-extra/: what only some calls need, carried beside .gpu/ when they do (the tree and
+# .gpu/ together are near the 64 MiB a call carries).
+# torchao for --quantize int8: 0.18.0 is the release built for torch 2.11, the card's. One
+# abi3 wheel, 3.4 MB, with no dependencies of its own (it uses the machine's torch).
+python3 -m pip download -q --no-deps -d "$extra" --python-version 3.12 --only-binary=:all: \
+  --platform manylinux_2_28_x86_64 torchao==0.18.0
+# transformers for generation (the card has 5.17; the engine's options need 5.18, the hf
+# extra's floor): the version this checkout's venv has. The card's own huggingface_hub,
+# tokenizers, safetensors and regex meet its requirements. Trimmed to the model families
+# the benches load (bench.generate's configs): the others are most of the wheel. On the card:
+#   mkdir -p /tmp/tfx && tar -C /tmp/tfx -xJf .gpu-extra/transformers.tar.xz
+#   PYTHONPATH=/tmp/tfx/transformers bench/gpu-remote.sh python3 -m bench.generate ...
+tf=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
+mkdir -p "$work/tfw" "$work/transformers"
+python3 -m pip download -q --no-deps -d "$work/tfw" --only-binary=:all: "transformers==$tf"
+for whl in "$work"/tfw/*.whl; do unzip -q -o "$whl" -d "$work/transformers"; done
+keep=" auto llama gpt2 qwen2 qwen3 mistral "
+for dir in "$work"/transformers/transformers/models/*/; do
+  name=$(basename "$dir")
+  case "$keep" in *" $name "*) ;; *) rm -rf "$dir" ;; esac
+done
+find "$work/transformers" -name __pycache__ -prune -exec rm -rf {} +
+tar -C "$work" -cf - transformers | xz -9 -T2 >"$extra/transformers.tar.xz"
+du -sh "$out" "$extra"

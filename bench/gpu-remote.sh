@@ -11,9 +11,12 @@ if [ ! -f /tmp/conveyor-deps-installed ]; then
   python3 -m pip install -q --no-index --find-links .gpu/wheels \
     aiokafka redis hiredis uvloop google-crc32c pydantic pydantic-settings orjson prometheus-client py-spy \
     "setuptools>=77" wheel
-  # --quantize int8; an older carry without it still serves everything else.
-  python3 -m pip install -q --no-index --no-deps --find-links .gpu/wheels torchao ||
-    echo "no torchao wheel in .gpu/wheels: --quantize int8 will refuse to start" >&2
+  # --quantize int8, when the call carries .gpu-extra/; everything else is served without it.
+  if ls .gpu-extra/torchao-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps .gpu-extra/torchao-*.whl
+  else
+    echo "no .gpu-extra/ carried: --quantize int8 will refuse to start" >&2
+  fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
   touch /tmp/conveyor-deps-installed
 fi
