@@ -31,7 +31,8 @@ if [ ! -d /tmp/jre0 ]; then
 fi
 export PATH="/tmp/jre0/bin:/tmp/redis/usr/bin:$PATH"
 # nvImageCodec (decode=gpu-hw), trimmed by gpu-carry.sh; CUDA's own libnvjpeg serves it.
-export PYTHONPATH="$PWD/.gpu/nvimgcodec${PYTHONPATH:+:$PYTHONPATH}"
+[ -d /tmp/nvimgcodec ] || tar -C /tmp -xJf .gpu/nvimgcodec.tar.xz
+export PYTHONPATH="/tmp/nvimgcodec${PYTHONPATH:+:$PYTHONPATH}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
 # The broker's log in memory and a larger heap: a run appends tens of GB at up to
