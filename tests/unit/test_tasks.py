@@ -31,7 +31,7 @@ from schemas.outputs import (
     SemanticSegmentationOutput,
     parse_outputs,
 )
-from workers.handlers.base import Handler
+from workers.handlers.base import Handler, SplitPostprocess
 from workers.handlers.tasks.detection import Detector
 from workers.handlers.tasks.embedding import ImageEmbedder, remove_head
 from workers.handlers.tasks.groups import ShapeKey, group_indices
@@ -306,6 +306,23 @@ def test_embeddings_are_normalized_and_cast_as_asked() -> None:
     assert np.allclose(unit.values(), direct, atol=1e-6)
     assert half.dtype == "float16"
     assert np.allclose(half.values(), unit.values(), atol=1e-3)
+
+
+def test_the_embedder_leaves_the_device_half_of_its_postprocess_on_the_device() -> None:
+    """Its documents come from a host half that runs once the copy has arrived, so the
+    device goes on with the next batch meanwhile (a ``.cpu()`` inside ``postprocess``
+    waited for the device in the middle of every batch)."""
+    handler = embedder()
+    assert isinstance(handler, SplitPostprocess)
+    outputs = torch.randn(3, 2, 3)
+    params: list[dict[str, Any]] = [{}, {"normalize": False}, {"dtype": "float16"}]
+    (device,) = handler.postprocess_device(outputs, params)
+    assert device.dtype == torch.float32 and device.shape == (3, 2, 3)
+    documents = handler.postprocess_host((device.clone(),), params)
+    assert documents == handler.postprocess(outputs, params)
+    raw = EmbeddingOutput.model_validate(documents[1])
+    assert raw.shape == [2, 3]
+    assert np.allclose(raw.values(), outputs[1].flatten().numpy())
 
 
 @pytest.mark.parametrize("params", [{"normalize": 1}, {"dtype": "float64"}, {"top_k": 3}])

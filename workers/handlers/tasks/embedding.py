@@ -33,10 +33,27 @@ class ImageEmbedder(ImageModel):
         EmbeddingParams.parse(params)
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        device = self.postprocess_device(outputs, params)
+        return self.postprocess_host(tuple(t.cpu() for t in device), params)
+
+    def postprocess_device(
+        self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, ...]:
+        """The batch's outputs as float32: ((batch, *shape),). The runner copies
+        them to the host without waiting for the device, which then runs the next batch
+        while the host encodes these (a copy that waited held each batch's encoding and
+        the next batch's start apart)."""
+        return (outputs.float(),)
+
+    def postprocess_host(
+        self, tensors: tuple[torch.Tensor, ...], params: Sequence[Mapping[str, Any]]
+    ) -> list[Any]:
+        """The embedding documents from ``postprocess_device``'s host copy."""
         if not params:
             return []
+        (outputs,) = tensors
         shape = [int(size) for size in outputs.shape[1:]]
-        vectors = outputs.float().reshape(len(outputs), -1).cpu().numpy()  # one copy per batch
+        vectors = outputs.reshape(len(outputs), -1).numpy()
         return [
             embedding_document(vector, shape, EmbeddingParams.parse(p))
             for vector, p in zip(vectors, params, strict=True)
