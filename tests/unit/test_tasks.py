@@ -317,7 +317,8 @@ def test_the_embedder_leaves_the_device_half_of_its_postprocess_on_the_device() 
     outputs = torch.randn(3, 2, 3)
     params: list[dict[str, Any]] = [{}, {"normalize": False}, {"dtype": "float16"}]
     (device,) = handler.postprocess_device(outputs, params)
-    assert device.dtype == torch.float32 and device.shape == (3, 2, 3)
+    assert device.dtype == torch.float32
+    assert device.shape == (3, 2, 3)
     documents = handler.postprocess_host((device.clone(),), params)
     assert documents == handler.postprocess(outputs, params)
     raw = EmbeddingOutput.model_validate(documents[1])
