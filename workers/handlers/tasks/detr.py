@@ -49,7 +49,7 @@ from workers.decode.budget import DecodeBudget
 from workers.decode.gpu import DecodeOption
 from workers.decode.images import IMAGE_TYPES, ImageSpec, decode, read_npy
 from workers.decode.jpeg import read_jpeg_header
-from workers.handlers.base import ImageModel, Normalized
+from workers.handlers.base import ImageModel, Normalized, to_host
 from workers.handlers.tasks.detection import DEFAULT_SCORE_THRESHOLD
 from workers.handlers.tasks.params import DetectionParams
 
@@ -260,7 +260,7 @@ class DetrDetector(ImageModel):
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
         device = self.postprocess_device(outputs, params)
-        return self.postprocess_host(tuple(t.cpu() for t in device), params)
+        return self.postprocess_host(to_host(device), params)
 
     def postprocess_device(
         self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]

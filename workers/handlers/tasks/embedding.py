@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from schemas.outputs import EMBEDDING_V1
-from workers.handlers.base import ImageModel
+from workers.handlers.base import ImageModel, to_host
 from workers.handlers.tasks.params import EmbeddingParams
 
 _WIRE_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
@@ -34,7 +34,7 @@ class ImageEmbedder(ImageModel):
 
     def postprocess(self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]) -> list[Any]:
         device = self.postprocess_device(outputs, params)
-        return self.postprocess_host(tuple(t.cpu() for t in device), params)
+        return self.postprocess_host(to_host(device), params)
 
     def postprocess_device(
         self, outputs: torch.Tensor, params: Sequence[Mapping[str, Any]]

@@ -316,15 +316,3 @@ class TextOutputs:
     def flags(self) -> torch.Tensor:
         """Per item, 1 where its text was cut to ``max_length`` (on the device)."""
         return self.rows[:, FLAGS, 0]
-
-
-def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``tensors`` on the host: from a GPU, each copied into pinned memory without
-    waiting, then one wait for all of them (not a synchronizing copy per tensor)."""
-    if all(tensor.device.type == "cpu" for tensor in tensors):
-        return tensors
-    host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors)
-    for to, source in zip(host, tensors, strict=True):
-        to.copy_(source, non_blocking=True)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from schemas.outputs import ENTITIES_V1, TEXT_CLASSIFICATION_V1
-from workers.handlers.base import DEFAULT_TOP_K, top_k_param
+from workers.handlers.base import DEFAULT_TOP_K, to_host, top_k_param
 from workers.handlers.tasks.embedding import embedding_document
 from workers.handlers.tasks.params import EmbeddingParams, check_names
 from workers.handlers.tasks.text import (
@@ -45,7 +45,6 @@ from workers.handlers.tasks.text import (
     START,
     TextModel,
     TextOutputs,
-    to_host,
 )
 
 Pooling = Literal["mean", "cls", "max", "lasttoken"]
