@@ -5,6 +5,8 @@
 # xz on raw class files is about half the size of the jars' own deflate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# .gpu-extra/ carries the transformers of this checkout's venv.
+[ -x .venv/bin/python ] || { echo "bench/gpu-carry.sh: no .venv here; run make install first" >&2; exit 1; }
 out=.gpu
 extra=.gpu-extra
 rm -rf "$out" "$extra" && mkdir -p "$out/wheels" "$out/debs" "$extra"
