@@ -154,7 +154,8 @@ def _trained_like(cfg: Config, corpus: Corpus, path: Path) -> None:
     torch.manual_seed(0)
     handler = _handler(cfg, "random", dtype="float32", decode="cpu")
     module = handler.module
-    pixels = torch.stack([handler.preprocess(p, ContentType.JPEG, {}) for p in corpus.images[:64]])
+    images = corpus.payloads[:64]
+    pixels = torch.stack([handler.preprocess(p, ContentType.JPEG, {}) for p in images])
     inputs = handler.normalize(pixels)
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for norm in norms:
@@ -209,7 +210,7 @@ def _handler(cfg: Config, weights: str, *, dtype: str, decode: str) -> ImageClas
 
 
 def _agreement_payloads(corpus: Corpus) -> list[bytes]:
-    return [corpus.images[n % len(corpus.images)] for n in range(AGREEMENT_IMAGES)]
+    return [corpus.payloads[n % len(corpus.payloads)] for n in range(AGREEMENT_IMAGES)]
 
 
 # -- one host ------------------------------------------------------------------------------

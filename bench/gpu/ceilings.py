@@ -306,7 +306,7 @@ def stage_checks(cfg: Config, corpora: Sequence[Corpus]) -> dict[str, Any]:
     gpu = load_model(cfg, "float32", decode="gpu")
     out: dict[str, Any] = {"reduced_precision": half_dtype}
     for corpus in corpora:
-        payloads = list(corpus.images)
+        payloads = list(corpus.payloads)
         cpu_items = torch.stack([full.preprocess(p, ContentType.JPEG, {}) for p in payloads])
         encoded = [gpu.preprocess(p, ContentType.JPEG, {}) for p in payloads]
         gpu_items = gpu.collate(encoded, cfg.device)

@@ -35,6 +35,7 @@ from bench.gpu.lone import LONE_MODELS, VARIANTS, stage_lone
 from bench.gpu.model_stage import _detect_pipeline, stage_pipeline
 from bench.gpu.report import plot, print_table, summarize
 from bench.gpu.streams import STREAM_P99_BOUND_MS
+from bench.gpu.text import TEXT_MODELS, stage_text
 from bench.gpu.together import TOGETHER, stage_together
 from bench.gpu.zoo import ZOO, stage_zoo
 from workers.decode.gpu import DecodeOption
@@ -56,6 +57,7 @@ STAGES = (
     "together",
     "chain",
     "lone",
+    "text",
 )
 _ALIASES = {"a": "forward", "b": "decode", "c": "naive", "d": "e2e", "runner": "pipeline"}
 RESULTS_FILE = "gpu-bench.json"
@@ -177,6 +179,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the powers of two below the host's count, and all of them)",
     )
     parser.add_argument("--zoo", default=",".join(ZOO), help="zoo: model specs, comma-separated")
+    parser.add_argument(
+        "--text-models",
+        default=",".join(TEXT_MODELS),
+        help="text: bench.text's models, comma-separated (tiny: a smoke run)",
+    )
     parser.add_argument(
         "--lone-models", default=",".join(LONE_MODELS), help="lone: model specs, comma-separated"
     )
@@ -328,7 +335,7 @@ def selected_stages(text: str, args: argparse.Namespace) -> list[str]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
-    for stage in ("e2e", "ready", "kill", "lone"):
+    for stage in ("e2e", "ready", "kill", "lone", "text"):
         if stage in stages and not (args.kafka_bootstrap and args.redis_url):
             print(f"{stage} skipped: it needs --kafka-bootstrap and --redis-url", flush=True)
             stages.remove(stage)
@@ -418,6 +425,7 @@ def _run_stage(
         "together": lambda: stage_together(cfg, corpora, args),
         "chain": lambda: stage_chain(cfg, corpora, args),
         "lone": lambda: stage_lone(cfg, corpora, args, save),
+        "text": lambda: stage_text(cfg, corpora, args, save),
     }
     if stage in simple:
         return simple[stage]()
@@ -425,7 +433,7 @@ def _run_stage(
         return stage_detect(
             str(cfg.device),
             [arch.strip() for arch in args.detectors.split(",") if arch.strip()],
-            corpora[0].images,  # 640x480
+            corpora[0].payloads,  # 640x480
             naive_count=max(cfg.naive_count // 10, 2),
             pipeline_count=max(cfg.runner_count // 10, 4),
             batch=args.detect_batch if not args.quick else 2,

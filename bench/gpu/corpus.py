@@ -1,8 +1,10 @@
-"""The JPEG corpus every stage runs on, synthesised from seeds: nothing is downloaded.
+"""The corpora the stages run on, synthesised from seeds: nothing is downloaded.
 
 Photo-like images (``synthetic_jpeg``), a ``Corpus`` of one size, the corpora of a
-run, the one each producer process rebuilds from the same seeds (``make_corpus``), and
-the request records made of it.
+run, the one each producer process rebuilds from the same seeds (``make_corpus``), the
+text mix of ``bench.text`` as a corpus of ``text/plain`` requests (``text_corpus``), a
+corpus by its name (``corpus_named``: what a producer process is told), and the
+request records made of one.
 """
 
 from __future__ import annotations
@@ -20,21 +22,26 @@ from schemas import ContentType
 _NOISE = 19.0  # sigma of the pixel noise: gives ~146 KB at 640x480 and ~25 KB at 224x224
 
 
+TEXT_CORPUS = "text"
+"""The name of the text mix's corpus (``text_corpus``)."""
+
+
 @dataclass(frozen=True)
 class Corpus:
-    """Distinct JPEGs of one size; benchmarks cycle through them."""
+    """Distinct payloads, JPEGs of one size or texts; benchmarks cycle through them."""
 
-    name: str  # e.g. "640x480"
-    width: int
+    name: str  # e.g. "640x480", or TEXT_CORPUS
+    width: int  # 0 for texts
     height: int
-    images: tuple[bytes, ...]
+    payloads: tuple[bytes, ...]
+    content_type: ContentType = ContentType.JPEG
 
     @property
     def mean_kb(self) -> float:
-        return sum(map(len, self.images)) / len(self.images) / 1000
+        return sum(map(len, self.payloads)) / len(self.payloads) / 1000
 
     def take(self, count: int) -> list[bytes]:
-        return [self.images[n % len(self.images)] for n in range(count)]
+        return [self.payloads[n % len(self.payloads)] for n in range(count)]
 
 
 def synthetic_jpeg(width: int, height: int, seed: int, quality: int = 90) -> bytes:
@@ -80,7 +87,7 @@ def _records(
 
     return [
         encode_request(
-            p, request_id=i, content_type=ContentType.JPEG, source="bench.gpu", params=params
+            p, request_id=i, content_type=corpus.content_type, source="bench.gpu", params=params
         )
         for p, i in zip(corpus.take(len(ids)), ids, strict=True)
     ]
@@ -94,3 +101,24 @@ def make_corpus(width: int, height: int) -> Corpus:
         height,
         tuple(synthetic_jpeg(width, height, seed) for seed in range(64)),
     )
+
+
+TEXT_COUNT = 2000
+"""Distinct texts of the text corpus: ``bench.text``'s default mix."""
+
+
+def text_corpus() -> Corpus:
+    """``bench.text``'s long-tailed mix of texts (its module doc says the rule), as
+    ``text/plain`` requests."""
+    from bench.text import texts  # torch with it: only a text load pays the import
+
+    return Corpus(TEXT_CORPUS, 0, 0, tuple(texts(TEXT_COUNT)), ContentType.TEXT)
+
+
+def corpus_named(name: str) -> Corpus:
+    """The corpus a producer process rebuilds from its name: ``TEXT_CORPUS``, or ``WxH``
+    JPEGs from ``make_corpus``'s seeds."""
+    if name == TEXT_CORPUS:
+        return text_corpus()
+    width, _, height = name.partition("x")
+    return make_corpus(int(width), int(height))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.gpu.cores import _pin_all_threads, _producer_cores
-from bench.gpu.corpus import Corpus, _records, make_corpus
+from bench.gpu.corpus import Corpus, _records, corpus_named
 from bench.stats import (
     acked_summary,
 )
@@ -103,7 +103,7 @@ async def _paced_parallel(
     was due. Returns the rate achieved together (the slowest process's share times their
     number) and the worst process's acknowledgement after due time (``produce_at_rate``),
     p50 and p99. ``on_go`` runs as the producers are told to start."""
-    mean_bytes = statistics.fmean(len(image) for image in corpus.images)
+    mean_bytes = statistics.fmean(len(image) for image in corpus.payloads)
     processes = min(count, paced_processes(rate, mean_bytes))
     procs = await _producers(
         args,
@@ -138,11 +138,11 @@ def paced_processes(rate: float, mean_bytes: float) -> int:
 
 
 def produce_paced_share(spec: str, args: argparse.Namespace) -> int:
-    """``--produce-paced TOPIC,W,H,PREFIX,FIRST,COUNT,RATE``: one process's share of a paced
+    """``--produce-paced TOPIC,CORPUS,PREFIX,FIRST,COUNT,RATE``: one process's share of a paced
     load; prints "ready", sends when a line comes in, then prints (JSON) the rate it
     achieved and its records' acknowledgement after their due time (p50, p99)."""
-    topic, width, height, prefix, first, count, rate = spec.split(",")
-    corpus = make_corpus(int(width), int(height))
+    topic, name, prefix, first, count, rate = spec.split(",")
+    corpus = corpus_named(name)
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids, args.request_params)
     print("ready", flush=True)
@@ -171,7 +171,7 @@ async def _producers(
     share = [count // processes + (k < count % processes) for k in range(processes)]
     first, procs = 0, []
     for n in share:
-        spec = f"{topics_for(model).requests},{corpus.width},{corpus.height},{prefix},{first},{n}"
+        spec = f"{topics_for(model).requests},{corpus.name},{prefix},{first},{n}"
         command = [
             sys.executable, "-m", "bench.gpu.load", mode, spec + more,
             "--kafka-bootstrap", args.kafka_bootstrap,
@@ -215,12 +215,13 @@ async def _tell_all(procs: Sequence[asyncio.subprocess.Process], word: bytes) ->
 
 
 def produce_share(spec: str, args: argparse.Namespace) -> int:
-    """``--produce TOPIC,W,H,PREFIX,FIRST,COUNT``: one producer process's share of a backlog
-    (the corpus is rebuilt from the same seeds, so every process sends the same images).
+    """``--produce TOPIC,CORPUS,PREFIX,FIRST,COUNT``: one producer process's share of a
+    backlog (the corpus is rebuilt from its name, ``corpus_named``, so every process sends
+    the same payloads).
     Prints "ready" once its records are built and sends them in a transaction when a line
     comes in; prints "sent" when all are written, and commits when the next line comes."""
-    topic, width, height, prefix, first, count = spec.split(",")
-    corpus = make_corpus(int(width), int(height))
+    topic, name, prefix, first, count = spec.split(",")
+    corpus = corpus_named(name)
     ids = [f"{prefix}-{n}" for n in range(int(first), int(first) + int(count))]
     records = _records(corpus, ids, args.request_params)
     print("ready", flush=True)
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     the stages stay unimported, so a load of several processes starts in a second."""
     parser = argparse.ArgumentParser(prog="python -m bench.gpu.load")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--produce", help="TOPIC,W,H,PREFIX,FIRST,COUNT: a backlog's share")
+    mode.add_argument("--produce", help="TOPIC,CORPUS,PREFIX,FIRST,COUNT: a backlog's share")
     mode.add_argument("--produce-paced", help="the same, then ,RATE: a paced load's share")
     mode.add_argument(
         "--produce-streams", help="TOPIC,W,H,PREFIX,STREAMS,FRAMES,FPS,K1:K2:...: streams' share"

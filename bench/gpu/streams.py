@@ -45,7 +45,7 @@ def stream_records(
 ) -> list[OutgoingRecord]:
     """The frames of streams ``mine`` (of ``streams``), frame 0 of each, then frame 1...:
     each stream's frames in order, at one frame interval apart once paced."""
-    images = corpus.images
+    images = corpus.payloads
     return [
         encode_request(
             images[(n * streams + k) % len(images)],
@@ -84,7 +84,7 @@ async def paced_streams(
     ``--chain-fps``, from as many producer processes as the load needs (each with whole
     streams); the rate achieved together and the worst process's acknowledgements."""
     streams = args.chain_streams
-    mean_bytes = statistics.fmean(len(image) for image in corpus.images)
+    mean_bytes = statistics.fmean(len(image) for image in corpus.payloads)
     processes = min(streams, paced_processes(streams * args.chain_fps, mean_bytes))
     procs = []
     for p in range(processes):
