@@ -453,6 +453,7 @@ def _load_and_warm_up(
         image_batch=handler.gpu_batch if isinstance(handler, DetrDetector) else GPU_IMAGE_BATCH,
         compiles=not isinstance(handler, DetrDetector),
         feature_rows=isinstance(handler, TabularModel),
+        token_rows=isinstance(handler, Costed),
     )
     cache = use_compile_cache(settings, device) if settings.compile else None
     # On by default, compiled or not: a compiled forward launched kernel by kernel from

@@ -32,8 +32,10 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
         ("embedding:resnet50", torch.float16),
         ("torchvision:fasterrcnn_resnet50_fpn", torch.float16),  # autocast to it
         ("torchvision:deeplabv3_resnet50", torch.float16),
-        # text, files and classes of one's own
-        ("hf:./my-classifier", torch.float32),
+        # transformers' text models and detectors
+        ("hf:./my-classifier", torch.float16),
+        ("hf:owner/name@main", torch.float16),
+        # files and classes of one's own
         ("torchscript:model.pt", torch.float32),
         ("export:model.pt2", torch.float32),
         ("tabular:fraud.joblib", torch.float32),

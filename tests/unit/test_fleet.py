@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.config.profiles import FEATURE_ROW_BATCH, GPU_IMAGE_BATCH, tuned
+from workers.config.profiles import FEATURE_ROW_BATCH, GPU_IMAGE_BATCH, GPU_TEXT_BATCH, tuned
 from workers.config.worker import WorkerSettings
 from workers.fleet import gpus as fleet_gpus
 from workers.fleet import host as fleet_host
@@ -410,6 +410,16 @@ def test_feature_record_models_batch_256_rows_unless_told(cuda: bool) -> None:
     assert rows.compile is False
     told = WorkerSettings(model="digits", max_batch_size=16)
     assert tuned(told, cuda=cuda, fixed_size_images=False, feature_rows=True).max_batch_size == 16
+
+
+def test_text_models_batch_up_to_their_token_budget_on_a_gpu_unless_told() -> None:
+    def batch(settings: WorkerSettings, *, cuda: bool) -> int:
+        return tuned(settings, cuda=cuda, fixed_size_images=False, token_rows=True).max_batch_size
+
+    default = WorkerSettings(model="digits")
+    assert batch(default, cuda=True) == GPU_TEXT_BATCH == 256
+    assert batch(default, cuda=False) == 32  # the declared default: the CPU is not fed faster
+    assert batch(WorkerSettings(model="digits", max_batch_size=48), cuda=True) == 48
 
 
 # -- what the fork server imports ------------------------------------------------------------

@@ -12,8 +12,9 @@ always wins; a profile only fills in what the user did not say. What each sets:
 
 and, for both, on a CUDA device: ``compile`` on (cached per host, so a restart
 does not compile again), and ``max_batch_size`` 256 for fixed-size image models
-(classification and embeddings; a fixed-size detector, RT-DETR, 64; other models
-keep 32); on any device, ``max_batch_size`` 256 for feature-record models (``tabular:``).
+(classification and embeddings; a fixed-size detector, RT-DETR, 64) and text models
+(their batches close at ``max_batch_tokens``; other models keep 32); on any device,
+``max_batch_size`` 256 for feature-record models (``tabular:``).
 docs/operations.md
 "Sizing" has the measurements these follow.
 """
@@ -41,6 +42,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 GPU_IMAGE_BATCH = 256
 """``max_batch_size`` of a fixed-size image model on a GPU, unless set."""
 
+GPU_TEXT_BATCH = 256
+"""``max_batch_size`` of a text model on a GPU, unless set: its batches close at the token
+budget (``max_batch_tokens``, 16,384 rows x padded length), which 32 texts of the median
+44 tokens fill to a twelfth (``bench.text``'s mix)."""
+
 FEATURE_ROW_BATCH = 256
 """``max_batch_size`` of a feature-record model on any device, unless set: a row is a few
 floats, so a batch's cost is mostly per request, and a batch of 32 paid the per-batch
@@ -58,6 +64,7 @@ def tuned(
     image_batch: int = GPU_IMAGE_BATCH,
     compiles: bool = True,
     feature_rows: bool = False,
+    token_rows: bool = False,
 ) -> WorkerSettings:
     """``settings`` with the profile's values, and the device's, for every setting left unset.
 
@@ -75,7 +82,8 @@ def tuned(
     H200: its package export failed and ``torch.compile`` of four batch sizes had not
     made the first process ready after 150 s cold or 240 s warm; docs/bench-log,
     2026-12-02). ``feature_rows``: the handler scores feature records (``tabular:``),
-    batched by ``FEATURE_ROW_BATCH`` on any device.
+    batched by ``FEATURE_ROW_BATCH`` on any device. ``token_rows``: a text model, whose
+    batches the token budget closes; ``GPU_TEXT_BATCH`` on a GPU.
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
@@ -87,6 +95,8 @@ def tuned(
         update["compile_form"] = "static"
     if cuda and fixed_size_images and "max_batch_size" not in given:
         update["max_batch_size"] = image_batch
+    if cuda and token_rows and "max_batch_size" not in given:
+        update["max_batch_size"] = GPU_TEXT_BATCH
     if feature_rows and "max_batch_size" not in given:
         update["max_batch_size"] = FEATURE_ROW_BATCH
     return settings.model_copy(update=update)
