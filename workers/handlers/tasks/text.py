@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -153,6 +154,11 @@ class TextModel:
     ) -> None:
         from tokenizers import Tokenizer
 
+        # The fast tokenizer's batch call spreads over a thread per core unless told not
+        # to; the worker already tokenizes in its decode threads, in each process of a
+        # host, so those threads would only contend for the same cores. A value the user
+        # set is kept.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.name = name
         self.version = version
         self.device = torch.device(device)
