@@ -204,11 +204,20 @@ def predict(folder: Path, texts: Sequence[str]) -> list[tuple[str, float]]:
     return found
 
 
+def quiet_progress() -> None:
+    """No progress bars from transformers (saving and loading this model takes
+    milliseconds; the bars would only crowd a demo's output)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def accuracy(predicted: Sequence[str], truth: Sequence[str]) -> float:
     return sum(p == t for p, t in zip(predicted, truth, strict=True)) / max(len(truth), 1)
 
 
 if __name__ == "__main__":
+    quiet_progress()
     started = time.monotonic()
     built = build(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_FOLDER)
     spent = time.monotonic() - started
