@@ -217,7 +217,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; 0 when every served label equals the model's own."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.held_out < 1:
+        parser.error(f"--held-out {args.held_out}: give at least 1 review to stream")
     settings = client_settings(args.kafka_bootstrap, args.redis_url)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # our errors say it better
     quiet_progress()
