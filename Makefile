@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo demo-video demo-fraud bench settings-doc clean
+.PHONY: help install up up-s3 down test up-cluster down-cluster test-cluster unit lint format demo demo-video demo-fraud demo-text bench settings-doc clean
 
 help:
 	@echo "make install  virtual environment in $(VENV) with the worker, video, timm, hf, s3, tracing, gateway, demo, tabular and dev extras"
@@ -32,6 +32,7 @@ help:
 	@echo "make demo     install, up, serve the bundled digits model and score it end to end"
 	@echo "make demo-video  install, up, detect digits in a synthetic video streamed frame by frame"
 	@echo "make demo-fraud  install, up, score a stream of synthetic card transactions (a GBDT, an MLP)"
+	@echo "make demo-text   install, up, classify a stream of synthetic product reviews (a small BERT, hf:)"
 	@echo "make bench    install, up, CPU benchmarks against the local broker (docs/benchmarks.md)"
 	@echo "make unit     unit tests only (no Kafka or Redis needed)"
 	@echo "make lint     ruff (lint + format check), mypy --strict and vulture (unused code), tests and benches included"
@@ -100,6 +101,10 @@ demo-video: install
 demo-fraud: install
 	@$(MAKE) --no-print-directory up
 	$(PY) -m demo.fraud --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
+
+demo-text: install
+	@$(MAKE) --no-print-directory up
+	$(PY) -m demo.text --kafka-bootstrap 127.0.0.1:$(KAFKA_PORT) --redis-url redis://127.0.0.1:$(REDIS_PORT)/0
 
 bench: install
 	@$(MAKE) --no-print-directory up

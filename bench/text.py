@@ -26,7 +26,6 @@ Not end to end: Kafka and Redis are not in it (``bench.gpu`` measures those).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from demo.models.wordpiece import docstrings, train_wordpiece
 from schemas import ContentType
 from workers.batching.batcher import Batcher
 from workers.handlers.tasks.text import MASK, TextModel
@@ -52,35 +52,12 @@ QUICK = {"tiny": {"layers": 2, "hidden": 32, "heads": 2, "intermediate": 37}}
 
 
 def corpus() -> Iterator[str]:
-    for name in _MODULES:
-        module = importlib.import_module(name)
-        for value in [module, *vars(module).values()]:
-            doc = getattr(value, "__doc__", None)
-            if isinstance(doc, str):
-                yield from (line.strip() for line in doc.splitlines() if line.strip())
+    return docstrings(_MODULES)
 
 
 def tokenizer(vocab: int) -> Any:
     """A fast BERT tokenizer trained on ``corpus()``."""
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordPiece
-    from tokenizers.trainers import WordPieceTrainer
-    from transformers import BertTokenizer
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(corpus(), WordPieceTrainer(vocab_size=vocab, special_tokens=specials))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
-    )
-    return BertTokenizer(
-        tokenizer_object=tok, model_max_length=512, unk_token="[UNK]", pad_token="[PAD]",
-        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-    )  # fmt: skip
+    return train_wordpiece(corpus(), vocab, 512)
 
 
 def texts(count: int) -> list[bytes]:

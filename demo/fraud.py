@@ -41,11 +41,13 @@ from demo.models.fraud import DEFAULT_FOLDER, Transactions, build, record, trans
 from demo.worker import (
     REPO,
     client_settings,
+    collect,
     durable_ms,
     exit_status,
     latency_ms,
     launch,
     percentile,
+    stream,
     worker_config,
 )
 from producers import AsyncClient, ClientSettings, Result, Status
@@ -135,32 +137,16 @@ async def _serve(
         _say(f"{name}: worker ready, first answer after {time.monotonic() - started:.1f} s")
         run = uuid.uuid4().hex[:8]
         ids = [f"fraud-{run}-{n}" for n in range(len(data.fraud))]
-        waiting = asyncio.ensure_future(_collect(client, ids, wait_s))
-        await worker.unless_it_dies(_stream(client, name, data, ids))
+        waiting = asyncio.ensure_future(collect(client, ids, wait_s))
+        payloads = [_payload(data, n) for n in range(len(ids))]
+        await worker.unless_it_dies(stream(client, name, payloads, ids, JSON, RATE, _SLICE))
         _say(f"{name}: streamed {len(ids)} transactions at {RATE}/s; waiting for their scores")
         results = await worker.unless_it_dies(waiting)
     return _model_report(name, results, ids, data, offline)
 
 
-async def _stream(client: AsyncClient, name: str, data: Transactions, ids: list[str]) -> None:
-    """One request a transaction, ``RATE`` a second, in slices sent on a fixed clock."""
-    start = time.monotonic()
-    for first in range(0, len(ids), _SLICE):
-        due = start + first / RATE
-        await asyncio.sleep(max(0.0, due - time.monotonic()))
-        chunk = range(first, min(first + _SLICE, len(ids)))
-        payloads = [_payload(data, n) for n in chunk]
-        await client.submit_many(
-            payloads, model=name, request_ids=[ids[n] for n in chunk], content_type=JSON
-        )
-
-
 def _payload(data: Transactions, row: int) -> bytes:
     return orjson.dumps({"features": record(data, row)})
-
-
-async def _collect(client: AsyncClient, ids: list[str], wait_s: float) -> dict[str, Result]:
-    return {result.id: result async for result in client.wait_many(ids, wait_s)}
 
 
 def _offline_scores(path: Path, rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:

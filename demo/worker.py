@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import SecretStr
 
-from producers import ClientError, ContractError
+from producers import AsyncClient, ClientError, ContractError
 from producers.settings import ClientSettings
 from producers.testing import WorkerConfig, WorkerExited, WorkerProcess
-from schemas import Result, Timings
+from schemas import ContentType, Result, Timings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +78,32 @@ def launch(config: WorkerConfig, log_path: Path) -> WorkerProcess:
     ``unless_it_dies`` raises ``producers.testing.WorkerExited`` if it exits early."""
     log_path.unlink(missing_ok=True)
     return WorkerProcess(config, log_path, new_session=True)
+
+
+async def stream(
+    client: AsyncClient,
+    model_name: str,
+    payloads: Sequence[bytes],
+    ids: Sequence[str],
+    content_type: ContentType,
+    rate: float,
+    slice_size: int = 5,
+) -> None:
+    """One request a payload (``ids[n]`` for ``payloads[n]``), ``rate`` a second, in
+    slices of ``slice_size`` sent on a fixed clock (a slice late does not push the rest)."""
+    start = time.monotonic()
+    for first in range(0, len(ids), slice_size):
+        due = start + first / rate
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        chunk = slice(first, first + slice_size)
+        await client.submit_many(
+            payloads[chunk], model=model_name, request_ids=ids[chunk], content_type=content_type
+        )
+
+
+async def collect(client: AsyncClient, ids: Sequence[str], wait_s: float) -> dict[str, Result]:
+    """The result of each of ``ids``, by id: all within ``wait_s`` (else ``ResultTimeout``)."""
+    return {result.id: result async for result in client.wait_many(ids, wait_s)}
 
 
 def durable_ms(timings: Timings) -> float:

@@ -9,12 +9,13 @@ sentence-transformers' ``save``) do, for ``hf:PATH``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from demo.models.wordpiece import docstrings, train_wordpiece
 
 VOCAB_SIZE = 600
 HIDDEN = 32
@@ -26,45 +27,12 @@ _CORPUS_MODULES = ("json", "pathlib", "collections", "argparse", "logging", "tex
 
 def corpus() -> Iterator[str]:
     """Lines of the standard library's docstrings (the same on every run of one Python)."""
-    for name in _CORPUS_MODULES:
-        module = importlib.import_module(name)
-        for value in [module, *vars(module).values()]:
-            doc = getattr(value, "__doc__", None)
-            if isinstance(doc, str):
-                yield from (line.strip() for line in doc.splitlines() if line.strip())
+    return docstrings(_CORPUS_MODULES)
 
 
 def tokenizer() -> Any:
-    """A fast BERT tokenizer with a WordPiece vocabulary trained on ``corpus()``
-    (in transformers 5, ``BertTokenizer`` is the Rust-backed one)."""
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordPiece
-    from tokenizers.trainers import WordPieceTrainer
-    from transformers import BertTokenizer
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(
-        corpus(), WordPieceTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials)
-    )
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
-    )
-    return BertTokenizer(
-        tokenizer_object=tok,
-        model_max_length=MAX_POSITIONS,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    """A fast BERT tokenizer with a WordPiece vocabulary trained on ``corpus()``."""
+    return train_wordpiece(corpus(), VOCAB_SIZE, MAX_POSITIONS)
 
 
 def config(**more: Any) -> Any:
