@@ -24,7 +24,6 @@ runs ``hf:`` text models in on a GPU rests on it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
 import zlib
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from bench import text as text_bench
+from demo.models.wordpiece import docstrings
 from schemas import DEFAULT_LIMITS, ContentType
 from workers.handlers.tasks.text import TextModel
 from workers.handlers.tasks.text_tasks import SentenceEmbedder, TextClassifier
@@ -51,16 +51,11 @@ def labelled_lines() -> tuple[list[str], list[int]]:
     seen: set[str] = set()
     lines, labels = [], []
     for index, name in enumerate(_MODULES):
-        module = importlib.import_module(name)
-        for value in [module, *vars(module).values()]:
-            doc = getattr(value, "__doc__", None)
-            if not isinstance(doc, str):
-                continue
-            for line in (line.strip() for line in doc.splitlines()):
-                if len(line.split()) >= 4 and line not in seen:
-                    seen.add(line)
-                    lines.append(line)
-                    labels.append(index)
+        for line in docstrings([name]):
+            if len(line.split()) >= 4 and line not in seen:
+                seen.add(line)
+                lines.append(line)
+                labels.append(index)
     return lines, labels
 
 
