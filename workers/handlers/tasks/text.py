@@ -230,17 +230,16 @@ class TextModel:
                 "the text has more tokens than the model takes (--truncation refuse)",
                 limit=self.max_length,
             )
-        length = len(encoding.ids)
-        item = torch.zeros((ROWS, length), dtype=torch.int64)
-        item[IDS] = torch.tensor(encoding.ids)
-        item[TYPES] = torch.tensor(encoding.type_ids)
+        # Filled in numpy, whose row assignment converts a list in C: a torch.tensor per
+        # row cost 68 of the 160 us a text took in the decode threads (bench.text's mix).
+        item = np.zeros((ROWS, len(encoding.ids)), dtype=np.int64)
+        item[IDS] = encoding.ids
+        item[TYPES] = encoding.type_ids
         item[MASK] = 1
-        item[SPECIAL] = torch.tensor(encoding.special_tokens_mask)
-        offsets = torch.tensor(encoding.offsets, dtype=torch.int64).reshape(length, 2)
-        item[START] = offsets[:, 0]
-        item[END] = offsets[:, 1]
+        item[SPECIAL] = encoding.special_tokens_mask
+        item[START : END + 1] = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2).T
         item[FLAGS, 0] = int(truncated)
-        return item
+        return torch.from_numpy(item)
 
     def cost(self, item: torch.Tensor) -> int:
         """What ``item`` adds to a batch per row: its padded length (``workers.batching``)."""
