@@ -14,7 +14,8 @@ weights, ``bench.text``'s tokenizer and long-tailed mix of texts):
    (``torch.compile``, dynamic shapes): the row's ceiling is the faster forward;
 3. ``conveyor worker --model hf:FOLDER --weights random`` started with nothing else,
    its time to ready, a backlog's steady rate (texts/s), and at half that peak, open
-   loop, the p99 against ``max_delay`` + 2 x the p99 batch compute.
+   loop, the p99 against ``max_delay`` + 2 x the p99 batch compute. ``--profile-s``:
+   py-spy samples of the first worker process as the backlog comes.
 
 A row is written as each model finishes, so a run cut short keeps them.
 """
@@ -26,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,7 +40,7 @@ from bench import text as text_bench
 from bench.gpu.config import Config
 from bench.gpu.cores import _pin_services
 from bench.gpu.corpus import Corpus, text_corpus
-from bench.gpu.e2e import Load, _paced, timed_backlog
+from bench.gpu.e2e import Load, _paced, sample_first, timed_backlog
 from bench.gpu.host import _fleet, _start_host
 from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
@@ -188,7 +190,15 @@ async def _served(
         await until_all_ready([host], args.ready_timeout, settle_s=1.0)
         ready_s = time.monotonic() - started
         load = Load(model, run, _PARTITIONS, host, None, 1)
-        steady = await timed_backlog(args, load, corpus, f"{run}-t", count)
+        samplers: list[subprocess.Popen[bytes]] = []
+
+        def sample() -> None:  # --profile-s: py-spy on the first process as the backlog comes
+            if args.profile_s:
+                samplers.append(sample_first(args, host, f"pyspy-text-{Path(spec).name}"))
+
+        steady = await timed_backlog(args, load, corpus, f"{run}-t", count, sample)
+        for sampler in samplers:
+            sampler.wait(timeout=args.profile_s + 30)
         paced = await _paced(corpus, args, load, steady["img_s"])
         return {
             "ready_s": round(ready_s, 1),
