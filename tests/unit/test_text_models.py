@@ -212,6 +212,26 @@ def test_a_batch_is_padded_to_its_length_bucket(text_models: dict[str, Path]) ->
     ]
 
 
+def test_a_batch_never_takes_cudnns_attention(
+    text_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN's kernel plans each new shape on the host: the forward runs without it, and
+    the setting is back as it was afterwards."""
+    handler = load(text_models["text-classification"])
+    run, seen = handler.run, []
+
+    def watched(*args: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return run(*args)
+
+    monkeypatch.setattr(handler, "run", watched)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    items = [handler.preprocess(t.encode(), ContentType.TEXT, {}) for t in TEXTS]
+    handler.forward(handler.collate(items, torch.device("cpu")))
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_length_buckets() -> None:
     assert length_buckets(512) == (
         (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
