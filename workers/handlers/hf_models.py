@@ -48,7 +48,12 @@ from workers.handlers.torchvision_models import Serving
 from workers.handlers.weights import RANDOM_WEIGHTS, ModelLoadError, sha256
 
 Task = Literal[
-    "auto", "text-classification", "token-classification", "sentence-embedding", "object-detection"
+    "auto",
+    "text-classification",
+    "token-classification",
+    "sentence-embedding",
+    "object-detection",
+    "image-classification",
 ]
 TASKS: tuple[Task, ...] = (
     "auto",
@@ -56,12 +61,16 @@ TASKS: tuple[Task, ...] = (
     "token-classification",
     "sentence-embedding",
     "object-detection",
+    "image-classification",
 )
+_IMAGE_TASKS = ("object-detection", "image-classification")
+"""Tasks of images alone: no tokenizer."""
 
 _HEADS = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
     "ForObjectDetection": "object-detection",
+    "ForImageClassification": "image-classification",
 }
 # modules.json names a module by its class's import path, which moved between versions
 # of sentence-transformers (sentence_transformers.models.Pooling, then
@@ -127,18 +136,12 @@ def load_hf(
     version = f"{shown}:{source or _weights_hash(model_folder)}"
     if task != "object-detection" and serving.options:
         raise ModelLoadError(
-            f"{spec}: model options {dict(serving.options)} do not apply to hf: text models "
+            f"{spec}: model options {dict(serving.options)} do not apply to this hf: model "
             "(an object detector takes score_threshold)"
         )
-    if task == "object-detection":
-        from workers.handlers.hf_detection import load_detector
-
+    if task in _IMAGE_TASKS:
         module = _module(spec, transformers, task, config, model_folder, weights)
-        half = auto_dtype and serving.device.type == "cuda"
-        dtype = torch.float16 if half else serving.dtype
-        return load_detector(
-            spec, module, model_folder, (shown, version), _labels(config), serving, dtype
-        )
+        return _image_model(spec, task, module, model_folder, (shown, version), serving, auto_dtype)
     tokenizer = _tokenizer(spec, transformers, model_folder)
     max_length = _max_length(spec, text.max_length, config, tokenizer, sentence)
     module = _module(spec, transformers, task, config, model_folder, weights)
@@ -158,6 +161,28 @@ def load_hf(
     if task == "text-classification":
         return TextClassifier(module, tokenizer, labels=labels, **common)
     return TokenClassifier(module, tokenizer, labels=labels, **common)
+
+
+def _image_model(
+    spec: str,
+    task: Task,
+    module: Any,
+    folder: Path,
+    names: tuple[str, str],
+    serving: Serving,
+    auto_dtype: bool,
+) -> Handler:
+    """The handler of an image classifier or an object detector."""
+    labels = _labels(module.config)
+    if task == "image-classification":
+        from workers.handlers.hf_images import load_image_classifier
+
+        return load_image_classifier(spec, module, folder, names, labels, serving)
+    from workers.handlers.hf_detection import load_detector
+
+    half = auto_dtype and serving.device.type == "cuda"
+    dtype = torch.float16 if half else serving.dtype
+    return load_detector(spec, module, folder, names, labels, serving, dtype)
 
 
 def _import_transformers(spec: str) -> Any:
@@ -344,6 +369,7 @@ def _module(
         "token-classification": transformers.AutoModelForTokenClassification,
         "sentence-embedding": transformers.AutoModel,
         "object-detection": transformers.AutoModelForObjectDetection,
+        "image-classification": transformers.AutoModelForImageClassification,
     }[task]
     try:
         if weights == RANDOM_WEIGHTS:
