@@ -1,9 +1,11 @@
-"""``hf:`` image models: classifiers (``--task image-classification``).
+"""``hf:`` image models: classifiers (``--task image-classification``) and CLIP/SigLIP
+dual encoders (``--task image-text-embedding``).
 
 The config's architectures say ``...ForImageClassification`` (ViT, DeiT, BEiT,
-DINOv2 with a head, ...); the model is built by ``workers.handlers.hf_models``. A
-classifier is served by ``ImageClassifier`` (the result document of every image
-classifier, labels from the config's ``id2label``).
+DINOv2 with a head, ...) or ``CLIPModel`` / ``SiglipModel``; the models are built by
+``workers.handlers.hf_models``. A classifier is served by ``ImageClassifier`` (the
+result document of every image classifier, labels from the config's ``id2label``),
+a dual encoder by ``workers.handlers.tasks.dual_encoder.DualEncoder``.
 
 The input follows the folder's image processor config (``preprocessor_config.json``,
 which ``save_pretrained`` of the image processor writes; a folder without one is
@@ -26,11 +28,13 @@ import torch
 from PIL import Image
 
 from workers.decode.images import Fit, ImageSpec
-from workers.handlers.base import ImageClassifier
+from workers.handlers.base import ImageClassifier, ImageModel
 from workers.handlers.hf_detection import PROCESSOR_FILE, read_processor
+from workers.handlers.tasks.dual_encoder import DualEncoder, features
 from workers.handlers.torchvision_models import Serving
 from workers.handlers.weights import ModelLoadError
 
+_PATCH = 16  # the patch side of most CLIP and SigLIP image towers
 Names = tuple[str, str]
 """A handler's name and version."""
 
@@ -75,6 +79,103 @@ def load_image_classifier(
         decode=serving.decode,
         decode_budget=serving.decode_budget,
     )
+
+
+class ImageTower(torch.nn.Module):
+    """A dual encoder's image side as a module of pixels to its embeddings
+    (``get_image_features``, projected, not normalized)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        get: Any = self.model.get_image_features  # transformers' decorators are untyped
+        return features(get(pixel_values=pixel_values))
+
+
+def load_dual_encoder(
+    spec: str,
+    module: torch.nn.Module,
+    tokenizer: Any,
+    folder: Path,
+    names: Names,
+    text: dict[str, Any],
+    serving: Serving,
+) -> DualEncoder:
+    """``module`` (``CLIPModel``, ``SiglipModel``) served for both of its inputs: images
+    as the folder's image processor prepares them, texts as ``tokenizer`` does.
+    ``text`` holds ``TextModel``'s length settings (``max_length``, ``refuse_long``).
+
+    SigLIP's text tower pools the last position, so its texts are padded to
+    ``max_length`` (as its processor pads them), not to a length bucket. CLIP's pools
+    at the config's ``eos_token_id``: the tokenizer must end a text with that token.
+    Raises ``ModelLoadError`` for a processor config or a tokenizer that does not fit."""
+    image, mean, std = processor_input(spec, _processor(spec, folder), _fit(serving))
+    name, version = names
+    config = getattr(module, "config", None)
+    full_length = getattr(config, "model_type", None) == "siglip"
+    if not full_length:
+        _check_end_token(spec, config, tokenizer)
+    images = ImageModel(
+        ImageTower(module),
+        name=name,
+        version=version,
+        image=image,
+        mean=mean,
+        std=std,
+        device=serving.device,
+        dtype=serving.dtype,
+        channels_last=bool(serving.channels_last),
+        limits=serving.limits,
+        decode=serving.decode,
+        decode_budget=serving.decode_budget,
+    )
+    return DualEncoder(
+        module,
+        tokenizer,
+        images=images,
+        full_length=full_length,
+        image_cost=_image_tokens(module, image),
+        name=name,
+        version=version,
+        device=serving.device,
+        dtype=serving.dtype,
+        **text,
+    )
+
+
+def _image_tokens(module: torch.nn.Module, image: ImageSpec) -> int:
+    """The image tower's sequence length: its position embeddings (patches, plus CLIP's
+    class token), else the input's patches of 16 pixels."""
+    vision: Any = getattr(module, "vision_model", None)
+    positions = getattr(getattr(vision, "embeddings", None), "num_positions", None)
+    if isinstance(positions, int):
+        return positions
+    return (image.height // _PATCH) * (image.width // _PATCH)
+
+
+def _check_end_token(spec: str, config: Any, tokenizer: Any) -> None:
+    """CLIP's text tower pools at the first ``eos_token_id`` of a text (or, for the
+    original checkpoints' ``eos_token_id`` 2, at its highest id): refuse a tokenizer that
+    does not end a text there, whose embeddings would pool some other token."""
+    text_config = getattr(config, "text_config", None)
+    eos = getattr(text_config, "eos_token_id", None)
+    ids = tokenizer("a photo")["input_ids"]
+    if eos is None or not ids:
+        return
+    if eos == 2:  # transformers' rule for the original CLIP configs: argmax of the ids
+        if ids[-1] != max(ids) or ids.count(ids[-1]) != 1:
+            raise ModelLoadError(
+                f"{spec}: the text config's eos_token_id 2 pools the highest token id, but "
+                f"the tokenizer ends a text with {ids[-1]}; set eos_token_id to its end token"
+            )
+        return
+    if ids[-1] != eos or ids.count(eos) != 1:
+        raise ModelLoadError(
+            f"{spec}: the text tower pools at eos_token_id {eos}, but the tokenizer ends a "
+            f"text with {ids[-1]} ({ids}); set the text config's eos_token_id to its end token"
+        )
 
 
 def _fit(serving: Serving) -> Fit:
