@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from schemas import DEFAULT_LIMITS, ContentType, ContractError, ErrorCode
+from schemas.description import Task
 from schemas.outputs import EmbeddingOutput, parse_outputs
 from tests.image_models import CLASSES, PROJECTION, SIDE, save_clip, save_siglip, save_vit
 from tests.served_direct import photo_like, pil
@@ -42,6 +43,7 @@ from workers.handlers.hf_models import TextServing
 from workers.handlers.tasks.dual_encoder import DualEncoder
 from workers.handlers.tasks.text import bucket_of
 from workers.handlers.weights import ModelLoadError
+from workers.model.description import describe
 from workers.model.loader import load_handler
 from workers.model.runner import ModelRunner
 
@@ -220,6 +222,9 @@ def test_the_spec_serves_clip_as_an_image_text_dual_encoder(clip: tuple[Path, An
     assert image.resample == Image.Resampling.BICUBIC
     assert handler.image_cost == (SIDE // 8) ** 2 + 1  # patches and the class token
     assert handler.buckets == (16, 32, 48, 64)  # CLIP pools at EOS: texts pad to buckets
+    described = describe(handler, "clip", "w")
+    assert described.task == Task.embedding
+    assert {ContentType.PNG, ContentType.TEXT} <= set(described.content_types)
 
 
 def test_one_batch_of_images_and_texts_equals_both_towers_run_directly(

@@ -63,6 +63,8 @@ class DualEncoder(TextModel):
         **kwargs: Any,
     ) -> None:
         super().__init__(module, tokenizer, pairs=False, **kwargs)
+        self.content_types: tuple[str, ...] = (*_IMAGE_TYPES, *_TEXT_TYPES)
+        """What it takes (``workers.model.description``): images and texts."""
         self.images = images
         self.full_length = full_length
         if full_length:
