@@ -374,3 +374,46 @@ def test_siglip_pads_every_text_to_max_length_as_its_processor_does(
     for result, expected in zip(served[len(TEXTS) :], image_vectors, strict=True):
         assert result["modality"] == "image"
         np.testing.assert_allclose(vector(result), expected, atol=IMAGE_VECTOR_TOLERANCE)
+
+
+async def test_the_pipeline_batches_images_and_texts_together(clip: tuple[Path, Any]) -> None:
+    """Through the worker's pipeline (fake source and sink): chunks preprocessed in one
+    call, batches formed by cost, each answer the in-process runner's."""
+    import orjson
+
+    from schemas import encode_request
+    from tests.fakes import TOPIC, FakeRecord, FakeSource
+    from tests.unit.pipeline.harness import make, run_until
+
+    handler = load(clip[0])
+    payloads, types = mixed()
+    records = []
+    for n, (payload, content_type) in enumerate(zip(payloads * 3, types * 3, strict=True)):
+        record = encode_request(payload, request_id=f"r{n}", content_type=content_type, source="t")
+        records.append(FakeRecord(TOPIC, 0, n, 0, record.key, record.value, record.headers))
+    batches: list[set[bool]] = []  # per batch, whether its items are texts
+    collate = handler.collate
+
+    def recorded(items: Any, device: torch.device) -> list[torch.Tensor]:
+        batches.append({item.dtype == torch.int64 for item in items})
+        batch: list[torch.Tensor] = collate(items, device)
+        return batch
+
+    handler.collate = recorded
+    pipeline, sink = make(FakeSource({0: records}), handler, max_batch_size=16)
+    await run_until(pipeline, lambda: len(sink.stored) == len(records), timeout=60)
+    items = handler.preprocess_batch(payloads, types, [{}] * len(payloads))
+    direct = ModelRunner(load(clip[0]), "cpu").run(
+        cast(list[torch.Tensor], items), [{}] * len(items)
+    )
+    sizes = []
+    for n in range(len(records)):
+        document = orjson.loads(sink.stored[f"r{n}"])
+        outputs = document["outputs"]
+        assert outputs["modality"] == direct[n % len(payloads)]["modality"]
+        np.testing.assert_allclose(
+            vector(outputs), vector(direct[n % len(payloads)]), atol=SAME_PIXELS_TOLERANCE
+        )
+        sizes.append(document["timings"]["batch_size"])
+    assert max(sizes) > 1
+    assert {True, False} in batches  # a batch of images and texts
