@@ -300,6 +300,9 @@ class EmbeddingOutput(BaseModel, frozen=True):
     """The values as little-endian ``dtype``, row-major, base64 (standard, padded)."""
     truncated: bool = False
     """Text models: the text was cut to the model's ``max_length`` tokens before it ran."""
+    modality: Literal["image", "text"] | None = None
+    """Dual encoders (CLIP, SigLIP): the tower that answered, ``image`` for an image
+    request, ``text`` for a text one (their vectors share one space); absent elsewhere."""
 
     @model_validator(mode="after")
     def _data_fits_the_shape(self) -> Self:

@@ -133,11 +133,14 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         "token-classification",
         "sentence-embedding",
         "object-detection",
+        "image-classification",
+        "image-text-embedding",
     ] = Field(
         default="auto",
         description="hf: models: what the model answers; auto = from the folder (a "
         "sentence-transformers folder embeds) or the config's architectures "
-        "(...ForObjectDetection: object-detection)",
+        "(...ForObjectDetection: object-detection, ...ForImageClassification: "
+        "image-classification, CLIPModel/SiglipModel: image-text-embedding)",
     )
     max_length: int | None = Field(
         default=None,

@@ -293,8 +293,8 @@ class BatchDecoder:
         if spec.fit == "reference":
             new_width, new_height = spec.reference_resize(width, height)
             left, top = (
-                reference_crop(new_width, spec.width),
-                reference_crop(new_height, spec.height),
+                reference_crop(new_width, spec.width, floor=spec.floor_crop),
+                reference_crop(new_height, spec.height, floor=spec.floor_crop),
             )
             if (new_width, new_height, left, top) == (width, height, 0, 0) and (width, height) == (
                 spec.width,

@@ -67,6 +67,10 @@ class ImageSpec:
     squash: bool = False
     """Resize each side by its own factor (timm's ``crop_mode="squash"``): to the target's
     size over ``crop_ratio``, then crop the centre. ``False`` keeps the aspect ratio."""
+    floor_crop: bool = False
+    """Where ``reference``'s centre crop starts: half the difference rounded, as torchvision's
+    ``center_crop`` computes it (``False``), or truncated, as transformers' image
+    processors do (``True``): a pixel apart where half the difference ends in .5."""
 
     def __post_init__(self) -> None:
         if self.height < 1 or self.width < 1:
@@ -381,11 +385,14 @@ def reference_size(width: int, height: int, short: int) -> tuple[int, int]:
     return int(short * width / height), short
 
 
-def reference_crop(size: int, crop: int) -> int:
+def reference_crop(size: int, crop: int, *, floor: bool = False) -> int:
     """Where torchvision's ``center_crop`` starts a ``crop``-long cut along a ``size``-long
-    side: negative when it pads (with black) because the side is shorter than the crop."""
+    side: negative when it pads (with black) because the side is shorter than the crop.
+    ``floor``: where transformers' image processors start it (``ImageSpec.floor_crop``)."""
     if crop > size:
         return -((crop - size) // 2)
+    if floor:
+        return (size - crop) // 2
     return round((size - crop) / 2.0)
 
 
@@ -403,8 +410,8 @@ def _fit_reference(img: Image.Image, spec: ImageSpec) -> Image.Image:
     width, height = spec.reference_resize(img.width, img.height)
     if (width, height) != img.size:
         img = img.resize((width, height), spec.resample)
-    left = reference_crop(width, spec.width)
-    top = reference_crop(height, spec.height)
+    left = reference_crop(width, spec.width, floor=spec.floor_crop)
+    top = reference_crop(height, spec.height, floor=spec.floor_crop)
     if (left, top, width, height) == (0, 0, spec.width, spec.height):
         return img
     return img.crop((left, top, left + spec.width, top + spec.height))

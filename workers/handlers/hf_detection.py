@@ -101,18 +101,21 @@ def score_threshold(spec: str, options: Mapping[str, Any]) -> float:
     return float(value)
 
 
-def read_processor(spec: str, folder: Path) -> dict[str, Any]:
-    """The folder's image processor settings, RT-DETR's where it has none."""
+def read_processor(
+    spec: str, folder: Path, defaults: Mapping[str, Any] = RTDETR_PROCESSOR
+) -> dict[str, Any]:
+    """The folder's image processor settings over ``defaults`` (RT-DETR's), or the
+    defaults alone where it has none."""
     file = folder / PROCESSOR_FILE
     if not file.is_file():
-        return dict(RTDETR_PROCESSOR)
+        return dict(defaults)
     try:
         found = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{spec}: cannot read {file}: {exc}") from exc
     if not isinstance(found, dict):
         raise ModelLoadError(f"{spec}: {file} is not a JSON object")
-    return {**RTDETR_PROCESSOR, **found}
+    return {**defaults, **found}
 
 
 def processor_input(

@@ -1,5 +1,6 @@
 """``hf:PATH_OR_ID``: a transformers text model with its fast tokenizer (the ``hf`` extra),
-or an object detector of a fixed input size (``workers.handlers.hf_detection``).
+an object detector of a fixed input size (``workers.handlers.hf_detection``), or an image
+classifier or CLIP/SigLIP dual encoder (``workers.handlers.hf_images``).
 
 PATH is a local folder as ``save_pretrained`` (or a sentence-transformers ``save``)
 writes it: it always loads, with no network. Anything else is a Hugging Face Hub
@@ -14,15 +15,16 @@ The task (``--task``, ``auto`` by default) is read from the folder: a
 sentence-transformers folder (``modules.json``) is ``sentence-embedding``; otherwise
 the config's ``architectures`` (``...ForSequenceClassification`` is
 ``text-classification``, ``...ForTokenClassification`` is ``token-classification``,
-``...ForObjectDetection`` is ``object-detection``, a bare encoder such as ``BertModel``
-is ``sentence-embedding`` with mean pooling).
-Result shapes: ``workers.handlers.tasks.text_tasks``.
+``...ForObjectDetection`` is ``object-detection``, ``...ForImageClassification`` is
+``image-classification``, ``CLIPModel`` and ``SiglipModel`` are ``image-text-embedding``,
+a bare encoder such as ``BertModel`` is ``sentence-embedding`` with mean pooling).
+Result shapes: ``workers.handlers.tasks.text_tasks``, ``workers.handlers.tasks.dual_encoder``.
 
 ``max_length`` (``--max-length``) defaults to the model's: a sentence-transformers
 folder's ``max_seq_length``, else the tokenizer's ``model_max_length``, at most the
-config's ``max_position_embeddings``. Longer texts are cut there and say so
-(``truncated: true``), or, with ``refuse_long`` (``--truncation refuse``), refused
-``text_too_long``.
+config's ``max_position_embeddings`` (a dual encoder's ``text_config``'s). Longer texts
+are cut there and say so (``truncated: true``), or, with ``refuse_long``
+(``--truncation refuse``), refused ``text_too_long``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ from workers.handlers.torchvision_models import Serving
 from workers.handlers.weights import RANDOM_WEIGHTS, ModelLoadError, sha256
 
 Task = Literal[
-    "auto", "text-classification", "token-classification", "sentence-embedding", "object-detection"
+    "auto",
+    "text-classification",
+    "token-classification",
+    "sentence-embedding",
+    "object-detection",
+    "image-classification",
+    "image-text-embedding",
 ]
 TASKS: tuple[Task, ...] = (
     "auto",
@@ -56,13 +64,20 @@ TASKS: tuple[Task, ...] = (
     "token-classification",
     "sentence-embedding",
     "object-detection",
+    "image-classification",
+    "image-text-embedding",
 )
+_IMAGE_TASKS = ("object-detection", "image-classification")
+"""Tasks of images alone: no tokenizer."""
 
 _HEADS = {
     "ForSequenceClassification": "text-classification",
     "ForTokenClassification": "token-classification",
     "ForObjectDetection": "object-detection",
+    "ForImageClassification": "image-classification",
 }
+# Dual encoders by their whole-model class (a bare "...Model" is otherwise a text encoder).
+_DUAL_ENCODERS = ("CLIPModel", "SiglipModel")
 # modules.json names a module by its class's import path, which moved between versions
 # of sentence-transformers (sentence_transformers.models.Pooling, then
 # sentence_transformers.sentence_transformer.modules.pooling.Pooling): the class name says.
@@ -127,21 +142,24 @@ def load_hf(
     version = f"{shown}:{source or _weights_hash(model_folder)}"
     if task != "object-detection" and serving.options:
         raise ModelLoadError(
-            f"{spec}: model options {dict(serving.options)} do not apply to hf: text models "
+            f"{spec}: model options {dict(serving.options)} do not apply to this hf: model "
             "(an object detector takes score_threshold)"
         )
-    if task == "object-detection":
-        from workers.handlers.hf_detection import load_detector
-
+    if task in _IMAGE_TASKS:
         module = _module(spec, transformers, task, config, model_folder, weights)
-        half = auto_dtype and serving.device.type == "cuda"
-        dtype = torch.float16 if half else serving.dtype
-        return load_detector(
-            spec, module, model_folder, (shown, version), _labels(config), serving, dtype
-        )
+        return _image_model(spec, task, module, model_folder, (shown, version), serving, auto_dtype)
     tokenizer = _tokenizer(spec, transformers, model_folder)
-    max_length = _max_length(spec, text.max_length, config, tokenizer, sentence)
+    # A dual encoder's config holds its text tower's (positions) in text_config.
+    text_config = getattr(config, "text_config", None) if task == "image-text-embedding" else None
+    max_length = _max_length(spec, text.max_length, text_config or config, tokenizer, sentence)
     module = _module(spec, transformers, task, config, model_folder, weights)
+    if task == "image-text-embedding":
+        from workers.handlers.hf_images import load_dual_encoder
+
+        lengths = {"max_length": max_length, "refuse_long": text.refuse_long}
+        return load_dual_encoder(
+            spec, module, tokenizer, model_folder, (shown, version), lengths, serving
+        )
     common: dict[str, Any] = {
         "name": shown,
         "version": version,
@@ -158,6 +176,28 @@ def load_hf(
     if task == "text-classification":
         return TextClassifier(module, tokenizer, labels=labels, **common)
     return TokenClassifier(module, tokenizer, labels=labels, **common)
+
+
+def _image_model(
+    spec: str,
+    task: Task,
+    module: Any,
+    folder: Path,
+    names: tuple[str, str],
+    serving: Serving,
+    auto_dtype: bool,
+) -> Handler:
+    """The handler of an image classifier or an object detector."""
+    labels = _labels(module.config)
+    if task == "image-classification":
+        from workers.handlers.hf_images import load_image_classifier
+
+        return load_image_classifier(spec, module, folder, names, labels, serving)
+    from workers.handlers.hf_detection import load_detector
+
+    half = auto_dtype and serving.device.type == "cuda"
+    dtype = torch.float16 if half else serving.dtype
+    return load_detector(spec, module, folder, names, labels, serving, dtype)
 
 
 def _import_transformers(spec: str) -> Any:
@@ -293,6 +333,8 @@ def _task(spec: str, asked: Task, config: Any, sentence: _SentenceFolder | None)
         return "sentence-embedding"
     architectures = getattr(config, "architectures", None) or []
     for architecture in architectures:
+        if architecture in _DUAL_ENCODERS:
+            return "image-text-embedding"
         for suffix, task in _HEADS.items():
             if architecture.endswith(suffix):
                 return task  # type: ignore[return-value]  # a value of Task, from _HEADS
@@ -344,6 +386,8 @@ def _module(
         "token-classification": transformers.AutoModelForTokenClassification,
         "sentence-embedding": transformers.AutoModel,
         "object-detection": transformers.AutoModelForObjectDetection,
+        "image-classification": transformers.AutoModelForImageClassification,
+        "image-text-embedding": transformers.AutoModel,
     }[task]
     try:
         if weights == RANDOM_WEIGHTS:

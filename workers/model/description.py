@@ -37,6 +37,7 @@ from workers.decode.images import IMAGE_TYPES
 from workers.handlers.base import Handler, ImageClassifier, ImageModel
 from workers.handlers.tasks.detection import Detector
 from workers.handlers.tasks.detr import DetrDetector
+from workers.handlers.tasks.dual_encoder import DualEncoder
 from workers.handlers.tasks.embedding import ImageEmbedder
 from workers.handlers.tasks.full_size import FullSizeImageTask
 from workers.handlers.tasks.segmentation import SemanticSegmenter
@@ -54,6 +55,7 @@ _TASKS: tuple[tuple[type[Any], Task], ...] = (
     (TextClassifier, Task.classification),
     (TokenClassifier, Task.token_classification),
     (SentenceEmbedder, Task.embedding),
+    (DualEncoder, Task.embedding),
 )
 _IMAGES = (*IMAGE_TYPES, ContentType.NPY)  # what ImageModel and FullSizeImageTask decode
 _TEXT = (ContentType.TEXT, ContentType.JSON)  # what TextModel reads (text, or text and pair)

@@ -22,8 +22,9 @@ Spec forms (the worker's ``--model``):
   text model with its fast tokenizer (``workers.handlers.hf_models``, the ``hf`` extra):
   text classification, token classification or sentence embeddings; or an object
   detector of a fixed input size (RT-DETR, ``workers.handlers.hf_detection``; float16
-  autocast on CUDA by default); a local folder always, a hub id from the Hugging Face
-  cache, downloaded only with ``weights="DEFAULT"``.
+  autocast on CUDA by default); or an image classifier or a CLIP/SigLIP dual encoder
+  (``workers.handlers.hf_images``); a local folder always, a hub id from the Hugging
+  Face cache, downloaded only with ``weights="DEFAULT"``.
 - ``torchscript:PATH``: a ``torch.jit.save`` file.
 - ``export:PATH``: a ``torch.export.save`` archive, exported with a dynamic batch dimension.
 - ``tabular:PATH``: a model over feature records (``workers.handlers.tabular``): a
