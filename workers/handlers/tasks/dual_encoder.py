@@ -29,13 +29,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from schemas import ContentType, ContractError, ErrorCode
 from workers.decode.images import IMAGE_TYPES
 from workers.handlers.base import ImageModel, to_host
 from workers.handlers.tasks.embedding import embedding_document
 from workers.handlers.tasks.params import EmbeddingParams
-from workers.handlers.tasks.text import FLAGS, IDS, MASK, TextModel, exc_placeholder
+from workers.handlers.tasks.text import (
+    FLAGS,
+    IDS,
+    MASK,
+    SHAPE_FREE_ATTENTION,
+    TextModel,
+    exc_placeholder,
+)
 
 MODALITIES = ("image", "text")
 """What ``modality`` says, by an item's kind (0: image, 1: text)."""
@@ -166,7 +174,9 @@ class DualEncoder(TextModel):
             tokens = tokens.to(self.device)
             mask = tokens[:, MASK] if self._takes_mask else None
             get: Any = self.module.get_text_features  # transformers' decorators are untyped
-            parts.append((text_rows, features(get(input_ids=tokens[:, IDS], attention_mask=mask))))
+            with sdpa_kernel(SHAPE_FREE_ATTENTION):  # text batches come in many shapes
+                found = get(input_ids=tokens[:, IDS], attention_mask=mask)
+            parts.append((text_rows, features(found)))
             flags.index_copy_(0, text_rows, tokens[:, FLAGS, 0])
             kinds.index_fill_(0, text_rows, 1)
         width = parts[0][1].shape[-1]
