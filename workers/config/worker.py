@@ -247,7 +247,7 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
         ge=1,
         le=4096,
         description="most requests in one batch (one forward pass); fixed-size image models "
-        "on a GPU and feature-record (tabular:) models default to 256",
+        "and text models on a GPU, and feature-record (tabular:) models, default to 256",
     )
     max_batch_tokens: int = Field(
         default=16_384,

@@ -48,13 +48,14 @@ _TIMM_OTHER = Family(
     "not measured against float32 yet: pass --dtype float16 after checking with bench.precision",
 )
 _HF = Family(
-    "hf: models (text classifiers, token classifiers, sentence embedders, RT-DETR)",
+    "hf: models (text classifiers, token classifiers, sentence embedders, image classifiers, "
+    "dual encoders, RT-DETR)",
     torch.float16,
     "a BERT-base-sized classifier trained on lines of Python's docstrings (bench."
     "text_agreement, one H200): float16 100% top-1 agreement with float32 on the held-out "
     "lines, the embedders' cosine >= 0.99999; their work is matrix products, at twice "
-    "float32's rate on tensor cores; "
-    "RT-DETR autocasts, so that box arithmetic stays in float32",
+    "float32's rate on tensor cores; image classifiers and towers are ViTs as timm's, which "
+    "run float16; RT-DETR autocasts, so that box arithmetic stays in float32",
 )
 _OTHER = Family(
     "TorchScript, torch.export, tabular and your own classes",
