@@ -217,19 +217,20 @@ def test_a_batch_never_takes_cudnns_attention(
 ) -> None:
     """cuDNN's kernel plans each new shape on the host: the forward runs without it, and
     the setting is back as it was afterwards."""
+    cudnn_on: Any = torch.backends.cuda.cudnn_sdp_enabled  # untyped in torch
     handler = load(text_models["text-classification"])
     run, seen = handler.run, []
 
     def watched(*args: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        seen.append(cudnn_on())
         return run(*args)
 
     monkeypatch.setattr(handler, "run", watched)
-    before = torch.backends.cuda.cudnn_sdp_enabled()
+    before = cudnn_on()
     items = [handler.preprocess(t.encode(), ContentType.TEXT, {}) for t in TEXTS]
     handler.forward(handler.collate(items, torch.device("cpu")))
     assert seen == [False]
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert cudnn_on() == before
 
 
 def test_length_buckets() -> None:
