@@ -77,6 +77,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {"cuda_graphs": True, "async_batching": True},
     "graphs-sync": {"cuda_graphs": True, "async_batching": False},
     "eager-attn": {"attention": "paged|eager"},
+    "no-cudnn": {"cudnn_attention": False},  # attention without cuDNN's kernel
 }
 
 
