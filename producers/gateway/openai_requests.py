@@ -7,9 +7,8 @@ template), and the generation parameters as ``ce_params`` (docs/contract.md,
 Generation streams). Their answers are ``producers.gateway.openai_answers``.
 
 What a generation model cannot do is refused by name rather than ignored: ``n`` above
-1, ``logprobs``, ``echo``, penalties, tools, token-array prompts, and a ``seed`` for a
-sampled answer (the engine draws every request's tokens from one shared generator, so
-it could not be repeated).
+1, ``logprobs``, ``echo``, penalties, tools and token-array prompts. ``seed`` is passed
+on: the engine draws a seeded request's tokens from its own seed.
 """
 
 from __future__ import annotations
@@ -221,13 +220,10 @@ def _params(document: Mapping[str, Any], max_tokens: int | None) -> dict[str, An
     if stop:
         params["stop"] = stop
     seed = document.get("seed")
-    if seed is not None and temperature > 0:
-        raise BadRequest(
-            "seed",
-            "seed is not supported for a sampled answer (temperature > 0): the engine draws "
-            "every request's tokens from one shared generator, so no answer can be repeated "
-            "by its seed; temperature 0 (greedy) answers the same every time",
-        )
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise BadRequest("seed", "seed must be a whole number, 0 or more")
+        params["seed"] = seed
     return params
 
 

@@ -38,7 +38,7 @@ def test_a_completion_maps_its_parameters() -> None:
             "temperature": 0,
             "top_p": 0.5,
             "stop": "\n",
-            "seed": 7,  # greedy: the same answer every time, so the seed is moot
+            "seed": 7,
             "n": 1,
             "user": "someone",
         }
@@ -54,6 +54,7 @@ def test_a_completion_maps_its_parameters() -> None:
         "max_new_tokens": 12,
         "top_p": 0.5,
         "stop": ["\n"],
+        "seed": 7,
     }
 
 
@@ -101,7 +102,8 @@ def test_a_chat_maps_messages_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
         ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"model": "m", "prompt": "x", "seed": 3}, "seed"),  # sampled (temperature 1)
+        ({"model": "m", "prompt": "x", "seed": -3}, "seed"),
+        ({"model": "m", "prompt": "x", "seed": "3"}, "seed"),
         ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
         ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
         ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),

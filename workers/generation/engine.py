@@ -9,10 +9,11 @@ says what runs and what the cache holds.
 
 Per-request sampling: the manager is built with per-request temperature, top-k and
 top-p processors (so its generation config sets all three to values that create
-them) and samples from the processed scores; greedy decoding is temperature 1 with
-top-k 1, which leaves the arg-max alone to be drawn. The manager draws from one
-random generator for the whole batch, so ``seed`` cannot make one request's
-sampling repeatable while others share its steps: only greedy output is.
+them), and after them ``workers.generation.seeds``' draw, which picks each row's token
+from noise of the request's own seed (the manager's one generator for the whole batch
+then has one token left to pick): a seeded request samples the same tokens whichever
+requests share its steps. Greedy decoding is temperature 1 with top-k 1, which leaves
+the arg-max alone to be drawn.
 
 Memory: on a GPU the cache takes ``kv_memory_fraction`` of what the card has free
 once the weights are loaded (the manager sizes it); on the CPU ``kv_cache_mb``
@@ -42,6 +43,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from workers.generation.requests import Prompt
+from workers.generation.seeds import add_seeded_draws
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,7 @@ class Engine:
         self._manager: ContinuousBatchingManager = model.init_continuous_batching(
             generation_config=config, continuous_batching_config=cb
         )
+        add_seeded_draws(self._manager.logit_processor)  # before warmup sizes its arguments
         self._manager.warmup()  # builds the cache now: its size is known at start
         processor = self._manager.batch_processor
         assert processor is not None
@@ -228,10 +231,11 @@ class Engine:
 
     def _sampling(self, prompt: Prompt) -> dict[str, Any]:
         s = prompt.sampling
+        seed = {} if s.seed is None else {"seed": s.seed}
         if s.greedy:
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0} | seed
         top_k = s.top_k if s.top_k > 0 else self._vocab
-        return {"temperature": s.temperature, "top_k": top_k, "top_p": s.top_p}
+        return {"temperature": s.temperature, "top_k": top_k, "top_p": s.top_p} | seed
 
     def sequences(self) -> tuple[int, int]:
         """Running and waiting sequences now (read from the engine's thread's state)."""
