@@ -10,7 +10,7 @@ weights, ``bench.text``'s tokenizer and long-tailed mix of texts):
 2. in this process, the handler ``hf:FOLDER`` loads in the dtype the worker runs
    (``--dtype auto``), on the same texts: ``bench.text.measure`` (the tokenizer alone,
    the worker's token batches against a fixed count padded to its longest, the eager
-   forward alone), then the forward of the same token batches compiled
+   forward alone), then on a GPU the forward of the same token batches compiled
    (``torch.compile``, dynamic shapes): the row's ceiling is the faster forward;
 3. ``conveyor worker --model hf:FOLDER --weights random`` started with nothing else,
    its time to ready, a backlog's steady rate (texts/s), and at half that peak, open
@@ -54,6 +54,7 @@ from workers.model.loader import auto_dtype, load_handler
 TEXT_MODELS = ("bert-base", "minilm")
 _BACKLOG_S = 8.0  # each backlog lasts about this long at the forward ceiling
 _MIN_BACKLOG = 4096
+_QUICK_BACKLOG = 1024
 _PARTITIONS = 8
 
 
@@ -63,7 +64,7 @@ def write_folder(name: str, root: Path) -> Path:
     its tokenizer; no weights."""
     from transformers import BertConfig
 
-    folder = root / name
+    folder = (root / name).resolve()  # the worker may run elsewhere
     if (folder / "config.json").exists():
         return folder
     size = (text_bench.MODELS | text_bench.QUICK)[name]
@@ -109,7 +110,7 @@ def _one(cfg: Config, name: str, corpus: Corpus, args: argparse.Namespace) -> di
     row = ceiling(spec, corpus, cfg.device)
     count = max(_MIN_BACKLOG, math.ceil(row["ceiling_texts_s"] * _BACKLOG_S))
     if args.quick:  # a smoke run: that it runs, not its rate
-        count = _MIN_BACKLOG
+        count = _QUICK_BACKLOG
     row |= asyncio.run(_served(cfg, spec, corpus, args, count))
     row["of_ceiling"] = row["texts_s"] / row["ceiling_texts_s"]
     return row
@@ -129,7 +130,12 @@ def ceiling(spec: str, corpus: Corpus, device: torch.device) -> dict[str, Any]:
     count = GPU_TEXT_BATCH if device.type == "cuda" else 32
     payloads = list(corpus.payloads)
     found = text_bench.measure(handler, payloads, budget, count)
-    compiled_s, compile_s = _compiled_forward(handler, payloads, budget, count)
+    # Compiled on a GPU; on the CPU (a --quick smoke run) Inductor takes most of a minute.
+    compiled_s, compile_s = (
+        _compiled_forward(handler, payloads, budget, count)
+        if device.type == "cuda"
+        else (None, 0.0)
+    )
     eager = found["forward"]["texts_per_s"]
     compiled = len(payloads) / compiled_s if compiled_s else math.nan
     del handler

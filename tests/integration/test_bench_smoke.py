@@ -5,6 +5,7 @@ lone stages (on the CPU) run end to end, so the benchmarks cannot rot. Never che
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,33 @@ def test_gpu_chain_stage_runs_on_the_cpu(
     assert set(streams["per_stream"]) == {"s0", "s1", "s2"}
     assert streams["worst_p99_ms"] == max(s["p99_ms"] for s in streams["per_stream"].values())
     assert "pipeline / detector alone" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_text_stage_runs_on_the_cpu(
+    kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    """bench.gpu's text stage with bench.text's tiny model on the CPU: its ceiling, a
+    backlog of texts through ``conveyor worker --model hf:FOLDER``, half of it paced."""
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "text"]
+    argv += ["--text-models", "tiny", "--producers", "2", "--out", str(tmp_path)]
+    argv += ["--paced-s", "1", "--paced-warmup-s", "0"]
+    argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
+    argv += ["--metrics-port", str(free_port())]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=220,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = json.loads((tmp_path / "gpu-bench.json").read_text())["text"]["tiny"]
+    assert "error" not in row, row.get("error", "")
+    assert row["texts"] == 2000
+    assert row["ceiling_texts_s"] == row["forward_eager_texts_s"] > 0  # no compile on a CPU
+    assert row["backlog"] == 1024  # --quick's
+    assert row["texts_s"] > 0
+    assert row["in_process"]["tokens"]["padded_share"] < row["in_process"]["count"]["padded_share"]
+    assert row["half_peak"]["p50_ms"] <= row["half_peak"]["p99_ms"]
+    assert "--model hf:" in row["command"]
 
 
 @pytest.mark.slow
