@@ -50,14 +50,19 @@ Stages (each a few minutes at most on an H100 or H200):
   same host.
 - ``detect``: detectors (``--detectors``, random weights) on the 640x480 corpus,
   naive against the worker's model stage (``bench.detect``).
+- ``text``: ``bench.text``'s models (``--text-models``) through ``conveyor worker --model
+  hf:FOLDER`` with its defaults, a backlog of its mix of texts and half of it paced,
+  against their forward over the worker's token batches, compiled on a GPU
+  (``bench.gpu.text``).
 
 Every run writes ``gpu-bench.json`` (merged with ``--previous`` files) and
 ``gpu-bench.png`` into ``--out`` and prints the summary table last. Nothing is
 downloaded: the model has random weights (its outputs mean nothing; its cost is
-the real one) and the JPEG corpus is synthesised in memory.
+the real one), the JPEG corpus is synthesised in memory and the texts are made by a
+rule from Python's docstrings.
 
 Where each stage lives: ``ceilings`` (forward, overlap, decode, naive, checks),
-``model_stage`` (pipeline), ``e2e``, ``lone``, ``host`` (the one command a host runs, and
+``model_stage`` (pipeline), ``e2e``, ``lone``, ``text``, ``host`` (the one command a host runs, and
 the ready and kill stages), ``load`` (the producer processes), ``cores``
 (``--pin``), ``corpus``, ``config`` (the run's settings, timers and model),
 ``report`` (summary, table, plot) and ``cli``; ``bench.detect`` holds detect's.
