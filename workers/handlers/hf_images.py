@@ -72,12 +72,7 @@ def load_image_classifier(
         image=image,
         mean=mean,
         std=std,
-        device=serving.device,
-        dtype=serving.dtype,
-        channels_last=bool(serving.channels_last),
-        limits=serving.limits,
-        decode=serving.decode,
-        decode_budget=serving.decode_budget,
+        **serving.fixed_size(),
     )
 
 
@@ -124,12 +119,7 @@ def load_dual_encoder(
         image=image,
         mean=mean,
         std=std,
-        device=serving.device,
-        dtype=serving.dtype,
-        channels_last=bool(serving.channels_last),
-        limits=serving.limits,
-        decode=serving.decode,
-        decode_budget=serving.decode_budget,
+        **serving.fixed_size(),
     )
     return DualEncoder(
         module,

@@ -105,12 +105,7 @@ def load_timm(name: str, *, weights: str | None, serving: Serving) -> ImageClass
         image=image_spec(spec, data, fit),
         mean=data["mean"],
         std=data["std"],
-        device=serving.device,
-        dtype=serving.dtype,
-        channels_last=bool(serving.channels_last),
-        limits=serving.limits,
-        decode=serving.decode,
-        decode_budget=serving.decode_budget,
+        **serving.fixed_size(),
     )
 
 

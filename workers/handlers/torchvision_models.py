@@ -72,6 +72,18 @@ class Serving:
     preprocess: Preprocess  # for fixed-size image models; auto means reference here
     options: Mapping[str, Any]
 
+    def fixed_size(self) -> dict[str, Any]:
+        """The keyword arguments of a fixed-size ``ImageModel`` (a classifier, an embedder,
+        a tower) that come from how it is served, as given (channels-last off when unset)."""
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "channels_last": bool(self.channels_last),
+            "limits": self.limits,
+            "decode": self.decode,
+            "decode_budget": self.decode_budget,
+        }
+
 
 @dataclass(frozen=True)
 class _Weights:
