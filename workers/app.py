@@ -36,6 +36,7 @@ from workers.handlers.base import Costed, ImageModel
 from workers.handlers.hf_models import TextServing
 from workers.handlers.tabular import TabularModel
 from workers.handlers.tasks.detr import DetrDetector
+from workers.handlers.tasks.dual_encoder import DualEncoder
 from workers.handlers.weights import ModelLoadError
 from workers.intake.admission import Admission
 from workers.intake.canary import Split
@@ -451,7 +452,7 @@ def _load_and_warm_up(
         cuda=cuda,
         fixed_size_images=isinstance(handler, ImageModel),
         image_batch=handler.gpu_batch if isinstance(handler, DetrDetector) else GPU_IMAGE_BATCH,
-        compiles=not isinstance(handler, DetrDetector),
+        compiles=not isinstance(handler, (DetrDetector, DualEncoder)),
         feature_rows=isinstance(handler, TabularModel),
         token_rows=isinstance(handler, Costed),
     )
@@ -459,11 +460,14 @@ def _load_and_warm_up(
     # On by default, compiled or not: a compiled forward launched kernel by kernel from
     # Python waits on the GIL for each (batch compute p99 118-149 ms against 20 ms
     # recorded; docs/benchmarks.md).
-    # Text batches (a cost per item) are sized by tokens: padding their rows up to a graph's
-    # batch size would cost whole rows of the longest text, so they run eagerly by default.
-    eager = isinstance(handler, Costed)
-    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda and not eager
-    if settings.compile:
+    # Text batches (a cost per item) are sized by tokens: padding their rows up to a bucket
+    # would cost whole rows of the longest text, so they take no buckets and no graphs;
+    # compiled, one graph with dynamic shapes serves them.
+    by_tokens = isinstance(handler, Costed)
+    graphs = settings.cuda_graphs if settings.cuda_graphs is not None else cuda and not by_tokens
+    if by_tokens and not settings.cuda_graphs:
+        buckets: tuple[int, ...] = ()
+    elif settings.compile:
         buckets = batch_buckets(settings.max_batch_size)
     elif graphs:
         buckets = batch_buckets(settings.max_batch_size, step=GRAPH_BUCKET_STEP)

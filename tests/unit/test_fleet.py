@@ -422,6 +422,26 @@ def test_text_models_batch_up_to_their_token_budget_on_a_gpu_unless_told() -> No
     assert batch(WorkerSettings(model="digits", max_batch_size=48), cuda=True) == 48
 
 
+@pytest.mark.parametrize(
+    ("cuda", "compiles", "given", "compiled"),
+    [
+        (True, True, None, True),  # a text model on a GPU: compiled with dynamic shapes
+        (False, True, None, False),  # on the CPU: eager
+        (True, False, None, False),  # a dual encoder (its batch is a list of both kinds)
+        (True, True, False, False),  # --no-compile
+        (False, True, True, True),  # --compile
+    ],
+)
+def test_text_models_compile_on_a_gpu_unless_told(
+    cuda: bool, compiles: bool, given: bool | None, compiled: bool
+) -> None:
+    settings = WorkerSettings(model="digits")
+    if given is not None:
+        settings = WorkerSettings(model="digits", compile=given)
+    tuned_ = tuned(settings, cuda=cuda, fixed_size_images=False, compiles=compiles, token_rows=True)
+    assert tuned_.compile is compiled
+
+
 # -- what the fork server imports ------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from tests.fakes import Echo
 from workers.decode.jpeg import READ_MODES, decode_each
 from workers.handlers.base import ImageClassifier
 from workers.model.runner import (
+    WARM_UP_SHAPE_ROWS,
     ModelRunner,
     batch_buckets,
     compile_forward,
@@ -109,6 +110,24 @@ def test_warm_up_runs_each_batch_size_once() -> None:
     handler = Echo()
     ModelRunner(handler, "cpu").warm_up([8, 1, 2, 8, 4])
     assert handler.batch_sizes == [1, 2, 4, 8]
+
+
+def test_warm_up_runs_a_batch_of_each_shape_a_handler_names() -> None:
+    class Shaped(Echo):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def warm_up_items(self) -> list[torch.Tensor]:
+            return [torch.zeros(5, dtype=torch.int64), torch.zeros(9, dtype=torch.int64)]
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            self.shapes.append(tuple(batch.shape))
+            return super().forward(batch)
+
+    handler = Shaped()
+    ModelRunner(handler, "cpu").warm_up([1, 4])
+    assert handler.shapes == [(1, 3), (4, 3), (WARM_UP_SHAPE_ROWS, 5), (WARM_UP_SHAPE_ROWS, 9)]
 
 
 def test_warm_up_refuses_an_empty_batch() -> None:

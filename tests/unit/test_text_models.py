@@ -233,6 +233,36 @@ def test_a_batch_never_takes_cudnns_attention(
     assert cudnn_on() == before
 
 
+def test_compiled_the_forward_answers_as_eagerly_and_warm_up_meets_every_bucket(
+    text_models: dict[str, Path],
+) -> None:
+    """A GPU compiles text models by default (dynamic shapes, no row buckets): the answers
+    equal the eager forward's, and after ``warm_up`` a batch of any rows and length
+    traces nothing new."""
+    from torch._dynamo.utils import counters
+
+    handler = load(text_models["text-classification"])
+    assert handler.buckets == (16, 32, 48, 64)
+    assert [item.shape[-1] for item in handler.warm_up_items()] == [32, 48, 64]
+    torch._dynamo.reset()
+    compiled = ModelRunner(handler, "cpu", compile="package")
+    compiled.warm_up([1, 2, 8])
+    traced = counters["stats"]["unique_graphs"]
+    assert traced >= 1
+    texts = [*TEXTS, LONG, "short"]
+    items = [handler.preprocess(t.encode(), ContentType.TEXT, {}) for t in texts]
+    assert {handler.cost(item) for item in items} >= {16, 64}
+    eager = ModelRunner(handler, "cpu").run(items, [{}] * len(items))
+    served = compiled.run(items, [{}] * len(items))
+    assert counters["stats"]["unique_graphs"] == traced
+    for got, want in zip(served, eager, strict=True):
+        assert [label["label"] for label in got["labels"]] == [
+            label["label"] for label in want["labels"]
+        ]
+        scores = [label["score"] for label in got["labels"]]
+        assert scores == pytest.approx([label["score"] for label in want["labels"]], abs=1e-5)
+
+
 def test_length_buckets() -> None:
     assert length_buckets(512) == (
         (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -81,14 +81,17 @@ def tuned(
     False keeps a fixed-size model eager unless ``compile`` is given (RT-DETR on one
     H200: its package export failed and ``torch.compile`` of four batch sizes had not
     made the first process ready after 150 s cold or 240 s warm; docs/bench-log,
-    2026-12-02). ``feature_rows``: the handler scores feature records (``tabular:``),
-    batched by ``FEATURE_ROW_BATCH`` on any device. ``token_rows``: a text model, whose
-    batches the token budget closes; ``GPU_TEXT_BATCH`` on a GPU.
+    2026-12-02), and so does a text model given ``compiles`` False (a dual encoder, whose
+    batch is a list of images and texts). ``feature_rows``: the handler scores feature
+    records (``tabular:``), batched by ``FEATURE_ROW_BATCH`` on any device.
+    ``token_rows``: a text model, whose batches the token budget closes; on a GPU
+    ``GPU_TEXT_BATCH`` and compiled (with dynamic shapes: its batches vary in rows and
+    padded length).
     """
     given = settings.model_fields_set
     update = {k: v for k, v in PROFILES[settings.profile].items() if k not in given}
     if "compile" not in given:
-        update["compile"] = cuda and fixed_size_images and compiles
+        update["compile"] = cuda and compiles and (fixed_size_images or token_rows)
     if settings.quantize != "none" and "compile_form" not in given:
         # Packages need AOTAutograd's cache, which refuses torchao's weights (no stable
         # hash in torchao 0.18): the package would fail to build at every start.

@@ -170,7 +170,8 @@ class WorkerSettings(BaseSettings, ConnectionSecurity, S3Settings, DatarefSettin
     compile: bool | None = Field(
         default=None,
         description="torch.compile the model (default: on for CUDA devices, for models of "
-        "fixed-size images; detectors and segmenters run eagerly); the compiled code is cached "
+        "fixed-size images and text models, the latter with dynamic shapes; detectors, "
+        "segmenters and dual encoders run eagerly); the compiled code is cached "
         "in --compile-cache, so the processes of a host and later starts compile once",
     )
     compile_form: Literal["package", "static", "dynamic"] = Field(

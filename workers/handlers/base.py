@@ -104,6 +104,17 @@ class Costed(Protocol):
 
 
 @runtime_checkable
+class WarmUpShapes(Protocol):
+    """Optional handler hook: items of the other shapes a batch may take, beyond
+    ``example_item``'s (a text model: one per length bucket). ``ModelRunner.warm_up``
+    runs a batch of each, so that a compiled forward meets them at start, not with the
+    first request of that length."""
+
+    def warm_up_items(self) -> list[torch.Tensor]:
+        """One preprocessed item per shape to warm up."""
+
+
+@runtime_checkable
 class BatchPreprocess(Protocol):
     """Optional handler hook: ``preprocess`` for a chunk of payloads in one call (a fast
     tokenizer's batch call), in the decode threads as ``preprocess`` is."""

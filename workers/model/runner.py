@@ -28,7 +28,14 @@ from typing import Any, Literal
 import torch
 
 from workers.decode.cuda_sync import event as cuda_event
-from workers.handlers.base import Collating, DeviceInput, Exportable, Handler, SplitPostprocess
+from workers.handlers.base import (
+    Collating,
+    DeviceInput,
+    Exportable,
+    Handler,
+    SplitPostprocess,
+    WarmUpShapes,
+)
 from workers.model.packages import packaged_forward
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,10 @@ def batch_buckets(
 
 CompileForm = Literal["package", "static", "dynamic"]
 """How the forward is compiled (``ModelRunner``'s ``compile``, ``--compile-form``)."""
+
+WARM_UP_SHAPE_ROWS = 2
+"""Rows of the warm-up batch of each of a ``WarmUpShapes`` handler's shapes: past one, which
+a compiled forward specializes on."""
 
 GRAPH_BUCKET_STEP = 32
 """Rows a CUDA graph bucket may pad a batch by, at most (see ``batch_buckets``)."""
@@ -172,9 +183,10 @@ class ModelRunner:
         elif compile is not None:
             if compile == "package":
                 log.info(
-                    "compiling %s with torch.compile: packages need a handler with "
+                    "compiling %s with torch.compile%s: packages need a handler with "
                     "exportable() and fixed batch sizes",
                     handler.name,
+                    "" if self.buckets else " (dynamic shapes)",
                 )
             self._forward = compile_forward(handler.forward, self.buckets, compile == "dynamic")
         self._collate = handler.collate if isinstance(handler, Collating) else None
@@ -311,6 +323,9 @@ class ModelRunner:
             self._to_package = None
         for size in sorted({self._bucket(size) for size in sizes} | set(self.buckets)):
             self.run([item] * size, [{}] * size)
+        if isinstance(self.handler, WarmUpShapes):
+            for shaped in self.handler.warm_up_items():
+                self.run([shaped] * WARM_UP_SHAPE_ROWS, [{}] * WARM_UP_SHAPE_ROWS)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self._want_graphs and not self._graphs:
@@ -401,7 +416,7 @@ def compile_forward(
     dynamic_batch: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``torch.compile(forward)``: one static graph per bucket size when there are
-    buckets, else torch's default (dynamic shapes after the second size seen).
+    buckets, else one graph with dynamic shapes (a text model's batches).
 
     ``dynamic_batch`` marks the batch dimension of every tensor batch dynamic instead,
     so one graph serves every size. Inductor may still guard it (ResNet-50's kernels
@@ -420,7 +435,9 @@ def compile_forward(
 
         return forward_any_batch
     if not buckets:
-        return torch.compile(forward)
+        # Batches of any size and shape (a text model's rows x padded length): one graph
+        # with symbolic sizes from the first batch on, not a static one first.
+        return torch.compile(forward, dynamic=True)
     # One static graph per bucket (dynamic=False): fixed shapes give the fastest
     # kernels. Dynamo stops recompiling a function after recompile_limit shapes (8 by
     # default) and silently runs it eagerly after that, so make room for every bucket.

@@ -190,9 +190,26 @@ class TextModel:
         """Raise ``ContractError(bad_request)`` for request parameters this model refuses."""
 
     def example_item(self) -> torch.Tensor:
+        return self._example_text()
+
+    def _example_text(self) -> torch.Tensor:
         item = self.preprocess_batch([b"warm up"], [ContentType.TEXT], [{}])[0]
         assert isinstance(item, torch.Tensor)
         return item
+
+    def warm_up_items(self) -> list[torch.Tensor]:
+        """An item of each length bucket past the smallest (``WarmUpShapes``): a compiled
+        forward traces and tunes them at start. Token ids are the padding id's, which
+        every vocabulary holds."""
+        item = self._example_text()
+        items = []
+        for length in self.buckets[1:]:
+            long = torch.zeros((ROWS, length), dtype=torch.int64)
+            long[IDS] = self.pad_id
+            long[:, : item.shape[-1]] = item
+            long[MASK] = 1
+            items.append(long)
+        return items
 
     def preprocess(
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
