@@ -185,6 +185,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="text: bench.text's models, comma-separated (tiny: a smoke run)",
     )
     parser.add_argument(
+        "--text-variants",
+        default="",
+        help="text: more worker flags to serve each model with after its default command, "
+        "';'-separated (e.g. '--no-compile;--processes 4'): a backlog each, no paced load",
+    )
+    parser.add_argument(
         "--lone-models", default=",".join(LONE_MODELS), help="lone: model specs, comma-separated"
     )
     parser.add_argument(

@@ -117,7 +117,7 @@ def test_gpu_text_stage_runs_on_the_cpu(
     backlog of texts through ``conveyor worker --model hf:FOLDER``, half of it paced."""
     argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--quick", "--stages", "text"]
     argv += ["--text-models", "tiny", "--producers", "2", "--out", str(tmp_path)]
-    argv += ["--paced-s", "1", "--paced-warmup-s", "0"]
+    argv += ["--paced-s", "1", "--paced-warmup-s", "0", "--text-variants", "--max-batch-size 8"]
     argv += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     argv += ["--metrics-port", str(free_port())]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=220,
@@ -133,6 +133,9 @@ def test_gpu_text_stage_runs_on_the_cpu(
     assert row["in_process"]["tokens"]["padded_share"] < row["in_process"]["count"]["padded_share"]
     assert row["half_peak"]["p50_ms"] <= row["half_peak"]["p99_ms"]
     assert "--model hf:" in row["command"]
+    variant = row["variants"]["--max-batch-size 8"]  # a backlog of its own, no paced load
+    assert variant["texts_s"] > 0 and "half_peak" not in variant
+    assert variant["command"].endswith("--max-batch-size 8")
 
 
 @pytest.mark.slow
