@@ -37,8 +37,8 @@ from redis.exceptions import MovedError, RedisError
 from common.cluster_keys import per_key
 from common.redis_cluster import ClusterRouter, Node, is_topology_error
 from common.security import redis_options
-from producers.errors import InvalidInput, ServiceUnavailable
-from producers.results import SENT_FIELD, RequestStatus, request_status
+from producers.errors import ServiceUnavailable
+from producers.results import SENT_FIELD, RequestStatus, request_status, xread_entries
 from producers.settings import ClientSettings
 from producers.sharded_channels import ShardedChannels
 from producers.waiting import wait_for_results
@@ -85,8 +85,21 @@ class ClusterResultReader:
     async def read_stream(
         self, key: str, last_id: str, block_ms: int, count: int
     ) -> list[tuple[str, Mapping[str, str]]]:
-        """Generation streams are written to a single Redis, not a cluster."""
-        raise InvalidInput("generation streams need a single Redis: a cluster has none")
+        """The entries of the stream ``key`` after ``last_id``: one ``XREAD`` on the
+        primary of its slot (its key is hash-tagged with the request id), waiting up to
+        ``block_ms`` for the first; a ``MOVED`` is followed."""
+
+        async def attempt() -> Any:
+            (node,) = await self._router.by_node([key])
+            return await self._router.client(node).xread(
+                {key: last_id}, count=count, block=block_ms
+            )
+
+        async def bounded() -> Any:
+            async with asyncio.timeout(self._budget_s * 2 + block_ms / 1000):
+                return await self._router.retrying(attempt, self._budget_s)
+
+        return xread_entries(await self._errors(bounded()))
 
     async def cancel(self, request_id: str, ttl_s: int) -> RequestStatus:
         """Set the request's cancel key (kept ``ttl_s``); where it stood then."""

@@ -132,11 +132,7 @@ class ResultReader:
         answer: Any = await self._bounded(
             self._redis.xread({key: last_id}, count=count, block=block_ms)
         )
-        return [
-            (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
-            for _, entries in answer or []
-            for entry_id, fields in entries
-        ]
+        return xread_entries(answer)
 
     async def status(self, request_id: str) -> RequestStatus:
         """Where the request stands now: one pipelined GET and HGETALL."""
@@ -333,6 +329,15 @@ def request_status(
 def _decode(raw: bytes | str) -> Result:
     # The client never asks redis-py to decode responses, so values are bytes.
     return decode_result(raw if isinstance(raw, bytes) else raw.encode())
+
+
+def xread_entries(answer: Any) -> list[tuple[str, Mapping[str, str]]]:
+    """An ``XREAD`` answer as (entry id, fields) pairs, decoded."""
+    return [
+        (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+        for _, entries in answer or []
+        for entry_id, fields in entries
+    ]
 
 
 def _text(value: bytes | str) -> str:

@@ -361,9 +361,6 @@ async def _open_streams(
     worker stops."""
     from workers.publish.streams import TokenStreams
 
-    if settings.redis_cluster:
-        log.warning("generation streams need a single Redis, not a cluster: none are written")
-        return
     options = runner.handler.streams
     runner.streams = await stack.enter_async_context(
         TokenStreams.open(settings, options.stream_maxlen, options.stream_ttl_s)

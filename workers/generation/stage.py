@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from schemas import ErrorCode, cancel_key
+from schemas import ErrorCode
 from workers.generation.engine import FAILED
 from workers.generation.loading import Generator, prompt_of
 from workers.generation.outputs import LENGTH, STOP, Detokenized, final
@@ -319,11 +319,8 @@ class Generating:
     async def _cancelled(self) -> None:
         assert self._streams is not None
         states = list(self._runs.values())
-        pipe = self._streams.client.pipeline(transaction=False)
-        for state in states:
-            pipe.exists(cancel_key(state.item.meta.id))
         try:
-            found = await pipe.execute()
+            found = await self._streams.cancelled([state.item.meta.id for state in states])
         except Exception as exc:  # fail open, as the admission does: the request runs on
             log.warning("cancellation check of %d running requests failed: %r", len(states), exc)
             return

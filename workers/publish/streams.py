@@ -17,6 +17,12 @@ the answer (first final wins), and is written whether or not the stream could be
 Events are buffered and written by one task, a pipeline per round, in the order
 they were made; when Redis fails a round, its events are dropped and counted,
 never retried into a later order.
+
+On a Redis Cluster (``redis_cluster``) a stream's key is hash-tagged with its request
+id, so its events and its expiry go to one primary: a round is a pipeline per primary
+(``common.redis_cluster.ClusterRouter``), in the order the events were made. A primary
+that answers ``MOVED`` or is lost drops its part of the round, as a failed Redis does;
+the router follows the move, or loads the slot map again, for the next round.
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
 import redis.asyncio as aioredis
+from redis.exceptions import MovedError
 
+from common.cluster_keys import per_key
+from common.redis_cluster import ClusterRouter, is_topology_error
 from common.security import redis_options
-from schemas import stream_key
+from schemas import cancel_key, stream_key
 from workers.config.worker import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -45,20 +54,26 @@ class TokenStreams:
     async def open(
         cls, settings: WorkerSettings, maxlen: int, ttl_s: int
     ) -> AsyncIterator[TokenStreams]:
-        """Streams on the worker's Redis, written until the context ends."""
+        """Streams on the worker's Redis (or Redis Cluster), written until the context ends."""
         url = settings.redis_url.get_secret_value()
         options = {"socket_timeout": 5, "socket_connect_timeout": 5, **redis_options(settings)}
-        client = aioredis.Redis.from_url(url, **options)
-        streams = cls(client, settings.worker_id, maxlen, ttl_s)
+        store: aioredis.Redis | ClusterRouter
+        if settings.redis_cluster:
+            store = ClusterRouter(url, options)
+        else:
+            store = aioredis.Redis.from_url(url, **options)
+        streams = cls(store, settings.worker_id, maxlen, ttl_s)
         try:
             yield streams
         finally:
             await streams.aclose()
-            await client.aclose()
+            await store.aclose()
 
-    def __init__(self, client: aioredis.Redis, worker: str, maxlen: int, ttl_s: int) -> None:
-        self.client = client
-        """Also the generation stage's, to look for cancellations."""
+    def __init__(
+        self, store: aioredis.Redis | ClusterRouter, worker: str, maxlen: int, ttl_s: int
+    ) -> None:
+        """``store``: one Redis, or the router of a Redis Cluster."""
+        self._store = store
         self._worker = worker
         self._maxlen = maxlen
         self._ttl_s = ttl_s
@@ -103,7 +118,26 @@ class TokenStreams:
                     self._wake.clear()
 
     async def _write(self, events: list[Event]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        if isinstance(self._store, aioredis.Redis):
+            await self._write_to(self._store, events)
+            return
+        router = self._store
+        try:
+            plan = await router.by_node(key for key, _ in events)
+        except Exception as exc:  # no slot map: the round is lost, the next one loads it
+            self._lost(len(events), exc)
+            return
+        on = {key: node for node, slots in plan.items() for keys in slots.values() for key in keys}
+        parts = {node: [e for e in events if on[e[0]] == node] for node in plan}
+        await asyncio.gather(
+            *(self._write_to(router.client(n), part, router) for n, part in parts.items())
+        )
+
+    async def _write_to(
+        self, client: aioredis.Redis, events: list[Event], router: ClusterRouter | None = None
+    ) -> None:
+        """One pipeline of ``events`` (their XADDs in order, then each key's EXPIRE)."""
+        pipe = client.pipeline(transaction=False)
         for key, fields in events:
             pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)  # type: ignore[arg-type]  # redis-py types the fields as a narrower mapping
         for key in dict.fromkeys(key for key, _ in events):
@@ -112,8 +146,31 @@ class TokenStreams:
             await pipe.execute()
             self.written += len(events)
         except Exception as exc:  # a preview: the results never wait for it
-            self.dropped += len(events)
-            log.warning("%d stream events dropped: Redis failed (%r)", len(events), exc)
+            if router is not None:
+                if isinstance(exc, MovedError):
+                    router.moved(exc)
+                elif is_topology_error(exc):
+                    router.mark_stale()
+            self._lost(len(events), exc)
+
+    def _lost(self, count: int, exc: BaseException) -> None:
+        self.dropped += count
+        log.warning("%d stream events dropped: Redis failed (%r)", count, exc)
+
+    async def cancelled(self, request_ids: list[str]) -> list[bool]:
+        """Whether each request's cancel key is set (``conveyor:cancel:<id>``): one
+        pipeline, or one per primary on a cluster. Raises what Redis raises."""
+        keys = [cancel_key(request_id) for request_id in request_ids]
+        if isinstance(self._store, aioredis.Redis):
+            pipe = self._store.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(found) for found in await pipe.execute()]
+        answers = await per_key(self._store, keys, lambda pipe, key: pipe.exists(key), 5.0)
+        for answer in answers.values():
+            if isinstance(answer, Exception):
+                raise answer
+        return [bool(answers[key]) for key in keys]
 
     async def aclose(self) -> None:
         self._closing = True
