@@ -5,7 +5,8 @@ are trained here in seconds (``demo.models.fraud``) and served as ``tabular:PATH
 worker per model answers single records, a columnar request and ``.npy`` rows; every
 score equals the model run directly on the same rows. Records that break the schema
 (a misspelt, a missing required, an ill-typed feature) are answered ``bad_feature``
-naming the feature, and the good records beside them still score.
+naming the feature, and the good records beside them still score. A record that asks
+for its top feature contributions gets them from the GBDT; the MLP refuses the ask.
 """
 
 from __future__ import annotations
@@ -105,6 +106,17 @@ async def test_served_scores_equal_the_model_run_directly_and_bad_features_are_n
             npy.getvalue(), request_id=ids[-1], content_type=ContentType.NPY, source="tests"
         )
     )
+    # Its top three feature contributions (the GBDT has them; the MLP refuses the ask).
+    ids.append(f"{model_name}-credit")
+    records.append(
+        encode_request(
+            orjson.dumps({"features": record(data, 0)}),
+            request_id=ids[-1],
+            content_type=ContentType.JSON,
+            params={"contributions": 3},
+            source="tests",
+        )
+    )
     for name, (features, _) in BAD.items():
         ids.append(f"{model_name}-{name}")
         payload = orjson.dumps({"features": features})
@@ -129,6 +141,18 @@ async def test_served_scores_equal_the_model_run_directly_and_bad_features_are_n
     assert np.abs(np.array([o["score"] for o in columns]) - direct).max() <= TOLERANCE
     rows = results[f"{model_name}-npy"].outputs
     assert np.abs(np.array([o["score"] for o in rows]) - direct[:5]).max() <= TOLERANCE
+    credited = results[f"{model_name}-credit"]
+    if path.suffix == ".joblib":
+        assert credited.status is Status.ok, credited
+        assert abs(credited.outputs["score"] - direct[0]) <= TOLERANCE
+        top = credited.outputs["contributions"]["top"]
+        assert len(top) == 3
+        assert [abs(c["value"]) for c in top] == sorted(
+            (abs(c["value"]) for c in top), reverse=True
+        )
+    else:
+        assert credited.error is not None, credited
+        assert credited.error.code == ErrorCode.bad_request
     for name, (_, field) in BAD.items():
         result = results[f"{model_name}-{name}"]
         assert result.status is Status.error, result

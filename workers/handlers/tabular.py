@@ -9,6 +9,11 @@ request. An item travels as a float32 (F,) row for one record, or (R, F) rows fo
 their rows and splits the outputs back per request. A request of R rows is answered with
 R outputs.
 
+A request may ask for its records' top feature contributions (``{"contributions": K}``):
+the K features that moved the raw score most, each with its signed share, and the base
+value they add to (``workers.handlers.contributions``); for gradient-boosted trees only,
+and any other model refuses the parameter ``bad_request``.
+
 The model is any callable from an (N, F) float32 tensor to (N,), (N, 1) or (N, C)
 scores: a TorchScript or ``torch.export`` module, or a scikit-learn-style estimator
 (gradient-boosted trees and the like) run either by its own ``predict_proba`` /
@@ -23,7 +28,7 @@ import importlib.util
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import orjson
@@ -32,6 +37,7 @@ import torch
 from schemas import ContentType, ContractError, ErrorCode
 from schemas.features import FeatureSchema
 from workers.decode.images import read_npy
+from workers.handlers.contributions import TreeContributions, tree_contributions
 from workers.handlers.features import FeatureCheck, load_schema
 from workers.handlers.weights import ModelLoadError, require_file, sha256
 
@@ -50,19 +56,39 @@ _ESTIMATOR_SUFFIXES = (".joblib", ".pkl", ".pickle")
 _OPTIONS = ("schema", "backend")
 
 Scorer = Callable[[torch.Tensor], torch.Tensor]
+CONTRIBUTIONS = "contributions"
+"""The request parameter: how many of a record's top feature contributions to answer."""
+
+
+class Scored(NamedTuple):
+    """One request's output rows of scores and the feature rows they scored."""
+
+    scores: torch.Tensor
+    rows: torch.Tensor
 
 
 class TabularModel:
     """A model over feature rows, served as a handler (see the module doc)."""
 
-    def __init__(self, scorer: Scorer, schema: FeatureSchema, *, name: str, version: str) -> None:
-        """``scorer`` maps (N, F) float32 rows to (N,), (N, 1) or (N, C) float scores."""
+    def __init__(
+        self,
+        scorer: Scorer,
+        schema: FeatureSchema,
+        *,
+        name: str,
+        version: str,
+        contributions: TreeContributions | None = None,
+    ) -> None:
+        """``scorer`` maps (N, F) float32 rows to (N,), (N, 1) or (N, C) float scores;
+        ``contributions``, where the model has them, the raw score's by feature."""
         self.name = name
         self.version = version
         self.schema = schema
         self.check = FeatureCheck(schema)
         self._scorer = scorer
+        self._contributions = contributions
         self._labels: tuple[str, ...] | None = schema.classes
+        self._names = [feature.name for feature in schema.features]
 
     def example_item(self) -> torch.Tensor:
         # The defaults, zero where a feature is required: only ever seen by warm-up.
@@ -71,6 +97,7 @@ class TabularModel:
     def preprocess(
         self, payload: bytes, content_type: ContentType, params: Mapping[str, Any]
     ) -> torch.Tensor:
+        self._top(params)
         if content_type == ContentType.JSON:
             return torch.from_numpy(self._json(payload))
         if content_type == ContentType.NPY:
@@ -104,25 +131,64 @@ class TabularModel:
         # A list, so that the runner neither stacks nor pads: items have their own row counts.
         return list(items)
 
-    def forward(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _top(self, params: Mapping[str, Any]) -> int:
+        """The ``contributions`` a request asks for (0: none); ``bad_request`` if it
+        cannot have them."""
+        top = params.get(CONTRIBUTIONS)
+        if top is None:
+            return 0
+        width = self.check.width
+        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= width:
+            raise ContractError(
+                ErrorCode.bad_request,
+                f"params.{CONTRIBUTIONS}",
+                f"how many top feature contributions to answer: an integer from 1 to {width}",
+                seen=repr(top)[:40],
+            )
+        if self._contributions is None:
+            raise ContractError(
+                ErrorCode.bad_request,
+                f"params.{CONTRIBUTIONS}",
+                "this model gives no feature contributions: they are built for "
+                "scikit-learn's gradient-boosted trees (a classifier of two classes or a "
+                "regressor)",
+            )
+        return top
+
+    def forward(self, batch: list[torch.Tensor]) -> list[Scored]:
         rows = [item.view(-1, self.check.width) for item in batch]
         scores = self._scorer(rows[0] if len(rows) == 1 else torch.cat(rows))
         scores = scores.float().reshape(len(scores), -1)
         parts = torch.split(scores, [len(r) for r in rows]) if len(rows) > 1 else (scores,)
         # A (F,) item, one record, is answered with one output (a row of scores).
-        return [p[0] if item.ndim == 1 else p for p, item in zip(parts, batch, strict=True)]
+        return [
+            Scored(p[0], item) if item.ndim == 1 else Scored(p, item)
+            for p, item in zip(parts, batch, strict=True)
+        ]
 
-    def postprocess(
-        self, outputs: list[torch.Tensor], params: Sequence[Mapping[str, Any]]
-    ) -> list[Any]:
+    def postprocess(self, outputs: list[Scored], params: Sequence[Mapping[str, Any]]) -> list[Any]:
         results: list[Any] = []
-        for scores in outputs:
+        for (scores, rows), p in zip(outputs, params, strict=True):
             values = scores.tolist()
-            if scores.ndim == 1:
-                results.append(self._output(values))
-            else:
-                results.append([self._output(row) for row in values])
+            one = scores.ndim == 1
+            answers = [self._output(values)] if one else [self._output(row) for row in values]
+            top = self._top(p)
+            if top:
+                assert self._contributions is not None  # _top refuses it otherwise
+                table = rows.reshape(-1, self.check.width).numpy()
+                for answer, credit in zip(answers, self._contributions(table), strict=True):
+                    answer["contributions"] = self._credited(credit, top)
+            results.append(answers[0] if one else answers)
         return results
+
+    def _credited(self, credit: np.ndarray[Any, Any], top: int) -> dict[str, Any]:
+        """A record's ``top`` features by the size of their contribution, signed."""
+        assert self._contributions is not None
+        order = np.argsort(-np.abs(credit), kind="stable")[:top]
+        return {
+            "base_value": self._contributions.base_value,
+            "top": [{"feature": self._names[i], "value": float(credit[i])} for i in order],
+        }
 
     def _output(self, row: list[float]) -> dict[str, Any]:
         """One row's scores: a score alone; with two or more classes, the probabilities
@@ -166,13 +232,14 @@ def load_tabular(
             f"{spec}: the feature schema {schema_path} is not valid: {exc}"
         ) from exc
     backend = str(options.get("backend", "auto"))
-    scorer = _scorer(spec, path, device, allow_pickle, backend)
+    scorer, estimator = _scorer(spec, path, device, allow_pickle, backend)
     model = TabularModel(
         scorer,
         schema,
         name=path.stem,
         version=f"{path.name}:sha256-{sha256(path)[:12]}+{schema.name}:sha256-"
         f"{sha256(schema_path)[:8]}",
+        contributions=tree_contributions(estimator) if estimator is not None else None,
     )
     _probe(spec, model)
     return model
@@ -193,12 +260,13 @@ def _schema_path(spec: str, path: Path, named: object) -> Path:
 
 def _scorer(
     spec: str, path: Path, device: torch.device, allow_pickle: bool, backend: str
-) -> Scorer:
+) -> tuple[Scorer, object | None]:
+    """The scorer, and the estimator behind it (None for a torch model)."""
     suffix = path.suffix.lower()
     if suffix in _TORCH_SUFFIXES + _EXPORT_SUFFIXES:
         if backend not in ("auto", "torch"):
             raise ModelLoadError(f"{spec}: backend {backend!r} is for estimators; leave it unset")
-        return _torch_scorer(spec, path, device, allow_pickle)
+        return _torch_scorer(spec, path, device, allow_pickle), None
     if suffix in _ESTIMATOR_SUFFIXES:
         if backend not in BACKENDS:
             raise ModelLoadError(f"{spec}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -251,7 +319,9 @@ def _torch_scorer(spec: str, path: Path, device: torch.device, allow_pickle: boo
     return score
 
 
-def _estimator_scorer(spec: str, path: Path, device: torch.device, backend: str) -> Scorer:
+def _estimator_scorer(
+    spec: str, path: Path, device: torch.device, backend: str
+) -> tuple[Scorer, object]:
     import joblib
 
     try:
@@ -259,7 +329,7 @@ def _estimator_scorer(spec: str, path: Path, device: torch.device, backend: str)
     except Exception as exc:
         raise ModelLoadError(f"{spec}: not a pickled estimator (joblib.dump): {exc}") from exc
     if backend == "hummingbird":
-        return _hummingbird(spec, estimator, device)
+        return _hummingbird(spec, estimator, device), estimator
     predict = getattr(estimator, "predict_proba", None) or getattr(estimator, "predict", None)
     if predict is None:
         raise ModelLoadError(f"{spec}: the estimator has neither predict_proba nor predict")
@@ -267,7 +337,7 @@ def _estimator_scorer(spec: str, path: Path, device: torch.device, backend: str)
     def score(rows: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(predict(rows.numpy()), dtype=np.float32))
 
-    return score
+    return score, estimator
 
 
 def _hummingbird(spec: str, estimator: object, device: torch.device) -> Scorer:
@@ -306,8 +376,9 @@ def _probe(spec: str, model: TabularModel) -> None:
             raise ModelLoadError(
                 f"{spec}: the model failed on a ({size}, {model.check.width}) float batch: {exc}"
             ) from exc
-        columns = outputs[0].shape[-1] if outputs[0].ndim == 2 else 1
-        if outputs[0].shape[0] != size:
+        scores = outputs[0].scores
+        columns = scores.shape[-1] if scores.ndim == 2 else 1
+        if scores.shape[0] != size:
             raise ModelLoadError(f"{spec}: the model must give one output row per input row")
         classes = model.schema.classes
         if classes is not None and columns != len(classes) and columns > 1:
