@@ -99,6 +99,20 @@ def _fleet(cfg: Config, model: str, args: argparse.Namespace) -> Fleet:
     return Fleet(config, args.out / "workers" / model)
 
 
+def max_delay_ms_of(argv: Sequence[str]) -> float:
+    """The ``max_delay_ms`` a ``conveyor worker`` command runs with: its flags (and the
+    ``CONVEYOR_*`` variables) through the worker's own parser and settings, then its
+    profile's value for what they leave unset, as the worker resolves them."""
+    from workers.cli import add_arguments, settings_from_args
+    from workers.config.profiles import tuned
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser, expert=True)
+    args, _ = parser.parse_known_args(list(argv))
+    settings = tuned(settings_from_args(args), cuda=False, fixed_size_images=False)
+    return float(settings.max_delay_ms)
+
+
 def _start_host(
     fleet: Fleet, cfg: Config, args: argparse.Namespace, per_card: int | None, gpus: int
 ) -> WorkerProcess:

@@ -31,7 +31,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import shlex
 import statistics
 import time
 import uuid
@@ -42,7 +41,7 @@ from bench.gpu.config import Config
 from bench.gpu.cores import _pin_services, _producer_cores
 from bench.gpu.corpus import Corpus
 from bench.gpu.e2e import Load, timed_backlog
-from bench.gpu.host import _fleet, _start_host, expected_processes
+from bench.gpu.host import _fleet, _start_host, expected_processes, max_delay_ms_of
 from bench.gpu.zoo import with_worker_options
 from bench.stats import LATENCY_PARTS, durable_ms, latency_parts, percentile
 from producers import AsyncClient
@@ -50,8 +49,6 @@ from producers.admin import create_model_topics, delete_model_topics
 from producers.settings import ClientSettings
 from producers.testing import WORKER_COMMAND, WorkerProcess, until_all_ready
 from schemas import Result, Status
-from workers.config.profiles import PROFILES
-from workers.config.worker import WorkerSettings
 
 LONE_MODELS = ("torchvision:resnet50", "timm:vit_base_patch16_224")
 VARIANTS = {
@@ -126,7 +123,7 @@ async def _row(cfg: Config, corpus: Corpus, args: argparse.Namespace, flags: str
             "command": " ".join(host.config.argv()[len(WORKER_COMMAND) :]),
             "processes": len(host.children()) or 1,
             "requests": count,
-        } | lone_summary(trips, _max_delay_ms(options))
+        } | lone_summary(trips, max_delay_ms_of(host.config.argv()))
         load = Load(model, run, partitions, host, None, 1)
         backlog = await timed_backlog(args, load, corpus, f"{run}-b", cfg.e2e_count)
         return row | {
@@ -219,17 +216,6 @@ def lone_summary(trips: Sequence[Trip], max_delay_ms: float) -> dict[str, Any]:
         "p50_met": row["round_trip_p50_ms"] <= bound,
         "p99_within_20ms": row["round_trip_p99_ms"] <= P99_GOAL_MS,
     }
-
-
-def _max_delay_ms(args: argparse.Namespace) -> float:
-    """The command's ``max_delay_ms``: a ``--max-delay-ms`` of ``--worker-options``, else its
-    profile's (``--profile``, there or the bench's), else the declared default."""
-    words = shlex.split(args.worker_options)
-    if "--max-delay-ms" in words:
-        return float(words[words.index("--max-delay-ms") + 1])
-    profile = words[words.index("--profile") + 1] if "--profile" in words else args.profile
-    default: float = WorkerSettings.model_fields["max_delay_ms"].default
-    return float(PROFILES[profile].get("max_delay_ms", default))
 
 
 def _line(row: dict[str, Any]) -> str:

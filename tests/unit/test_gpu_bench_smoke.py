@@ -326,16 +326,17 @@ def test_zoo_builds_an_rtdetr_folder_and_times_its_forward_at_its_batch(tmp_path
     assert row["forward_ceiling_img_s"] > 0
 
 
-def test_the_lone_bound_takes_the_max_delay_the_command_runs_with() -> None:
-    """Goal 3b's bound counts the host's own max_delay: a --max-delay-ms of
-    --worker-options, else its profile's, else the declared default."""
-    from bench.gpu import parse_args
-    from bench.gpu.lone import VARIANTS, _max_delay_ms
-    from bench.gpu.zoo import with_worker_options
+def test_a_latency_bound_takes_the_max_delay_the_command_runs_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Goal 3b's bound and the paced load's count the host's own max_delay, resolved from
+    its command as the worker resolves it: a flag, else a variable, else its profile's."""
+    from bench.gpu.host import max_delay_ms_of
 
-    plain = parse_args(["--device", "cpu"])
-    delays = {name: _max_delay_ms(with_worker_options(plain, f)) for name, f in VARIANTS.items()}
-    assert delays == {"defaults": 5.0, "latency": 2.0, "no_idle_rule": 5.0}
-    given = parse_args(["--device", "cpu", "--worker-options=--max-delay-ms 1"])
-    assert _max_delay_ms(with_worker_options(given, VARIANTS["latency"])) == 1.0
-    assert _max_delay_ms(parse_args(["--device", "cpu", "--profile", "latency"])) == 2.0
+    command = ["worker", "--model", "digits", "--kafka-bootstrap", "127.0.0.1:9092"]
+    monkeypatch.delenv("CONVEYOR_MAX_DELAY_MS", raising=False)
+    assert max_delay_ms_of(command) == 5.0
+    assert max_delay_ms_of([*command, "--profile", "latency"]) == 2.0
+    assert max_delay_ms_of([*command, "--profile", "latency", "--max-delay-ms", "1"]) == 1.0
+    monkeypatch.setenv("CONVEYOR_MAX_DELAY_MS", "7.5")
+    assert max_delay_ms_of(command) == 7.5
