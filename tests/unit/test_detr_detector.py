@@ -196,8 +196,18 @@ def test_params_classes_and_max_detections(folder: tuple[Path, Any]) -> None:
     items = [handler.preprocess(png, ContentType.PNG, p) for p in params]
     chosen, capped = ModelRunner(handler, "cpu").run(items, params)
     kept = [d for d in unfiltered["detections"] if d["label"] == label]
-    assert chosen["detections"] == kept
-    assert capped["detections"] == unfiltered["detections"][:3]
+    # A batch of two computes in other kernel blocks than a batch of one: the same
+    # detections, their floats within rounding (6e-8 apart in one run of the suite).
+    _same(chosen["detections"], kept)
+    _same(capped["detections"], unfiltered["detections"][:3])
+
+
+def _same(found: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """The same detections in the same order; scores within 1e-5, corners 1e-3 pixels."""
+    assert [(d["label"], d["index"]) for d in found] == [(d["label"], d["index"]) for d in expected]
+    for got, want in zip(found, expected, strict=True):
+        assert got["score"] == pytest.approx(want["score"], abs=1e-5)
+        assert got["box"] == pytest.approx(want["box"], abs=1e-3)  # pixels
 
 
 @pytest.mark.parametrize(
