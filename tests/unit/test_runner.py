@@ -112,7 +112,12 @@ def test_warm_up_runs_each_batch_size_once() -> None:
     assert handler.batch_sizes == [1, 2, 4, 8]
 
 
-def test_warm_up_runs_a_batch_of_each_shape_a_handler_names() -> None:
+def test_a_compiled_warm_up_runs_a_batch_of_each_shape_a_handler_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shapes are traced at start when the forward is compiled (here a stand-in for
+    torch.compile that calls the forward as it is); an eager forward skips them."""
+
     class Shaped(Echo):
         def __init__(self) -> None:
             super().__init__()
@@ -125,9 +130,17 @@ def test_warm_up_runs_a_batch_of_each_shape_a_handler_names() -> None:
             self.shapes.append(tuple(batch.shape))
             return super().forward(batch)
 
-    handler = Shaped()
-    ModelRunner(handler, "cpu").warm_up([1, 4])
-    assert handler.shapes == [(1, 3), (4, 3), (WARM_UP_SHAPE_ROWS, 5), (WARM_UP_SHAPE_ROWS, 9)]
+    eager = Shaped()
+    ModelRunner(eager, "cpu").warm_up([1, 4])
+    assert eager.shapes == [(1, 3), (4, 3)]
+
+    def stand_in(forward: Any, *_: object) -> Any:
+        return lambda batch: forward(batch)
+
+    monkeypatch.setattr("workers.model.runner.compile_forward", stand_in)
+    compiled = Shaped()
+    ModelRunner(compiled, "cpu", compile="static").warm_up([1, 4])
+    assert compiled.shapes == [(1, 3), (4, 3), (WARM_UP_SHAPE_ROWS, 5), (WARM_UP_SHAPE_ROWS, 9)]
 
 
 def test_warm_up_refuses_an_empty_batch() -> None:

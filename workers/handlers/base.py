@@ -107,8 +107,8 @@ class Costed(Protocol):
 class WarmUpShapes(Protocol):
     """Optional handler hook: items of the other shapes a batch may take, beyond
     ``example_item``'s (a text model: one per length bucket). ``ModelRunner.warm_up``
-    runs a batch of each, so that a compiled forward meets them at start, not with the
-    first request of that length."""
+    runs a batch of each when the forward is compiled, so that it traces them at start,
+    not with the first request of that length."""
 
     def warm_up_items(self) -> list[torch.Tensor]:
         """One preprocessed item per shape to warm up."""

@@ -176,6 +176,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.buckets: tuple[int, ...] = tuple(sorted(set(buckets)))
         self._forward: Callable[[Any], Any] = handler.forward
+        self._compiled = compile is not None  # by torch.compile or into packages
         exportable = handler.exportable() if isinstance(handler, Exportable) else None
         self._to_package: tuple[torch.nn.Module, Path] | None = None
         if compile == "package" and packages is not None and exportable is not None and buckets:
@@ -323,7 +324,8 @@ class ModelRunner:
             self._to_package = None
         for size in sorted({self._bucket(size) for size in sizes} | set(self.buckets)):
             self.run([item] * size, [{}] * size)
-        if isinstance(self.handler, WarmUpShapes):
+        # Only a compiled forward traces a new shape; an eager one meets it as cheaply later.
+        if isinstance(self.handler, WarmUpShapes) and self._compiled:
             for shaped in self.handler.warm_up_items():
                 self.run([shaped] * WARM_UP_SHAPE_ROWS, [{}] * WARM_UP_SHAPE_ROWS)
         if self.device.type == "cuda":

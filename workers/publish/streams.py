@@ -44,6 +44,8 @@ from workers.config.worker import WorkerSettings
 log = logging.getLogger(__name__)
 
 Event = tuple[str, dict[str, str]]  # stream key, fields
+TIMEOUT_S = 5.0
+"""How long a write or a cancellation check may take Redis (or a cluster, retries included)."""
 
 
 class TokenStreams:
@@ -56,7 +58,11 @@ class TokenStreams:
     ) -> AsyncIterator[TokenStreams]:
         """Streams on the worker's Redis (or Redis Cluster), written until the context ends."""
         url = settings.redis_url.get_secret_value()
-        options = {"socket_timeout": 5, "socket_connect_timeout": 5, **redis_options(settings)}
+        options = {
+            "socket_timeout": TIMEOUT_S,
+            "socket_connect_timeout": TIMEOUT_S,
+            **redis_options(settings),
+        }
         store: aioredis.Redis | ClusterRouter
         if settings.redis_cluster:
             store = ClusterRouter(url, options)
@@ -166,7 +172,7 @@ class TokenStreams:
             for key in keys:
                 pipe.exists(key)
             return [bool(found) for found in await pipe.execute()]
-        answers = await per_key(self._store, keys, lambda pipe, key: pipe.exists(key), 5.0)
+        answers = await per_key(self._store, keys, lambda pipe, key: pipe.exists(key), TIMEOUT_S)
         for answer in answers.values():
             if isinstance(answer, Exception):
                 raise answer
